@@ -1,0 +1,1 @@
+//! Criterion micro-benchmarks of the attn engines live in `benches/`.

@@ -1,0 +1,113 @@
+//! The one error type of the workspace.
+
+use thiserror::Error;
+
+/// Everything an attention call can reject.
+///
+/// Shape errors name the operand and both shapes, so a message alone tells what to fix:
+///
+/// ```
+/// use attn_core::Error;
+/// let e = Error::DimensionMismatch {
+///     operand: "K",
+///     axis: "columns",
+///     found: 63,
+///     other: "Q",
+///     expected: 64,
+///     rule: "d_k must match",
+/// };
+/// assert_eq!(e.to_string(), "K has 63 columns but Q has 64 (d_k must match)");
+/// ```
+#[derive(Debug, Clone, PartialEq, Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Two operands disagree on a dimension they must share.
+    #[error("{operand} has {found} {axis} but {other} has {expected} ({rule})")]
+    DimensionMismatch {
+        /// The operand whose dimension is wrong.
+        operand: &'static str,
+        /// Which dimension (`"rows"`, `"columns"`, `"batch entries"`, …).
+        axis: &'static str,
+        /// Its size in the offending operand.
+        found: usize,
+        /// The operand it is compared with.
+        other: &'static str,
+        /// The size the other operand has.
+        expected: usize,
+        /// The rule of the contract that ties the two together.
+        rule: &'static str,
+    },
+    /// A matrix operand (mask, output, weight) has the wrong shape.
+    #[error(
+        "{operand} has shape {found_rows}×{found_cols} but must be {expected_rows}×{expected_cols} ({rule})"
+    )]
+    ShapeMismatch {
+        /// The operand whose shape is wrong.
+        operand: &'static str,
+        /// Its rows.
+        found_rows: usize,
+        /// Its columns.
+        found_cols: usize,
+        /// The rows it must have.
+        expected_rows: usize,
+        /// The columns it must have.
+        expected_cols: usize,
+        /// What the expected shape is made of.
+        rule: &'static str,
+    },
+    /// `d_k = 0`: a score needs at least one feature.
+    #[error("Q and K have 0 columns (d_k must be at least 1)")]
+    EmptyKeyWidth,
+    /// The softmax scale is not a finite positive number.
+    #[error("scale {0} is invalid (it must be finite and positive)")]
+    InvalidScale(f32),
+    /// Grouped-query attention needs `h_q` to be a multiple of `h_kv`.
+    #[error("Q has {h_q} heads but K/V have {h_kv} ({h_q} is not a positive multiple of {h_kv})")]
+    HeadGrouping {
+        /// Query heads.
+        h_q: usize,
+        /// Key/value heads.
+        h_kv: usize,
+    },
+    /// A key-padding length is longer than the keys.
+    #[error("key padding length {len} (batch entry {batch}) exceeds n_k = {n_k}")]
+    KeyLength {
+        /// The offending valid length.
+        len: usize,
+        /// The batch entry it belongs to.
+        batch: usize,
+        /// The number of keys.
+        n_k: usize,
+    },
+    /// A 4-D tensor view does not fit its buffer, or a writable one overlaps itself.
+    #[error("{operand}: {reason}")]
+    Layout {
+        /// The tensor.
+        operand: &'static str,
+        /// What is wrong with its dims, strides or buffer.
+        reason: String,
+    },
+    /// An index (batch entry, head, position) is outside the object it addresses.
+    #[error("{what} index {index} is out of range (there are {len})")]
+    OutOfRange {
+        /// What is indexed.
+        what: &'static str,
+        /// The index asked for.
+        index: usize,
+        /// How many there are.
+        len: usize,
+    },
+    /// Appending would exceed a fixed capacity.
+    #[error("{what}: {requested} exceeds the capacity of {capacity}")]
+    Capacity {
+        /// What is full.
+        what: &'static str,
+        /// What the operation would need.
+        requested: usize,
+        /// What is available.
+        capacity: usize,
+    },
+}
+
+/// `Result` with the workspace [`Error`].
+pub type Result<T, E = Error> = core::result::Result<T, E>;

@@ -1,0 +1,31 @@
+//! The attention contract shared by every `attn` engine: shapes, masks, options, errors.
+//!
+//! An engine computes, per head, `O = softmax(scale · Q Kᵀ + M) V` with the softmax along
+//! the key axis; this crate says what the inputs mean and which inputs are rejected, so
+//! that the reference and the optimized engine agree on everything but speed.
+//!
+//! ```
+//! use attn_core::{validate_head, Causal, Options};
+//! use faer::Mat;
+//! let q = Mat::<f32>::zeros(3, 8);
+//! let k = Mat::<f32>::zeros(5, 8);
+//! let v = Mat::<f32>::zeros(5, 4);
+//! let opts = Options::default().with_causal(Causal::BottomRight);
+//! let shape = validate_head(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+//! assert_eq!((shape.n_q, shape.n_k, shape.d_k, shape.d_v), (3, 5, 8, 4));
+//! ```
+#![forbid(unsafe_code)]
+
+mod error;
+mod mask;
+mod multi_head;
+mod options;
+mod shape;
+mod tensor;
+
+pub use error::{Error, Result};
+pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
+pub use multi_head::MultiHeadWeights;
+pub use options::{Options, check_shape};
+pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};
+pub use tensor::{Layout, Tensor4, Tensor4Mut, Tensor4Ref};

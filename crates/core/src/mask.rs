@@ -1,0 +1,260 @@
+//! Which keys each query may see: the mask kinds of the contract and their combination.
+//!
+//! Structural constraints (causal, sliding window, key padding) always leave each query a
+//! contiguous range of visible keys whose ends never decrease from one query to the next.
+//! Engines use that to skip whole tiles and to mask only the tiles that straddle a
+//! boundary. Element-wise masks (boolean and additive) are applied on top, entry by entry.
+
+use core::ops::Range;
+
+use faer::MatRef;
+
+/// Alignment of the causal diagonal when `n_q ≠ n_k`. The contract never guesses it.
+///
+/// ```
+/// use attn_core::Causal;
+/// // 2 new queries against 5 cached keys: bottom-right lets the last query see every key.
+/// assert_eq!(Causal::TopLeft.offset(2, 5), 0);
+/// assert_eq!(Causal::BottomRight.offset(2, 5), 3);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Causal {
+    /// Key `j` visible to query `i` when `j ≤ i` (PyTorch `is_causal`).
+    TopLeft,
+    /// Key `j` visible to query `i` when `j ≤ i + (n_k − n_q)` (FlashAttention ≥ 2.1,
+    /// decoding with a cache: the last query is aligned with the last key).
+    BottomRight,
+}
+
+impl Causal {
+    /// The diagonal offset: query `i` is aligned with key `i + offset`.
+    pub fn offset(self, n_q: usize, n_k: usize) -> i64 {
+        match self {
+            Causal::TopLeft => 0,
+            Causal::BottomRight => n_k as i64 - n_q as i64,
+        }
+    }
+}
+
+/// A sliding window around the aligned diagonal `c = i + offset`: key `j` is visible when
+/// `c − left ≤ j ≤ c + right`. `None` leaves that side unbounded.
+///
+/// ```
+/// use attn_core::{Causal, SlidingWindow};
+/// // Each query sees itself and the two keys before it (Mistral-style local attention).
+/// let w = SlidingWindow::new(Some(2), Some(0), Causal::BottomRight);
+/// assert_eq!(w.left, Some(2));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlidingWindow {
+    /// Keys visible before the diagonal.
+    pub left: Option<usize>,
+    /// Keys visible after the diagonal.
+    pub right: Option<usize>,
+    /// How the diagonal is aligned when `n_q ≠ n_k`.
+    pub align: Causal,
+}
+
+impl SlidingWindow {
+    /// A window of `left` keys before and `right` keys after the aligned diagonal.
+    pub fn new(left: Option<usize>, right: Option<usize>, align: Causal) -> Self {
+        Self { left, right, align }
+    }
+}
+
+/// An explicit boolean mask of shape `[n_q, n_k]`, with its polarity in its name.
+///
+/// ```
+/// use attn_core::BoolMask;
+/// use faer::mat;
+/// let m = mat![[true, false]];
+/// // PyTorch SDPA convention: true = may attend.
+/// assert!(BoolMask::allow(m.as_ref()).allows(0, 0));
+/// // nn.MultiheadAttention / burn convention: true = masked out.
+/// assert!(!BoolMask::block(m.as_ref()).allows(0, 0));
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub enum BoolMask<'a> {
+    /// `true` means the query may attend the key.
+    Allow(MatRef<'a, bool>),
+    /// `true` means the key is masked out.
+    Block(MatRef<'a, bool>),
+}
+
+impl<'a> BoolMask<'a> {
+    /// A mask where `true` means "may attend" (PyTorch SDPA's `attn_mask`).
+    pub fn allow(mask: MatRef<'a, bool>) -> Self {
+        BoolMask::Allow(mask)
+    }
+
+    /// A mask where `true` means "masked out" (`key_padding_mask` of
+    /// `nn.MultiheadAttention`, burn).
+    pub fn block(mask: MatRef<'a, bool>) -> Self {
+        BoolMask::Block(mask)
+    }
+
+    /// The underlying matrix, whatever its polarity.
+    pub fn matrix(&self) -> MatRef<'a, bool> {
+        match *self {
+            BoolMask::Allow(m) | BoolMask::Block(m) => m,
+        }
+    }
+
+    /// Whether query `i` may attend key `j` according to this mask alone.
+    pub fn allows(&self, i: usize, j: usize) -> bool {
+        match *self {
+            BoolMask::Allow(m) => m[(i, j)],
+            BoolMask::Block(m) => !m[(i, j)],
+        }
+    }
+}
+
+/// Key padding: only the first `len` keys are real.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyPadding<'a> {
+    /// One valid length for every batch entry.
+    Uniform(usize),
+    /// One valid length per batch entry (ragged batches).
+    PerBatch(&'a [usize]),
+}
+
+/// How a rectangular tile of scores relates to the structural constraints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileCoverage {
+    /// No entry is visible: the tile can be skipped.
+    Hidden,
+    /// Every entry is visible: no structural masking needed.
+    Full,
+    /// Some entries are visible: mask entry by entry.
+    Partial,
+}
+
+/// The constraints of one head, resolved against its `n_q × n_k` shape.
+///
+/// ```
+/// use attn_core::{Causal, HeadMask, Options};
+/// let opts = Options::default().with_causal(Causal::BottomRight);
+/// let mask = HeadMask::new(&opts, 2, 4, None);
+/// assert_eq!(mask.key_range(0), 0..3);
+/// assert_eq!(mask.key_range(1), 0..4);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct HeadMask<'a> {
+    n_q: usize,
+    n_k: usize,
+    causal_offset: Option<i64>,
+    window: Option<(i64, Option<usize>, Option<usize>)>,
+    key_len: usize,
+    boolean: Option<BoolMask<'a>>,
+    additive: Option<MatRef<'a, f32>>,
+}
+
+impl<'a> HeadMask<'a> {
+    /// Resolves `options` for a head with `n_q` queries and `n_k` keys; `key_len` is the
+    /// valid key length of this head's batch entry, if any (already validated ≤ `n_k`).
+    pub fn new(
+        options: &super::Options<'a>,
+        n_q: usize,
+        n_k: usize,
+        key_len: Option<usize>,
+    ) -> Self {
+        Self {
+            n_q,
+            n_k,
+            causal_offset: options.causal.map(|c| c.offset(n_q, n_k)),
+            window: options
+                .window
+                .map(|w| (w.align.offset(n_q, n_k), w.left, w.right)),
+            key_len: key_len.unwrap_or(n_k).min(n_k),
+            boolean: options.bool_mask,
+            additive: options.additive_mask,
+        }
+    }
+
+    /// Number of queries.
+    pub fn n_q(&self) -> usize {
+        self.n_q
+    }
+
+    /// Number of keys.
+    pub fn n_k(&self) -> usize {
+        self.n_k
+    }
+
+    /// The keys that the structural constraints (causal, window, padding) leave visible to
+    /// query `i`. Both ends are non-decreasing in `i`. Empty when nothing is visible.
+    pub fn key_range(&self, i: usize) -> Range<usize> {
+        let i = i as i64;
+        let mut lo: i64 = 0;
+        let mut hi: i64 = self.key_len as i64;
+        if let Some(off) = self.causal_offset {
+            hi = hi.min(i + off + 1);
+        }
+        if let Some((off, left, right)) = self.window {
+            let c = i + off;
+            if let Some(l) = left {
+                lo = lo.max(c - l as i64);
+            }
+            if let Some(r) = right {
+                hi = hi.min(c + r as i64 + 1);
+            }
+        }
+        let hi = hi.max(0) as usize;
+        let lo = (lo.max(0) as usize).min(hi);
+        lo..hi
+    }
+
+    /// Whether any element-wise mask (boolean or additive) is present.
+    pub fn has_elementwise(&self) -> bool {
+        self.boolean.is_some() || self.additive.is_some()
+    }
+
+    /// The boolean mask, if any.
+    pub fn boolean(&self) -> Option<BoolMask<'a>> {
+        self.boolean
+    }
+
+    /// The additive mask, if any.
+    pub fn additive(&self) -> Option<MatRef<'a, f32>> {
+        self.additive
+    }
+
+    /// Whether query `i` may attend key `j` under every structural and boolean constraint.
+    /// The additive mask is not consulted: a `-inf` entry hides the key through the sum.
+    pub fn allows(&self, i: usize, j: usize) -> bool {
+        self.key_range(i).contains(&j) && self.boolean.is_none_or(|b| b.allows(i, j))
+    }
+
+    /// The additive mask entry for `(i, j)`, `0` without an additive mask.
+    pub fn bias(&self, i: usize, j: usize) -> f32 {
+        self.additive.map_or(0.0, |m| m[(i, j)])
+    }
+
+    /// How the tile `rows × cols` relates to the structural constraints. Element-wise
+    /// masks are not considered (see [`HeadMask::has_elementwise`]).
+    pub fn tile_coverage(&self, rows: Range<usize>, cols: Range<usize>) -> TileCoverage {
+        if rows.is_empty() || cols.is_empty() {
+            return TileCoverage::Hidden;
+        }
+        // Both ends of key_range are monotone in the row, so the first and last rows bound
+        // every row of the tile.
+        let first = self.key_range(rows.start);
+        let last = self.key_range(rows.end - 1);
+        let any_row_sees = rows.clone().any(|i| {
+            let r = self.key_range(i);
+            r.start < cols.end && cols.start < r.end
+        });
+        if !any_row_sees {
+            return TileCoverage::Hidden;
+        }
+        let all_cover = first.start <= cols.start
+            && cols.end <= first.end
+            && last.start <= cols.start
+            && cols.end <= last.end;
+        if all_cover {
+            TileCoverage::Full
+        } else {
+            TileCoverage::Partial
+        }
+    }
+}

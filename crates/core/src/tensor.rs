@@ -1,0 +1,303 @@
+//! Strided 4-D views over `[batch, heads, seq, dim]` data.
+//!
+//! The feature axis must be contiguous; batch, head and sequence strides are free, so
+//! PyTorch's `[B,H,S,D]` and FlashAttention's `[B,S,H,D]` layouts (and slices of a packed
+//! QKV buffer) are viewed without a copy. Each (batch, head) is a faer matrix view with a
+//! row stride.
+
+use faer::{MatMut, MatRef};
+
+use crate::{Error, Result};
+
+/// The memory order of a contiguous 4-D buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// `[batch, heads, seq, dim]`, PyTorch's default for attention.
+    Bhsd,
+    /// `[batch, seq, heads, dim]`, FlashAttention's and most checkpoints' layout.
+    Bshd,
+}
+
+impl Layout {
+    /// Element strides of (batch, head, seq) for logical dims `[b, h, s, d]`.
+    pub fn strides(self, [_, h, s, d]: [usize; 4]) -> [usize; 3] {
+        match self {
+            Layout::Bhsd => [h * s * d, s * d, d],
+            Layout::Bshd => [s * h * d, d, h * d],
+        }
+    }
+}
+
+fn required_len(dims: [usize; 4], strides: [usize; 3]) -> Option<usize> {
+    if dims.contains(&0) {
+        return Some(0);
+    }
+    let mut last = dims[3] - 1;
+    for axis in 0..3 {
+        last = last.checked_add((dims[axis] - 1).checked_mul(strides[axis])?)?;
+    }
+    last.checked_add(1)
+}
+
+fn check_fits(
+    operand: &'static str,
+    len: usize,
+    dims: [usize; 4],
+    strides: [usize; 3],
+) -> Result<()> {
+    match required_len(dims, strides) {
+        Some(need) if need <= len => Ok(()),
+        Some(need) => Err(Error::Layout {
+            operand,
+            reason: format!(
+                "dims {dims:?} with strides {strides:?} need {need} elements but the buffer has {len}"
+            ),
+        }),
+        None => Err(Error::Layout {
+            operand,
+            reason: format!("dims {dims:?} with strides {strides:?} overflow usize"),
+        }),
+    }
+}
+
+/// A writable view must not reach one element twice: sorted by stride, each axis must
+/// step past everything the faster axes span.
+fn check_no_overlap(operand: &'static str, dims: [usize; 4], strides: [usize; 3]) -> Result<()> {
+    if dims.contains(&0) {
+        return Ok(());
+    }
+    let mut axes: Vec<(usize, usize)> = (0..3)
+        .map(|a| (strides[a], dims[a]))
+        .filter(|&(_, n)| n > 1)
+        .collect();
+    axes.sort_unstable();
+    let mut span = dims[3];
+    for (stride, n) in axes {
+        if stride < span {
+            return Err(Error::Layout {
+                operand,
+                reason: format!(
+                    "strides {strides:?} make a writable view with dims {dims:?} overlap itself"
+                ),
+            });
+        }
+        span += stride * (n - 1);
+    }
+    Ok(())
+}
+
+/// A read-only strided view of a `[batch, heads, seq, dim]` tensor.
+///
+/// ```
+/// use attn_core::{Layout, Tensor4Ref};
+/// // Two heads of three positions of width 2, stored [B,S,H,D].
+/// let data: Vec<f32> = (0..12).map(|x| x as f32).collect();
+/// let t = Tensor4Ref::from_layout(&data, [1, 2, 3, 2], Layout::Bshd).unwrap();
+/// let head1 = t.head(0, 1).unwrap();
+/// assert_eq!(head1[(1, 0)], 6.0); // position 1, head 1: offset 1·4 + 1·2
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Tensor4Ref<'a, T> {
+    data: &'a [T],
+    dims: [usize; 4],
+    strides: [usize; 3],
+}
+
+impl<'a, T> Tensor4Ref<'a, T> {
+    /// A view with explicit element strides for (batch, head, seq); the feature axis is
+    /// contiguous. Strides may be 0 (broadcast).
+    pub fn new(data: &'a [T], dims: [usize; 4], strides: [usize; 3]) -> Result<Self> {
+        check_fits("tensor", data.len(), dims, strides)?;
+        Ok(Self {
+            data,
+            dims,
+            strides,
+        })
+    }
+
+    /// A view of a contiguous buffer in the given layout.
+    pub fn from_layout(data: &'a [T], dims: [usize; 4], layout: Layout) -> Result<Self> {
+        Self::new(data, dims, layout.strides(dims))
+    }
+
+    /// `[batch, heads, seq, dim]`.
+    pub fn dims(&self) -> [usize; 4] {
+        self.dims
+    }
+
+    /// Element strides of batch, head and seq.
+    pub fn strides(&self) -> [usize; 3] {
+        self.strides
+    }
+
+    /// The `[seq, dim]` matrix of one (batch, head).
+    pub fn head(&self, batch: usize, head: usize) -> Result<MatRef<'a, T>> {
+        check_index("batch", batch, self.dims[0])?;
+        check_index("head", head, self.dims[1])?;
+        let [_, _, s, d] = self.dims;
+        let offset = batch * self.strides[0] + head * self.strides[1];
+        if s == 0 || d == 0 {
+            return Ok(MatRef::from_row_major_slice_with_stride(
+                &self.data[..0],
+                s,
+                d,
+                self.strides[2],
+            ));
+        }
+        Ok(MatRef::from_row_major_slice_with_stride(
+            &self.data[offset..],
+            s,
+            d,
+            self.strides[2],
+        ))
+    }
+}
+
+/// A writable strided view of a `[batch, heads, seq, dim]` tensor.
+#[derive(Debug)]
+pub struct Tensor4Mut<'a, T> {
+    data: &'a mut [T],
+    dims: [usize; 4],
+    strides: [usize; 3],
+}
+
+impl<'a, T> Tensor4Mut<'a, T> {
+    /// A writable view with explicit strides; it must fit its buffer and not overlap.
+    ///
+    /// ```
+    /// use attn_core::Tensor4Mut;
+    /// let mut data = vec![0.0f32; 8];
+    /// // Heads and positions on top of each other: rejected.
+    /// assert!(Tensor4Mut::new(&mut data, [1, 2, 2, 2], [8, 2, 1]).is_err());
+    /// ```
+    pub fn new(data: &'a mut [T], dims: [usize; 4], strides: [usize; 3]) -> Result<Self> {
+        check_fits("output tensor", data.len(), dims, strides)?;
+        check_no_overlap("output tensor", dims, strides)?;
+        Ok(Self {
+            data,
+            dims,
+            strides,
+        })
+    }
+
+    /// A writable view of a contiguous buffer in the given layout.
+    pub fn from_layout(data: &'a mut [T], dims: [usize; 4], layout: Layout) -> Result<Self> {
+        Self::new(data, dims, layout.strides(dims))
+    }
+
+    /// `[batch, heads, seq, dim]`.
+    pub fn dims(&self) -> [usize; 4] {
+        self.dims
+    }
+
+    /// A read-only view of the same data.
+    pub fn rb(&self) -> Tensor4Ref<'_, T> {
+        Tensor4Ref {
+            data: self.data,
+            dims: self.dims,
+            strides: self.strides,
+        }
+    }
+
+    /// The writable `[seq, dim]` matrix of one (batch, head).
+    pub fn head_mut(&mut self, batch: usize, head: usize) -> Result<MatMut<'_, T>> {
+        check_index("batch", batch, self.dims[0])?;
+        check_index("head", head, self.dims[1])?;
+        let [_, _, s, d] = self.dims;
+        let offset = batch * self.strides[0] + head * self.strides[1];
+        let data = if s == 0 || d == 0 {
+            &mut self.data[..0]
+        } else {
+            &mut self.data[offset..]
+        };
+        // faer 0.24's `from_row_major_slice_with_stride_mut` builds a column-major view, so
+        // build the transpose column-major and flip it.
+        Ok(
+            MatMut::from_column_major_slice_with_stride_mut(data, d, s, self.strides[2].max(d))
+                .transpose_mut(),
+        )
+    }
+}
+
+/// An owned `[batch, heads, seq, dim]` tensor, stored in the `[B,H,S,D]` layout.
+///
+/// ```
+/// use attn_core::Tensor4;
+/// let mut t = Tensor4::<f32>::zeros([1, 2, 3, 4]);
+/// t.as_mut().head_mut(0, 1).unwrap()[(2, 3)] = 1.0;
+/// assert_eq!(t.as_ref().head(0, 1).unwrap()[(2, 3)], 1.0);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor4<T> {
+    data: Vec<T>,
+    dims: [usize; 4],
+}
+
+impl<T: Clone + Default> Tensor4<T> {
+    /// A tensor of default values (zeros for numbers).
+    pub fn zeros(dims: [usize; 4]) -> Self {
+        Self {
+            data: vec![T::default(); dims.iter().product()],
+            dims,
+        }
+    }
+}
+
+impl<T> Tensor4<T> {
+    /// Wraps a `[B,H,S,D]`-ordered buffer.
+    pub fn from_vec(data: Vec<T>, dims: [usize; 4]) -> Result<Self> {
+        let need: usize = dims.iter().product();
+        if data.len() != need {
+            return Err(Error::Layout {
+                operand: "tensor",
+                reason: format!(
+                    "dims {dims:?} need {need} elements but the buffer has {}",
+                    data.len()
+                ),
+            });
+        }
+        Ok(Self { data, dims })
+    }
+
+    /// `[batch, heads, seq, dim]`.
+    pub fn dims(&self) -> [usize; 4] {
+        self.dims
+    }
+
+    /// The buffer, in `[B,H,S,D]` order.
+    pub fn as_slice(&self) -> &[T] {
+        &self.data
+    }
+
+    /// The buffer, in `[B,H,S,D]` order.
+    pub fn into_vec(self) -> Vec<T> {
+        self.data
+    }
+
+    /// A read-only view.
+    pub fn as_ref(&self) -> Tensor4Ref<'_, T> {
+        Tensor4Ref {
+            data: &self.data,
+            dims: self.dims,
+            strides: Layout::Bhsd.strides(self.dims),
+        }
+    }
+
+    /// A writable view.
+    pub fn as_mut(&mut self) -> Tensor4Mut<'_, T> {
+        let strides = Layout::Bhsd.strides(self.dims);
+        Tensor4Mut {
+            data: &mut self.data,
+            dims: self.dims,
+            strides,
+        }
+    }
+}
+
+fn check_index(what: &'static str, index: usize, len: usize) -> Result<()> {
+    if index < len {
+        Ok(())
+    } else {
+        Err(Error::OutOfRange { what, index, len })
+    }
+}

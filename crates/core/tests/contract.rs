@@ -1,0 +1,149 @@
+//! The contract's own rules: visibility, tile coverage, layouts, validation.
+
+use attn_core::{
+    BoolMask, Causal, Error, HeadMask, Layout, Options, SlidingWindow, Tensor4Mut, Tensor4Ref,
+    TileCoverage, validate_batch,
+};
+use faer::Mat;
+
+fn brute_visible(mask: &HeadMask<'_>, i: usize, j: usize) -> bool {
+    mask.allows(i, j)
+}
+
+#[test]
+fn key_range_matches_the_definitions_of_each_constraint() {
+    for (n_q, n_k) in [(5usize, 5usize), (3, 8), (8, 3), (1, 7), (7, 1)] {
+        let off = n_k as i64 - n_q as i64;
+        let opts = Options::default()
+            .with_causal(Causal::BottomRight)
+            .with_window(SlidingWindow::new(Some(2), Some(1), Causal::TopLeft))
+            .with_key_length(n_k.saturating_sub(1));
+        let mask = HeadMask::new(&opts, n_q, n_k, opts.key_length(0));
+        for i in 0..n_q {
+            for j in 0..n_k {
+                let (ii, jj) = (i as i64, j as i64);
+                let want = jj <= ii + off && ii - 2 <= jj && jj <= ii + 1 && j + 1 < n_k;
+                assert_eq!(
+                    brute_visible(&mask, i, j),
+                    want,
+                    "n_q={n_q} n_k={n_k} i={i} j={j}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn tile_coverage_agrees_with_entrywise_visibility() {
+    let opts = Options::default()
+        .with_causal(Causal::TopLeft)
+        .with_window(SlidingWindow::new(Some(9), None, Causal::TopLeft));
+    let (n_q, n_k) = (40, 37);
+    let mask = HeadMask::new(&opts, n_q, n_k, None);
+    for (br, bc) in [(4, 8), (7, 5), (16, 16)] {
+        for r0 in (0..n_q).step_by(br) {
+            for c0 in (0..n_k).step_by(bc) {
+                let rows = r0..(r0 + br).min(n_q);
+                let cols = c0..(c0 + bc).min(n_k);
+                let seen: Vec<bool> = rows
+                    .clone()
+                    .flat_map(|i| cols.clone().map(move |j| (i, j)))
+                    .map(|(i, j)| mask.allows(i, j))
+                    .collect();
+                let want = if seen.iter().all(|&x| x) {
+                    TileCoverage::Full
+                } else if seen.iter().any(|&x| x) {
+                    TileCoverage::Partial
+                } else {
+                    TileCoverage::Hidden
+                };
+                assert_eq!(mask.tile_coverage(rows, cols), want);
+            }
+        }
+    }
+}
+
+#[test]
+fn both_layouts_view_the_same_logical_element() {
+    let dims = [2, 3, 4, 5];
+    for layout in [Layout::Bhsd, Layout::Bshd] {
+        let [sb, sh, ss] = layout.strides(dims);
+        let mut data = vec![0.0f32; 120];
+        for b in 0..2 {
+            for h in 0..3 {
+                for s in 0..4 {
+                    for d in 0..5 {
+                        data[b * sb + h * sh + s * ss + d] =
+                            (1000 * b + 100 * h + 10 * s + d) as f32;
+                    }
+                }
+            }
+        }
+        let t = Tensor4Ref::from_layout(&data, dims, layout).unwrap();
+        assert_eq!(t.head(1, 2).unwrap()[(3, 4)], 1234.0);
+        let mut data2 = data.clone();
+        let mut tm = Tensor4Mut::from_layout(&mut data2, dims, layout).unwrap();
+        tm.head_mut(0, 1).unwrap()[(2, 3)] = -1.0;
+        assert_eq!(data2[sh + 2 * ss + 3], -1.0);
+    }
+}
+
+#[test]
+fn views_that_do_not_fit_are_rejected() {
+    let data = vec![0.0f32; 10];
+    assert!(matches!(
+        Tensor4Ref::from_layout(&data, [1, 1, 3, 4], Layout::Bhsd),
+        Err(Error::Layout { .. })
+    ));
+    assert!(
+        Tensor4Ref::new(&data, [4, 1, 1, 10], [0, 0, 0]).is_ok(),
+        "broadcast reads are fine"
+    );
+    assert!(matches!(
+        Tensor4Ref::new(&data, [1, 1, 1, 2], [0, 0, 0])
+            .unwrap()
+            .head(1, 0),
+        Err(Error::OutOfRange { .. })
+    ));
+}
+
+#[test]
+fn batch_validation_names_operands() {
+    let q = vec![0.0f32; 2 * 4 * 3 * 8];
+    let k = vec![0.0f32; 2 * 2 * 5 * 8];
+    let q = Tensor4Ref::from_layout(&q, [2, 4, 3, 8], Layout::Bhsd).unwrap();
+    let k = Tensor4Ref::from_layout(&k, [2, 2, 5, 8], Layout::Bhsd).unwrap();
+    let k1 = Tensor4Ref::new(k_slice(), [1, 2, 5, 8], [0, 0, 8]).unwrap();
+    assert!(validate_batch(q, k, k, &Options::default()).is_ok());
+    assert_eq!(
+        validate_batch(q, k1, k1, &Options::default())
+            .unwrap_err()
+            .to_string(),
+        "K has 1 batch entries but Q has 2 (batch must match)"
+    );
+    let lens = [5];
+    assert!(matches!(
+        validate_batch(q, k, k, &Options::default().with_key_lengths(&lens)),
+        Err(Error::DimensionMismatch {
+            operand: "key lengths",
+            ..
+        })
+    ));
+    let bm = Mat::from_fn(3, 4, |_, _| true);
+    assert!(matches!(
+        validate_batch(
+            q,
+            k,
+            k,
+            &Options::default().with_bool_mask(BoolMask::allow(bm.as_ref()))
+        ),
+        Err(Error::ShapeMismatch {
+            operand: "boolean mask",
+            ..
+        })
+    ));
+}
+
+fn k_slice() -> &'static [f32] {
+    &[0.0; 40]
+}

@@ -1,0 +1,2 @@
+//! Property-based conformance suite for attention engines.
+#![forbid(unsafe_code)]

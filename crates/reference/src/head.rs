@@ -1,0 +1,229 @@
+//! One head, and a batch of heads, by the formula.
+
+use attn_core::{HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_batch, validate_head};
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Mat, MatRef, Par};
+
+use crate::Element;
+
+/// Every intermediate of one head, in f64.
+#[derive(Debug, Clone)]
+pub struct Materialized {
+    /// `S = scale·QKᵀ + M : [n_q, n_k]`; hidden entries are `-inf`.
+    pub scores: Mat<f64>,
+    /// `A = softmax(S)` along keys: `[n_q, n_k]`; rows with no visible key are 0.
+    pub weights: Mat<f64>,
+    /// `O = AV : [n_q, d_v]`; rows with no visible key are 0.
+    pub output: Mat<f64>,
+    /// `LSE_i = ln Σ_j exp(S_ij)`; `-inf` for rows with no visible key.
+    pub lse: Vec<f64>,
+}
+
+fn widen<T: Element>(m: MatRef<'_, T>) -> Mat<f64> {
+    Mat::from_fn(m.nrows(), m.ncols(), |i, j| m[(i, j)].to_f64())
+}
+
+fn narrow<T: Element>(m: MatRef<'_, f64>) -> Mat<T> {
+    Mat::from_fn(m.nrows(), m.ncols(), |i, j| T::from_f64(m[(i, j)]))
+}
+
+/// The formula on f64 operands that are already validated.
+pub(crate) fn attend(
+    q: MatRef<'_, f64>,
+    k: MatRef<'_, f64>,
+    v: MatRef<'_, f64>,
+    scale: f64,
+    mask: &HeadMask<'_>,
+) -> Materialized {
+    let (n_q, n_k, d_v) = (q.nrows(), k.nrows(), v.ncols());
+
+    // S = scale·QKᵀ + M, hidden entries -inf.
+    let mut dots = Mat::<f64>::zeros(n_q, n_k);
+    matmul(
+        dots.as_mut(),
+        Accum::Replace,
+        q,
+        k.transpose(),
+        1.0,
+        Par::Seq,
+    );
+    let scores = Mat::from_fn(n_q, n_k, |i, j| {
+        if mask.allows(i, j) {
+            scale * dots[(i, j)] + f64::from(mask.bias(i, j))
+        } else {
+            f64::NEG_INFINITY
+        }
+    });
+
+    // A = softmax along keys, row maximum subtracted. A NaN score makes its row NaN.
+    let mut weights = Mat::<f64>::zeros(n_q, n_k);
+    let mut lse = vec![f64::NEG_INFINITY; n_q];
+    for i in 0..n_q {
+        let max = (0..n_k)
+            .map(|j| scores[(i, j)])
+            .fold(
+                f64::NEG_INFINITY,
+                |m, s| {
+                    if s.is_nan() || s > m { s } else { m }
+                },
+            );
+        if max == f64::NEG_INFINITY {
+            continue; // no visible key: weights, output stay 0 and LSE -inf
+        }
+        let mut sum = 0.0;
+        for j in 0..n_k {
+            let e = (scores[(i, j)] - max).exp();
+            weights[(i, j)] = e;
+            sum += e;
+        }
+        for j in 0..n_k {
+            weights[(i, j)] /= sum;
+        }
+        lse[i] = max + sum.ln();
+    }
+
+    // O = AV over the visible keys: a hidden key contributes nothing (not 0·V_j, so a
+    // non-finite value in a hidden row of V does not leak into the output).
+    let mut output = Mat::<f64>::zeros(n_q, d_v);
+    for i in 0..n_q {
+        for j in 0..n_k {
+            if scores[(i, j)] == f64::NEG_INFINITY {
+                continue;
+            }
+            let a = weights[(i, j)];
+            for c in 0..d_v {
+                output[(i, c)] += a * v[(j, c)];
+            }
+        }
+    }
+    Materialized {
+        scores,
+        weights,
+        output,
+        lse,
+    }
+}
+
+/// Attention of one head with every intermediate returned (f64).
+///
+/// ```
+/// use attn_reference::{attention_materialized, Causal, Options};
+/// use faer::mat;
+/// let x = mat![[1.0f32, 0.0], [0.0, 1.0]];
+/// let opts = Options::default().with_causal(Causal::TopLeft);
+/// let m = attention_materialized(x.as_ref(), x.as_ref(), x.as_ref(), &opts).unwrap();
+/// assert_eq!(m.weights[(0, 1)], 0.0); // the first query cannot see the second key
+/// assert_eq!(m.scores[(0, 1)], f64::NEG_INFINITY);
+/// ```
+pub fn attention_materialized<T: Element>(
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    options: &Options<'_>,
+) -> Result<Materialized> {
+    let shape = validate_head(q, k, v, options)?;
+    let scale = options.scale_for_f64(shape.d_k)?;
+    let mask = HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0));
+    Ok(attend(
+        widen(q).as_ref(),
+        widen(k).as_ref(),
+        widen(v).as_ref(),
+        scale,
+        &mask,
+    ))
+}
+
+/// `softmax(scale·QKᵀ + M) V` for one head, computed in f64 and rounded to `T`.
+///
+/// `q : [n_q, d_k]`, `k : [n_k, d_k]`, `v : [n_k, d_v]`; returns `[n_q, d_v]`.
+///
+/// ```
+/// use attn_reference::{attention, Options};
+/// use faer::Mat;
+/// let q = Mat::<f32>::zeros(2, 4);
+/// let k = Mat::<f32>::zeros(3, 5);
+/// let v = Mat::<f32>::zeros(3, 4);
+/// let err = attention(q.as_ref(), k.as_ref(), v.as_ref(), &Options::default()).unwrap_err();
+/// assert_eq!(err.to_string(), "K has 5 columns but Q has 4 (d_k must match)");
+/// ```
+pub fn attention<T: Element>(
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    options: &Options<'_>,
+) -> Result<Mat<T>> {
+    let m = attention_materialized(q, k, v, options)?;
+    Ok(narrow(m.output.as_ref()))
+}
+
+/// Batched, grouped-query attention by the formula: every intermediate of every
+/// (batch, query head), in `[batch][head]` order.
+pub fn attention_batched_materialized<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    options: &Options<'_>,
+) -> Result<Vec<Vec<Materialized>>> {
+    let shape = validate_batch(q, k, v, options)?;
+    let scale = options.scale_for_f64(shape.head.d_k)?;
+    (0..shape.batch)
+        .map(|b| {
+            let mask = HeadMask::new(
+                options,
+                shape.head.n_q,
+                shape.head.n_k,
+                options.key_length(b),
+            );
+            (0..shape.h_q)
+                .map(|h| {
+                    let kv = shape.kv_head(h);
+                    let (qh, kh, vh) = (q.head(b, h)?, k.head(b, kv)?, v.head(b, kv)?);
+                    Ok(attend(
+                        widen(qh).as_ref(),
+                        widen(kh).as_ref(),
+                        widen(vh).as_ref(),
+                        scale,
+                        &mask,
+                    ))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Batched, grouped-query attention over `[batch, heads, seq, dim]` views (any strides);
+/// returns `[batch, h_q, n_q, d_v]`.
+///
+/// ```
+/// use attn_reference::{attention_batched, Layout, Options, Tensor4Ref};
+/// let q = vec![0.5f32; 2 * 4 * 3 * 8]; // [B=2, S=3, H=4, D=8]
+/// let kv = vec![1.0f32; 2 * 2 * 5 * 8]; // [B=2, S=5, H=2, D=8]: 2 kv heads (GQA)
+/// let q = Tensor4Ref::from_layout(&q, [2, 4, 3, 8], Layout::Bshd).unwrap();
+/// let kv = Tensor4Ref::from_layout(&kv, [2, 2, 5, 8], Layout::Bshd).unwrap();
+/// let o = attention_batched(q, kv, kv, &Options::default()).unwrap();
+/// assert_eq!(o.dims(), [2, 4, 3, 8]);
+/// assert!(o.as_slice().iter().all(|&x| (x - 1.0).abs() < 1e-6));
+/// ```
+pub fn attention_batched<T: Element + Default>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    options: &Options<'_>,
+) -> Result<Tensor4<T>> {
+    let heads = attention_batched_materialized(q, k, v, options)?;
+    let [b, h, n_q, _] = q.dims();
+    let d_v = v.dims()[3];
+    let mut out = Tensor4::<T>::zeros([b, h, n_q, d_v]);
+    let mut view = out.as_mut();
+    for (bi, per_head) in heads.iter().enumerate() {
+        for (hi, m) in per_head.iter().enumerate() {
+            let mut dst = view.head_mut(bi, hi)?;
+            for i in 0..n_q {
+                for c in 0..d_v {
+                    dst[(i, c)] = T::from_f64(m.output[(i, c)]);
+                }
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,37 @@
+//! Scaled dot-product attention exactly as the textbook writes it.
+//!
+//! Every matrix is materialised in f64: the scores `S = scale·QKᵀ + M`, the weights
+//! `A = softmax(S)` along the key axis (row maximum subtracted), the output `O = AV` and
+//! the log-sum-exp of each row. It is slow on purpose and exists to be obviously right: it
+//! is the ground truth every other engine is tested against.
+//!
+//! ```
+//! use attn_reference::{attention, Options};
+//! use faer::mat;
+//! let q = mat![[1.0f32, 0.0], [0.0, 1.0]];
+//! let v = mat![[2.0f32, 0.0], [0.0, 4.0]];
+//! let o = attention(q.as_ref(), q.as_ref(), v.as_ref(), &Options::default()).unwrap();
+//! assert!((o[(0, 0)] - 1.3395).abs() < 1e-4);
+//! ```
+#![forbid(unsafe_code)]
+
+mod element;
+mod head;
+mod multi_head;
+pub mod worked;
+
+pub use attn_core::{
+    BoolMask, Causal, Error, KeyPadding, Layout, Options, Result, SlidingWindow, Tensor4,
+    Tensor4Mut, Tensor4Ref,
+};
+pub use element::Element;
+pub use head::{
+    Materialized, attention, attention_batched, attention_batched_materialized,
+    attention_materialized,
+};
+pub use multi_head::MultiHeadAttention;
+
+/// The README's library example, compiled and run as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctest;
