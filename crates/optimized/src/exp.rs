@@ -1,0 +1,183 @@
+//! A vectorisable `2^x`, and the runtime CPU dispatch that vectorises it.
+//!
+//! The engine folds `log2(e)` into the query scale, so the softmax needs `2^x` instead of
+//! `e^x`: range reduction `x = k + f` with `k = round(x)`, `|f| ≤ ½`, then `2^k` built in
+//! the exponent bits and `2^f` by Cephes' degree-6 minimax polynomial (≤ 2 ulp). The code
+//! is branch-free scalar Rust that LLVM turns into AVX-512 or AVX2 vectors inside the
+//! `#[target_feature]` copies that [`multiversion!`] generates.
+
+/// Generates `$name`, which runs `$body::<FMA>` compiled for AVX-512, AVX2+FMA or baseline
+/// x86-64 (or the target's baseline elsewhere), chosen at run time.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,bmi1,bmi2,lzcnt")]
+                fn v4($($arg: $ty),*) $(-> $ret)? {
+                    $body::<true>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt")]
+                fn v3($($arg: $ty),*) $(-> $ret)? {
+                    $body::<true>($($arg),*)
+                }
+                match $crate::exp::isa() {
+                    // SAFETY: `isa()` detected every feature `v4` enables on this CPU.
+                    $crate::exp::Isa::Avx512 => return unsafe { v4($($arg),*) },
+                    // SAFETY: `isa()` detected every feature `v3` enables on this CPU.
+                    $crate::exp::Isa::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::exp::Isa::Baseline => {}
+                }
+            }
+            $body::<false>($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion;
+
+/// The instruction set the kernels run with on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512 (F, VL, DQ, BW) with FMA: 16 lanes.
+    Avx512,
+    /// AVX2 with FMA: 8 lanes.
+    Avx2,
+    /// Whatever the compilation target guarantees (SSE2 on x86-64).
+    Baseline,
+}
+
+/// Detects (once, cached by `std`) the best instruction set of this CPU.
+///
+/// ```
+/// let isa = attn_optimized::exp::isa();
+/// println!("kernels run with {isa:?}");
+/// ```
+pub fn isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let v3 = has!("avx2") && has!("fma") && has!("bmi1") && has!("bmi2") && has!("lzcnt");
+        if v3 && has!("avx512f") && has!("avx512vl") && has!("avx512dq") && has!("avx512bw") {
+            return Isa::Avx512;
+        }
+        if v3 {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Baseline
+}
+
+/// `a·b + c`, fused where the instruction set has FMA (a libm call otherwise would be slow).
+#[inline(always)]
+pub(crate) fn mul_add<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA { a.mul_add(b, c) } else { a * b + c }
+}
+
+/// `2^x` to within 2 ulp for normal results; exactly 0 below −126 (and at −∞), +∞ from
+/// 128 on, NaN for NaN.
+#[inline(always)]
+pub(crate) fn exp2_approx<const FMA: bool>(x: f32) -> f32 {
+    // Adding 1.5·2^23 rounds x to an integer k (ties to even) held in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let t = x + ROUND;
+    let k = t - ROUND;
+    let f = x - k;
+    // Cephes exp2f: 2^f = 1 + f·P(f) on [-½, ½].
+    let mut p = 1.535_336_2e-4;
+    p = mul_add::<FMA>(p, f, 1.339_887_4e-3);
+    p = mul_add::<FMA>(p, f, 9.618_438e-3);
+    p = mul_add::<FMA>(p, f, 5.550_332_5e-2);
+    p = mul_add::<FMA>(p, f, 2.402_264_8e-1);
+    p = mul_add::<FMA>(p, f, 6.931_472e-1);
+    let p = mul_add::<FMA>(p, f, 1.0);
+    let ki = (t.to_bits() as i32).wrapping_sub(0x4B40_0000);
+    let two_k = f32::from_bits((ki.wrapping_add(127) as u32).wrapping_shl(23));
+    let r = p * two_k;
+    let r = if x >= 128.0 { f32::INFINITY } else { r };
+    if x < -126.0 { 0.0 } else { r }
+}
+
+#[inline(always)]
+fn exp2_in_place_body<const FMA: bool>(xs: &mut [f32]) {
+    for x in xs {
+        *x = exp2_approx::<FMA>(*x);
+    }
+}
+
+multiversion! {
+    /// Replaces every `x` by `2^x` (within 2 ulp; 0 below −126 and at −∞, NaN stays NaN),
+    /// vectorised for the CPU it runs on.
+    ///
+    /// ```
+    /// let mut xs = [0.0f32, 1.0, -1.0, 10.5, f32::NEG_INFINITY, -1000.0];
+    /// attn_optimized::exp::exp2_in_place(&mut xs);
+    /// assert_eq!(&xs[..3], &[1.0, 2.0, 0.5]);
+    /// assert!((xs[3] - 1448.1547).abs() < 1e-3);
+    /// assert_eq!(&xs[4..], &[0.0, 0.0]);
+    /// ```
+    pub fn exp2_in_place(xs: &mut [f32]) = exp2_in_place_body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ulp_error(got: f32, x: f32) -> f64 {
+        let want = (x as f64).exp2();
+        let ulp = f64::from(f32::from_bits((want as f32).to_bits() + 1) - want as f32);
+        (f64::from(got) - want).abs() / ulp
+    }
+
+    #[test]
+    fn exp2_within_two_ulp_over_the_normal_range() {
+        let mut worst = 0.0f64;
+        let mut x = -126.0f32;
+        while x < 127.0 {
+            for fma in [false, true] {
+                let got = if fma {
+                    exp2_approx::<true>(x)
+                } else {
+                    exp2_approx::<false>(x)
+                };
+                worst = worst.max(ulp_error(got, x));
+            }
+            x += 0.000_731;
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+    }
+
+    #[test]
+    fn exp2_edges_are_exact() {
+        for fma in [false, true] {
+            let e = |x: f32| {
+                if fma {
+                    exp2_approx::<true>(x)
+                } else {
+                    exp2_approx::<false>(x)
+                }
+            };
+            assert_eq!(e(0.0), 1.0);
+            assert_eq!(e(-0.0), 1.0);
+            assert_eq!(e(f32::NEG_INFINITY), 0.0);
+            assert_eq!(e(-1e30), 0.0);
+            assert_eq!(e(-126.5), 0.0);
+            assert_eq!(e(200.0), f32::INFINITY);
+            assert_eq!(e(f32::INFINITY), f32::INFINITY);
+            assert!(e(f32::NAN).is_nan());
+            for k in -126..128 {
+                assert_eq!(e(k as f32), (k as f64).exp2() as f32, "2^{k}");
+            }
+        }
+    }
+
+    #[test]
+    fn dispatched_slice_matches_scalar() {
+        let mut xs: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.37).collect();
+        let want: Vec<f32> = xs.iter().map(|&x| exp2_approx::<true>(x)).collect();
+        exp2_in_place(&mut xs);
+        for (g, w) in xs.iter().zip(&want) {
+            assert!(g == w || (g - w).abs() <= w.abs() * 2.4e-7, "{g} vs {w}");
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! Partial softmax states over subsets of the keys, and their merge.
+//!
+//! Attention over a union of disjoint key sets is the merge of the attentions over each
+//! set: with `(O_a, LSE_a)` and `(O_b, LSE_b)` per query row,
+//! `LSE = ln(e^LSE_a + e^LSE_b)` and `O = e^(LSE_a − LSE) O_a + e^(LSE_b − LSE) O_b`.
+//! This is what split-KV (flash-decoding) and sequence sharding (ring attention) are made
+//! of: each shard computes its state and the states are merged in a fixed order.
+
+use attn_core::{Error, Result, check_shape};
+use faer::{Mat, MatRef};
+
+/// Normalised attention output and log-sum-exp of each query row over a subset of keys.
+///
+/// A row that saw no visible key has output 0 and LSE `-inf`: the empty state, which is
+/// the identity of [`PartialState::merge`], bit for bit.
+///
+/// ```
+/// use attn_optimized::PartialState;
+/// use faer::mat;
+/// let a = PartialState::new(mat![[1.0f32, 2.0]], vec![0.0]).unwrap();
+/// let b = PartialState::new(mat![[3.0f32, 4.0]], vec![0.0]).unwrap();
+/// let ab = a.merge(&b).unwrap(); // equal weights: the mean, LSE ln 2
+/// assert_eq!(ab.output()[(0, 0)], 2.0);
+/// assert!((ab.lse()[0] - 2f32.ln()).abs() < 1e-7);
+/// let empty = PartialState::empty(1, 2);
+/// assert_eq!(a.merge(&empty).unwrap(), a);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartialState {
+    output: Mat<f32>,
+    lse: Vec<f32>,
+}
+
+impl PartialState {
+    /// The state of `n_q` rows of width `d_v` that have seen no key.
+    pub fn empty(n_q: usize, d_v: usize) -> Self {
+        Self {
+            output: Mat::zeros(n_q, d_v),
+            lse: vec![f32::NEG_INFINITY; n_q],
+        }
+    }
+
+    /// A state from a normalised output `[n_q, d_v]` and its `n_q` natural-log LSEs.
+    pub fn new(output: Mat<f32>, lse: Vec<f32>) -> Result<Self> {
+        if lse.len() != output.nrows() {
+            return Err(Error::DimensionMismatch {
+                operand: "LSE",
+                axis: "rows",
+                found: lse.len(),
+                other: "output",
+                expected: output.nrows(),
+                rule: "one LSE per query row",
+            });
+        }
+        Ok(Self { output, lse })
+    }
+
+    /// The normalised output `[n_q, d_v]` over the keys seen so far.
+    pub fn output(&self) -> MatRef<'_, f32> {
+        self.output.as_ref()
+    }
+
+    /// The natural-log LSE of each row over the keys seen so far.
+    pub fn lse(&self) -> &[f32] {
+        &self.lse
+    }
+
+    /// The output and the LSEs.
+    pub fn into_parts(self) -> (Mat<f32>, Vec<f32>) {
+        (self.output, self.lse)
+    }
+
+    /// The state over the union of both key sets (which must be disjoint).
+    pub fn merge(&self, other: &PartialState) -> Result<PartialState> {
+        let mut out = self.clone();
+        out.merge_in_place(other)?;
+        Ok(out)
+    }
+
+    /// Merges `other` into `self`.
+    pub fn merge_in_place(&mut self, other: &PartialState) -> Result<()> {
+        let (n, d) = (self.output.nrows(), self.output.ncols());
+        check_shape(
+            "merged state",
+            other.output.nrows(),
+            other.output.ncols(),
+            n,
+            d,
+            "both states cover the same queries and value width",
+        )?;
+        for i in 0..n {
+            let (a, b) = (self.lse[i], other.lse[i]);
+            if b == f32::NEG_INFINITY {
+                continue; // the other side saw nothing: keep this row bit for bit
+            }
+            if a == f32::NEG_INFINITY {
+                self.lse[i] = b;
+                for c in 0..d {
+                    self.output[(i, c)] = other.output[(i, c)];
+                }
+                continue;
+            }
+            let m = a.max(b);
+            let (wa, wb) = ((a - m).exp(), (b - m).exp());
+            let sum = wa + wb;
+            self.lse[i] = m + sum.ln();
+            let (wa, wb) = (wa / sum, wb / sum);
+            for c in 0..d {
+                self.output[(i, c)] = wa * self.output[(i, c)] + wb * other.output[(i, c)];
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,212 @@
+//! The fused softmax pass over one score tile: running max, `2^(s − m)`, row sums and the
+//! rescale factors of the online softmax.
+//!
+//! The tile is column-major (`ld` floats between columns), so each column holds one key's
+//! scores for all the tile's queries: the loops run down a column and vectorise across
+//! queries, keeping one running maximum and one sum per query.
+//!
+//! Scores arrive in the log2 domain (`log2(e)·scale` is folded into Q). Rescaling is lazy:
+//! a row's reference maximum `m` moves only when a block's maximum exceeds it by more than
+//! [`LAZY_RESCALE_LOG2`], so most blocks leave the accumulator alone. Probabilities are then
+//! at most `2^LAZY_RESCALE_LOG2`, far from overflow, and the final division by `l` makes
+//! the result independent of when `m` moved.
+
+use crate::exp::{exp2_approx, multiversion};
+
+/// How far (in log2 units) a block maximum may exceed the reference maximum before the
+/// accumulator is rescaled.
+pub const LAZY_RESCALE_LOG2: f32 = 8.0;
+
+/// Per-row state of the online softmax for one query tile.
+#[derive(Debug)]
+pub(crate) struct RowState<'a> {
+    /// Reference maximum per row (log2 domain); `-inf` while nothing was visible.
+    pub m: &'a mut [f32],
+    /// Running sum of `2^(s − m)` per row.
+    pub l: &'a mut [f32],
+    /// Factor the accumulator row must be multiplied by before this block's `P·V` is added.
+    pub alpha: &'a mut [f32],
+    /// `m` with `-inf` replaced by 0, so that `s − m` never computes `-inf − -inf`.
+    pub m_safe: &'a mut [f32],
+}
+
+#[inline(always)]
+fn update_body<const FMA: bool>(
+    s: &mut [f32],
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    state: &mut RowState<'_>,
+) -> bool {
+    let m = &mut state.m[..rows];
+    let l = &mut state.l[..rows];
+    let alpha = &mut state.alpha[..rows];
+    let m_safe = &mut state.m_safe[..rows];
+
+    // 1. Block maxima (in `alpha`, used as scratch). NaN scores are passed over here; they
+    //    still poison their own row through the exponential below.
+    alpha.fill(f32::NEG_INFINITY);
+    for j in 0..cols {
+        let col = &s[j * ld..j * ld + rows];
+        for (b, &x) in alpha.iter_mut().zip(col) {
+            *b = if x > *b { x } else { *b };
+        }
+    }
+
+    // 2. Move the reference maximum where the block exceeds it by more than the lazy
+    //    threshold; alpha = 2^(m_old − m_new) there (0 when m_old was -inf), 1 elsewhere.
+    let mut rescale = false;
+    for i in 0..rows {
+        let (old, block) = (m[i], alpha[i]);
+        if block > old + LAZY_RESCALE_LOG2 {
+            alpha[i] = exp2_approx::<FMA>(old - block);
+            m[i] = block;
+            rescale = true;
+        } else {
+            alpha[i] = 1.0;
+        }
+        m_safe[i] = if m[i] == f32::NEG_INFINITY { 0.0 } else { m[i] };
+        l[i] *= alpha[i];
+    }
+
+    // 3. P = 2^(s − m) in place, and the row sums.
+    for j in 0..cols {
+        let col = &mut s[j * ld..j * ld + rows];
+        for ((x, &mi), li) in col.iter_mut().zip(&*m_safe).zip(l.iter_mut()) {
+            let p = exp2_approx::<FMA>(*x - mi);
+            *x = p;
+            *li += p;
+        }
+    }
+    rescale
+}
+
+multiversion! {
+    /// Runs the online-softmax step on a `rows × cols` score tile stored column-major with
+    /// leading dimension `ld`: afterwards the tile holds the unnormalised probabilities,
+    /// `state` the updated maxima and sums, and `state.alpha` the factor each accumulator
+    /// row must be scaled by. Returns whether any factor differs from 1.
+    pub(crate) fn softmax_update(
+        s: &mut [f32],
+        ld: usize,
+        rows: usize,
+        cols: usize,
+        state: &mut RowState<'_>,
+    ) -> bool = update_body
+}
+
+#[inline(always)]
+fn scale_rows_body<const FMA: bool>(
+    acc: &mut [f32],
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    alpha: &[f32],
+) {
+    for j in 0..cols {
+        for (x, &a) in acc[j * ld..j * ld + rows].iter_mut().zip(&alpha[..rows]) {
+            *x *= a;
+        }
+    }
+}
+
+multiversion! {
+    /// Multiplies row `i` of a column-major `rows × cols` matrix by `alpha[i]`.
+    pub(crate) fn scale_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, alpha: &[f32]) = scale_rows_body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state_vecs(rows: usize) -> [Vec<f32>; 4] {
+        [
+            vec![f32::NEG_INFINITY; rows],
+            vec![0.0; rows],
+            vec![0.0; rows],
+            vec![0.0; rows],
+        ]
+    }
+
+    #[test]
+    fn two_blocks_equal_one_softmax() {
+        // Row 0 grows its maximum a lot in block 2 (forces a rescale); row 1 does not.
+        let rows = 2;
+        let blocks = [vec![1.0f32, 0.0, 2.0, 0.5], vec![30.0f32, 1.0, -1.0, 0.25]];
+        let [mut m, mut l, mut alpha, mut m_safe] = state_vecs(rows);
+        let mut acc_weight = [0.0f64; 2]; // Σ p·(value = column index) to check alpha use
+        let mut col0 = 0;
+        for block in &blocks {
+            let mut s = block.clone();
+            let mut st = RowState {
+                m: &mut m,
+                l: &mut l,
+                alpha: &mut alpha,
+                m_safe: &mut m_safe,
+            };
+            softmax_update(&mut s, rows, rows, 2, &mut st);
+            for i in 0..rows {
+                acc_weight[i] *= f64::from(alpha[i]);
+                for j in 0..2 {
+                    acc_weight[i] += f64::from(s[j * rows + i]) * (col0 + j) as f64;
+                }
+            }
+            col0 += 2;
+        }
+        for i in 0..rows {
+            let scores: Vec<f64> = (0..4)
+                .map(|j| f64::from(blocks[j / 2][(j % 2) * rows + i]))
+                .collect();
+            let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp2()).collect();
+            let sum: f64 = w.iter().sum();
+            let want: f64 = w.iter().enumerate().map(|(j, w)| w * j as f64).sum::<f64>() / sum;
+            let got = acc_weight[i] / f64::from(l[i]);
+            assert!((got - want).abs() < 1e-6, "row {i}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn nothing_visible_leaves_zero_sum_and_no_nan() {
+        let mut s = vec![f32::NEG_INFINITY; 8];
+        let [mut m, mut l, mut alpha, mut m_safe] = state_vecs(4);
+        let mut st = RowState {
+            m: &mut m,
+            l: &mut l,
+            alpha: &mut alpha,
+            m_safe: &mut m_safe,
+        };
+        softmax_update(&mut s, 4, 4, 2, &mut st);
+        assert!(s.iter().all(|&p| p == 0.0));
+        assert!(l.iter().all(|&x| x == 0.0));
+        assert!(m.iter().all(|&x| x == f32::NEG_INFINITY));
+    }
+
+    #[test]
+    fn small_growth_does_not_rescale() {
+        let mut s = vec![1.0f32, 2.0];
+        let [mut m, mut l, mut alpha, mut m_safe] = state_vecs(1);
+        let mut st = RowState {
+            m: &mut m,
+            l: &mut l,
+            alpha: &mut alpha,
+            m_safe: &mut m_safe,
+        };
+        assert!(
+            softmax_update(&mut s, 1, 1, 2, &mut st),
+            "first block moves m from -inf"
+        );
+        let mut s2 = vec![5.0f32];
+        let mut st = RowState {
+            m: &mut m,
+            l: &mut l,
+            alpha: &mut alpha,
+            m_safe: &mut m_safe,
+        };
+        assert!(
+            !softmax_update(&mut s2, 1, 1, 1, &mut st),
+            "growth of 3 < threshold"
+        );
+        assert_eq!(s2[0], 8.0); // 2^(5 − 2): probabilities may exceed 1 under lazy rescale
+    }
+}
