@@ -101,16 +101,14 @@ impl Scratch {
         self.l[..nr].fill(0.0);
         let q_tile = MatRef::from_column_major_slice_with_stride(&self.q, nr, d_k, br);
 
-        // Only key tiles that some row of this tile can see; tiles are aligned to `keys.start`.
+        // Only the keys some row of this tile can see: tiles start at the first such key
+        // and the last one stops at the last such key (on the causal diagonal that halves
+        // the work of the boundary tile). Both ends depend on the shape alone.
         let first = head.mask.key_range(rows.start).start.max(keys.start);
         let last = head.mask.key_range(rows.end - 1).end.min(keys.end);
-        if first >= last {
-            return;
-        }
-        let skip = (first - keys.start) / bc;
-        let mut j0 = keys.start + skip * bc;
+        let mut j0 = first;
         while j0 < last {
-            let cols = j0..(j0 + bc).min(keys.end);
+            let cols = j0..(j0 + bc).min(last);
             j0 = cols.end;
             let coverage = head.mask.tile_coverage(rows.clone(), cols.clone());
             if coverage == TileCoverage::Hidden {
@@ -180,19 +178,12 @@ impl Scratch {
 }
 
 /// Hides the keys outside each row's structural range (diagonal and boundary tiles).
-fn mask_structural(
-    s: &mut [f32],
-    br: usize,
-    head: &HeadInputs<'_>,
-    rows: Range<usize>,
-    cols: Range<usize>,
-) {
-    for (i, row) in rows.clone().enumerate() {
+fn mask_structural(s: &mut [f32], br: usize, head: &HeadInputs<'_>, rows: Range<usize>, cols: Range<usize>) {
+    for (i, row) in rows.enumerate() {
         let r = head.mask.key_range(row);
-        for j in cols.clone() {
-            if j < r.start || j >= r.end {
-                s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
-            }
+        let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
+        for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
+            s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
         }
     }
 }
