@@ -6,6 +6,7 @@ use core::ops::Range;
 use faer::{Mat, MatMut};
 use rayon::prelude::*;
 
+use crate::element::Element;
 use crate::merge::PartialState;
 use crate::tile::{HeadInputs, Scratch, TilePlan};
 
@@ -15,16 +16,16 @@ const MIN_TASKS: usize = 8;
 pub const SPLIT_KEYS: usize = 1024;
 
 /// One head to compute: its inputs and where its output (and LSE) go.
-pub(crate) struct HeadJob<'a> {
-    pub inputs: HeadInputs<'a>,
-    pub out: MatMut<'a, f32>,
+pub(crate) struct HeadJob<'a, T, O> {
+    pub inputs: HeadInputs<'a, T>,
+    pub out: MatMut<'a, O>,
     pub lse: Option<&'a mut [f32]>,
 }
 
-struct TileTask<'a> {
-    inputs: HeadInputs<'a>,
+struct TileTask<'a, T, O> {
+    inputs: HeadInputs<'a, T>,
     rows: Range<usize>,
-    out: MatMut<'a, f32>,
+    out: MatMut<'a, O>,
     lse: Option<&'a mut [f32]>,
     work: usize,
 }
@@ -43,7 +44,11 @@ fn key_chunks(tasks: usize, keys: Range<usize>) -> Vec<Range<usize>> {
 
 /// Runs every job over the keys `keys` (global indices; each job's K/V rows start at
 /// `keys.start`); all jobs share the same shape.
-pub(crate) fn run(jobs: Vec<HeadJob<'_>>, n_q: usize, keys: Range<usize>) {
+pub(crate) fn run<T: Element, O: Element>(
+    jobs: Vec<HeadJob<'_, T, O>>,
+    n_q: usize,
+    keys: Range<usize>,
+) {
     let Some(first) = jobs.first() else { return };
     let (d_k, d_v) = (first.inputs.q.ncols(), first.inputs.v.ncols());
     let plan = TilePlan::for_shape(n_q, keys.len());
@@ -85,18 +90,21 @@ pub(crate) fn run(jobs: Vec<HeadJob<'_>>, n_q: usize, keys: Range<usize>) {
     }
     // Heaviest first (causal: the last query tiles), so no core idles at the end.
     tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
-    tasks.into_par_iter().for_each_init(
-        || Scratch::new(plan, d_k, d_v),
-        |scratch, task| {
+    tasks.into_par_iter().for_each(|task| {
+        Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
             scratch.attend(&task.inputs, task.rows.clone(), keys.clone());
             scratch.write_normalised(task.rows.len(), task.out, task.lse);
-        },
-    );
+        })
+    });
 }
 
 /// Split-KV: every (head, query tile, key chunk) is a task producing a partial state; the
 /// states of one tile are merged in chunk order, whatever thread computed them.
-fn run_split(jobs: Vec<HeadJob<'_>>, plan: TilePlan, chunks: &[Range<usize>]) {
+fn run_split<T: Element, O: Element>(
+    jobs: Vec<HeadJob<'_, T, O>>,
+    plan: TilePlan,
+    chunks: &[Range<usize>],
+) {
     let first = &jobs[0].inputs;
     let (n_q, d_k, d_v) = (first.q.nrows(), first.q.ncols(), first.v.ncols());
     let tiles = plan.query_tiles(n_q);
@@ -105,17 +113,16 @@ fn run_split(jobs: Vec<HeadJob<'_>>, plan: TilePlan, chunks: &[Range<usize>]) {
         .collect();
     let states: Vec<PartialState> = index
         .par_iter()
-        .map_init(
-            || Scratch::new(plan, d_k, d_v),
-            |scratch, &(j, t, c)| {
+        .map(|&(j, t, c)| {
+            Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
                 let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
                 scratch.attend(&jobs[j].inputs, rows.clone(), chunks[c].clone());
-                let mut out = Mat::zeros(rows.len(), d_v);
+                let mut out = Mat::<f32>::zeros(rows.len(), d_v);
                 let mut lse = vec![0.0; rows.len()];
                 scratch.write_normalised(rows.len(), out.as_mut(), Some(&mut lse));
                 PartialState::new(out, lse).expect("one LSE per row by construction")
-            },
-        )
+            })
+        })
         .collect();
     let mut states = states.into_iter();
     for job in jobs {
@@ -131,9 +138,13 @@ fn run_split(jobs: Vec<HeadJob<'_>>, plan: TilePlan, chunks: &[Range<usize>]) {
                     .merge_in_place(&next)
                     .expect("same tile shape by construction");
             }
-            out.as_mut()
-                .subrows_mut(rows.start, rows.len())
-                .copy_from(merged.output());
+            let mut dst = out.as_mut().subrows_mut(rows.start, rows.len());
+            let src = merged.output();
+            for c in 0..src.ncols() {
+                for i in 0..src.nrows() {
+                    dst[(i, c)] = O::from_f32(src[(i, c)]);
+                }
+            }
             if let Some(l) = lse.as_deref_mut() {
                 l[rows].copy_from_slice(merged.lse());
             }

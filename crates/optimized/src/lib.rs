@@ -29,6 +29,8 @@
 //! in a fixed rank order; the result is full attention, and it is bit-for-bit reproducible
 //! because the merge order is fixed.
 
+mod decode;
+mod element;
 mod grid;
 mod merge;
 mod multi_head;
@@ -44,6 +46,7 @@ pub use attn_core::{
     Tensor4Mut, Tensor4Ref,
 };
 use attn_core::{HeadMask, check_shape, validate_batch, validate_head};
+pub use element::Element;
 use faer::{Mat, MatMut, MatRef};
 pub use merge::PartialState;
 pub use multi_head::MultiHeadAttention;
@@ -53,14 +56,14 @@ pub use tile::{KEY_TILE, QUERY_TILE, TilePlan};
 use grid::HeadJob;
 use tile::HeadInputs;
 
-fn head_inputs<'a>(
-    q: MatRef<'a, f32>,
-    k: MatRef<'a, f32>,
-    v: MatRef<'a, f32>,
+fn head_inputs<'a, T>(
+    q: MatRef<'a, T>,
+    k: MatRef<'a, T>,
+    v: MatRef<'a, T>,
     key_base: usize,
     mask: HeadMask<'a>,
     scale: f32,
-) -> HeadInputs<'a> {
+) -> HeadInputs<'a, T> {
     HeadInputs {
         q,
         k,
@@ -84,12 +87,12 @@ fn head_inputs<'a>(
 /// assert!(lse.iter().all(|l| l.is_finite()));
 /// # Ok::<(), attn_optimized::Error>(())
 /// ```
-pub fn attention_into(
-    out: MatMut<'_, f32>,
+pub fn attention_into<T: Element, O: Element>(
+    out: MatMut<'_, O>,
     lse: Option<&mut [f32]>,
-    q: MatRef<'_, f32>,
-    k: MatRef<'_, f32>,
-    v: MatRef<'_, f32>,
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
     options: &Options<'_>,
 ) -> Result<()> {
     let shape = validate_head(q, k, v, options)?;
@@ -135,13 +138,13 @@ pub fn attention_into(
 /// let err = attention(q.as_ref(), k.as_ref(), k.as_ref(), &Options::default()).unwrap_err();
 /// assert_eq!(err.to_string(), "K has 5 columns but Q has 4 (d_k must match)");
 /// ```
-pub fn attention(
-    q: MatRef<'_, f32>,
-    k: MatRef<'_, f32>,
-    v: MatRef<'_, f32>,
+pub fn attention<T: Element>(
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
     options: &Options<'_>,
-) -> Result<Mat<f32>> {
-    let mut out = Mat::zeros(q.nrows(), v.ncols());
+) -> Result<Mat<T>> {
+    let mut out = zeros(q.nrows(), v.ncols());
     attention_into(out.as_mut(), None, q, k, v, options)?;
     Ok(out)
 }
@@ -158,13 +161,13 @@ pub fn attention(
 /// assert!((lse[0] - 3f32.ln()).abs() < 1e-6);
 /// # Ok::<(), attn_optimized::Error>(())
 /// ```
-pub fn attention_with_lse(
-    q: MatRef<'_, f32>,
-    k: MatRef<'_, f32>,
-    v: MatRef<'_, f32>,
+pub fn attention_with_lse<T: Element>(
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
     options: &Options<'_>,
-) -> Result<(Mat<f32>, Vec<f32>)> {
-    let mut out = Mat::zeros(q.nrows(), v.ncols());
+) -> Result<(Mat<T>, Vec<f32>)> {
+    let mut out = zeros(q.nrows(), v.ncols());
     let mut lse = vec![0.0; q.nrows()];
     attention_into(out.as_mut(), Some(&mut lse), q, k, v, options)?;
     Ok((out, lse))
@@ -187,10 +190,10 @@ pub fn attention_with_lse(
 /// assert!((merged.output()[(0, 0)] - full[(0, 0)]).abs() < 1e-6);
 /// # Ok::<(), attn_optimized::Error>(())
 /// ```
-pub fn partial_attention(
-    q: MatRef<'_, f32>,
-    k: MatRef<'_, f32>,
-    v: MatRef<'_, f32>,
+pub fn partial_attention<T: Element>(
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
     keys: Range<usize>,
     n_k_total: usize,
     options: &Options<'_>,
@@ -220,7 +223,7 @@ pub fn partial_attention(
     let scale = options.scale_for(shape.d_k)?;
     let mask = HeadMask::new(options, shape.n_q, n_k_total, options.key_length(0));
     let inputs = head_inputs(q, k, v, keys.start, mask, scale);
-    let mut out = Mat::zeros(shape.n_q, shape.d_v);
+    let mut out = Mat::<f32>::zeros(shape.n_q, shape.d_v);
     let mut lse = vec![f32::NEG_INFINITY; shape.n_q];
     let job = HeadJob {
         inputs,
@@ -245,32 +248,32 @@ pub fn partial_attention(
 /// assert_eq!(o.dims(), [2, 4, 3, 8]);
 /// # Ok::<(), attn_optimized::Error>(())
 /// ```
-pub fn attention_batched(
-    q: Tensor4Ref<'_, f32>,
-    k: Tensor4Ref<'_, f32>,
-    v: Tensor4Ref<'_, f32>,
+pub fn attention_batched<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
-) -> Result<Tensor4<f32>> {
+) -> Result<Tensor4<T>> {
     attention_batched_impl(q, k, v, options, false).map(|(o, _)| o)
 }
 
 /// [`attention_batched`] and the natural-log LSE of every row, `[batch][h_q][n_q]` flattened.
-pub fn attention_batched_with_lse(
-    q: Tensor4Ref<'_, f32>,
-    k: Tensor4Ref<'_, f32>,
-    v: Tensor4Ref<'_, f32>,
+pub fn attention_batched_with_lse<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
-) -> Result<(Tensor4<f32>, Vec<f32>)> {
+) -> Result<(Tensor4<T>, Vec<f32>)> {
     attention_batched_impl(q, k, v, options, true)
 }
 
-fn attention_batched_impl(
-    q: Tensor4Ref<'_, f32>,
-    k: Tensor4Ref<'_, f32>,
-    v: Tensor4Ref<'_, f32>,
+fn attention_batched_impl<T: Element, O: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
     with_lse: bool,
-) -> Result<(Tensor4<f32>, Vec<f32>)> {
+) -> Result<(Tensor4<O>, Vec<f32>)> {
     let shape = validate_batch(q, k, v, options)?;
     let (n_q, n_k, d_k, d_v) = (
         shape.head.n_q,
@@ -280,7 +283,7 @@ fn attention_batched_impl(
     );
     let scale = options.scale_for(d_k)?;
     let heads = shape.batch * shape.h_q;
-    let mut data = vec![0.0f32; heads * n_q * d_v];
+    let mut data = vec![O::from_f32(0.0); heads * n_q * d_v];
     let mut lse = vec![0.0f32; if with_lse { heads * n_q } else { 0 }];
     if n_q * d_v > 0 {
         let mut lse_chunks: Vec<Option<&mut [f32]>> = if with_lse && n_q > 0 {
@@ -326,11 +329,11 @@ fn attention_batched_impl(
 /// [`attention_batched`] written into a caller's view (any strides that do not overlap).
 /// The result is computed into a `[B,H,S,D]` buffer first and then copied, so the call
 /// holds one extra output's worth of memory.
-pub fn attention_batched_into(
-    mut out: Tensor4Mut<'_, f32>,
-    q: Tensor4Ref<'_, f32>,
-    k: Tensor4Ref<'_, f32>,
-    v: Tensor4Ref<'_, f32>,
+pub fn attention_batched_into<T: Element, O: Element>(
+    mut out: Tensor4Mut<'_, O>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<()> {
     let shape = validate_batch(q, k, v, options)?;
@@ -344,11 +347,20 @@ pub fn attention_batched_into(
             ),
         });
     }
-    let result = attention_batched(q, k, v, options)?;
+    let (result, _) = attention_batched_impl::<T, O>(q, k, v, options, false)?;
     for b in 0..shape.batch {
         for h in 0..shape.h_q {
-            out.head_mut(b, h)?.copy_from(result.as_ref().head(b, h)?);
+            let (mut dst, src) = (out.head_mut(b, h)?, result.as_ref().head(b, h)?);
+            for c in 0..src.ncols() {
+                for i in 0..src.nrows() {
+                    dst[(i, c)] = src[(i, c)];
+                }
+            }
         }
     }
     Ok(())
+}
+
+fn zeros<T: Element>(rows: usize, cols: usize) -> Mat<T> {
+    Mat::from_fn(rows, cols, |_, _| T::from_f32(0.0))
 }

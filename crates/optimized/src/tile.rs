@@ -1,12 +1,15 @@
 //! The tile loop of one task: a query tile stays in cache while key/value tiles stream
 //! past; scores, softmax and `P·V` never leave the task's scratch.
 
+use core::cell::RefCell;
 use core::ops::Range;
 
 use attn_core::{HeadMask, TileCoverage};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 
+use crate::decode::{DECODE_ROWS, accumulate, scores, softmax_row};
+use crate::element::{Element, f32_rows, row_slices};
 use crate::online_softmax::{RowState, scale_rows, softmax_update};
 
 /// Query rows per task (at most): the Q tile, the score tile and the accumulator of this
@@ -15,6 +18,9 @@ pub const QUERY_TILE: usize = 128;
 /// Keys per streamed tile: 512 amortises the per-block softmax bookkeeping and faer's
 /// per-call cost (measured best on Zen 4, DESIGN.md §5).
 pub const KEY_TILE: usize = 512;
+
+/// Keys per block in the row kernels.
+pub const ROW_BLOCK: usize = 512;
 
 /// Tile sizes for a problem; fixed by the shape alone, never by the thread count, so the
 /// result bits do not depend on how many threads run.
@@ -42,20 +48,22 @@ impl TilePlan {
 
 /// One head's operands, resolved: Q, and the K/V rows it may read.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct HeadInputs<'a> {
-    pub q: MatRef<'a, f32>,
+pub(crate) struct HeadInputs<'a, T> {
+    pub q: MatRef<'a, T>,
     /// Rows of K (and V) are keys `key_base ..` of the full problem.
-    pub k: MatRef<'a, f32>,
-    pub v: MatRef<'a, f32>,
+    pub k: MatRef<'a, T>,
+    pub v: MatRef<'a, T>,
     pub key_base: usize,
     pub mask: HeadMask<'a>,
     /// `scale · log2(e)`: scores come out in the log2 domain.
     pub scale_log2: f32,
 }
 
-/// Per-task working memory, allocated once per task and reused for every tile.
+/// Per-task working memory, reused for every tile of the task (and by the next task of the
+/// same shape on the same thread, see [`Scratch::with`]).
 #[derive(Debug)]
 pub(crate) struct Scratch {
+    key: (TilePlan, usize, usize, bool),
     plan: TilePlan,
     q: Vec<f32>,
     s: Vec<f32>,
@@ -64,12 +72,21 @@ pub(crate) struct Scratch {
     l: Vec<f32>,
     alpha: Vec<f32>,
     m_safe: Vec<f32>,
+    /// K and V tiles widened to f32 (empty for f32 inputs, which are read in place,
+    /// unless the tile is small enough for the row kernels, which always stream a copy).
+    k_wide: Vec<f32>,
+    v_wide: Vec<f32>,
+    /// Row-major accumulators of the row kernels.
+    acc_rows: Vec<f32>,
 }
 
 impl Scratch {
-    pub fn new(plan: TilePlan, d_k: usize, d_v: usize) -> Self {
+    pub fn new<T: Element>(plan: TilePlan, d_k: usize, d_v: usize) -> Self {
         let br = plan.br;
+        let rows_kernel = br <= DECODE_ROWS.next_multiple_of(8);
+        let wide = if T::WIDENS || rows_kernel { plan.bc } else { 0 };
         Self {
+            key: (plan, d_k, d_v, T::WIDENS),
             plan,
             q: vec![0.0; br * d_k],
             s: vec![0.0; br * plan.bc],
@@ -78,22 +95,56 @@ impl Scratch {
             l: vec![0.0; br],
             alpha: vec![0.0; br],
             m_safe: vec![0.0; br],
+            k_wide: vec![0.0; wide * d_k],
+            v_wide: vec![0.0; wide * d_v],
+            acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
         }
+    }
+
+    /// Runs `f` with a scratch for these sizes: the one the previous task of the same
+    /// shape left on this thread, or a new one. Fresh scratch costs page faults (hundreds
+    /// of KiB per task), which matter when tasks are short (decoding); a thread keeps at
+    /// most one scratch alive between calls.
+    pub fn with<T: Element, R>(
+        plan: TilePlan,
+        d_k: usize,
+        d_v: usize,
+        f: impl FnOnce(&mut Scratch) -> R,
+    ) -> R {
+        thread_local! {
+            static CACHE: RefCell<Option<Scratch>> = const { RefCell::new(None) };
+        }
+        let key = (plan, d_k, d_v, T::WIDENS);
+        let cached = CACHE
+            .with(|c| c.borrow_mut().take())
+            .filter(|s| s.key == key);
+        let mut scratch = cached.unwrap_or_else(|| Scratch::new::<T>(plan, d_k, d_v));
+        let result = f(&mut scratch);
+        CACHE.with(|c| *c.borrow_mut() = Some(scratch));
+        result
     }
 
     /// Runs the online softmax of query rows `rows` over the keys `keys` (global indices),
     /// leaving the unnormalised accumulator, maxima and sums in the scratch.
-    pub fn attend(&mut self, head: &HeadInputs<'_>, rows: Range<usize>, keys: Range<usize>) {
+    pub fn attend<T: Element>(
+        &mut self,
+        head: &HeadInputs<'_, T>,
+        rows: Range<usize>,
+        keys: Range<usize>,
+    ) {
         let TilePlan { br, bc } = self.plan;
         let nr = rows.len();
         let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
         debug_assert!(nr <= br);
+        if nr <= DECODE_ROWS && !self.acc_rows.is_empty() {
+            return self.attend_rows(head, rows, keys);
+        }
 
         // Q tile, scaled once, column-major.
         for c in 0..d_k {
             let col = &mut self.q[c * br..c * br + nr];
             for (i, x) in col.iter_mut().enumerate() {
-                *x = head.q[(rows.start + i, c)] * head.scale_log2;
+                *x = head.q[(rows.start + i, c)].to_f32() * head.scale_log2;
             }
         }
         self.acc.fill(0.0);
@@ -119,11 +170,12 @@ impl Scratch {
             {
                 let s_tile =
                     MatMut::from_column_major_slice_with_stride_mut(&mut self.s, nr, nc, br);
+                let k_tile = f32_rows(head.k, local..local + nc, &mut self.k_wide);
                 matmul(
                     s_tile,
                     Accum::Replace,
                     q_tile,
-                    head.k.subrows(local, nc).transpose(),
+                    k_tile.transpose(),
                     1.0,
                     Par::Seq,
                 );
@@ -145,19 +197,98 @@ impl Scratch {
             }
             let p = MatRef::from_column_major_slice_with_stride(&self.s, nr, nc, br);
             let acc = MatMut::from_column_major_slice_with_stride_mut(&mut self.acc, nr, d_v, br);
-            matmul(acc, Accum::Add, p, head.v.subrows(local, nc), 1.0, Par::Seq);
+            let v_tile = f32_rows(head.v, local..local + nc, &mut self.v_wide);
+            matmul(acc, Accum::Add, p, v_tile, 1.0, Par::Seq);
+        }
+    }
+
+    /// [`Scratch::attend`] for a tile of at most [`DECODE_ROWS`] queries: a dot product per
+    /// key instead of a GEMM, so the loop streams K and V at memory speed.
+    fn attend_rows<T: Element>(
+        &mut self,
+        head: &HeadInputs<'_, T>,
+        rows: Range<usize>,
+        keys: Range<usize>,
+    ) {
+        let TilePlan { br, bc } = self.plan;
+        let nr = rows.len();
+        let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
+        for (i, q) in self.q.chunks_exact_mut(d_k).take(nr).enumerate() {
+            for (c, x) in q.iter_mut().enumerate() {
+                *x = head.q[(rows.start + i, c)].to_f32() * head.scale_log2;
+            }
+        }
+        self.acc_rows.fill(0.0);
+        self.m[..nr].fill(f32::NEG_INFINITY);
+        self.l[..nr].fill(0.0);
+        let first = head.mask.key_range(rows.start).start.max(keys.start);
+        let last = head.mask.key_range(rows.end - 1).end.min(keys.end);
+        let mut j0 = first;
+        while j0 < last {
+            let cols = j0..(j0 + ROW_BLOCK).min(last);
+            j0 = cols.end;
+            let coverage = head.mask.tile_coverage(rows.clone(), cols.clone());
+            if coverage == TileCoverage::Hidden {
+                continue;
+            }
+            let (nc, local) = (cols.len(), cols.start - head.key_base);
+            // K pass, then V pass: each is one long sequential stream, which the hardware
+            // prefetcher follows at full bandwidth (interleaving K and V rows does not).
+            let mut k: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
+            row_slices(head.k, local..local + nc, &mut self.k_wide, &mut k);
+            for i in 0..nr {
+                let s = &mut self.s[i * bc..i * bc + nc];
+                scores(&self.q[i * d_k..(i + 1) * d_k], &k[..nc], s);
+                let row = rows.start + i;
+                if coverage == TileCoverage::Partial {
+                    let r = head.mask.key_range(row);
+                    for (j, x) in cols.clone().zip(s.iter_mut()) {
+                        if !r.contains(&j) {
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                if head.mask.has_elementwise() {
+                    for (j, x) in cols.clone().zip(s.iter_mut()) {
+                        mask_entry(x, head, row, j);
+                    }
+                }
+                self.alpha[i] = softmax_row(s, &mut self.m[i], &mut self.l[i]);
+            }
+            let mut v: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
+            row_slices(head.v, local..local + nc, &mut self.v_wide, &mut v);
+            for i in 0..nr {
+                let p = &self.s[i * bc..i * bc + nc];
+                accumulate(
+                    &mut self.acc_rows[i * d_v..(i + 1) * d_v],
+                    self.alpha[i],
+                    p,
+                    &v[..nc],
+                );
+            }
+        }
+        // Into the tile layout (column-major) that `write_normalised` reads.
+        for i in 0..nr {
+            for c in 0..d_v {
+                self.acc[c * br + i] = self.acc_rows[i * d_v + c];
+            }
         }
     }
 
     /// Writes `acc / l` for the tile's `rows` rows into `out`, and the natural-log LSE.
-    pub fn write_normalised(&self, rows: usize, mut out: MatMut<'_, f32>, lse: Option<&mut [f32]>) {
+    pub fn write_normalised<O: Element>(
+        &self,
+        rows: usize,
+        mut out: MatMut<'_, O>,
+        lse: Option<&mut [f32]>,
+    ) {
         let br = self.plan.br;
         for c in 0..out.ncols() {
             let acc = &self.acc[c * br..c * br + rows];
             for (i, &a) in acc.iter().enumerate() {
                 let l = self.l[i];
                 // l = 0 only when nothing was visible (acc is 0 too); a NaN l stays NaN.
-                out[(i, c)] = if l == 0.0 { 0.0 } else { a / l };
+                out[(i, c)] = O::from_f32(if l == 0.0 { 0.0 } else { a / l });
             }
         }
         if let Some(lse) = lse {
@@ -178,7 +309,13 @@ impl Scratch {
 }
 
 /// Hides the keys outside each row's structural range (diagonal and boundary tiles).
-fn mask_structural(s: &mut [f32], br: usize, head: &HeadInputs<'_>, rows: Range<usize>, cols: Range<usize>) {
+fn mask_structural<T>(
+    s: &mut [f32],
+    br: usize,
+    head: &HeadInputs<'_, T>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) {
     for (i, row) in rows.enumerate() {
         let r = head.mask.key_range(row);
         let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
@@ -189,24 +326,28 @@ fn mask_structural(s: &mut [f32], br: usize, head: &HeadInputs<'_>, rows: Range<
 }
 
 /// Applies boolean and additive masks entry by entry.
-fn mask_elementwise(
+fn mask_elementwise<T>(
     s: &mut [f32],
     br: usize,
-    head: &HeadInputs<'_>,
+    head: &HeadInputs<'_, T>,
     rows: Range<usize>,
     cols: Range<usize>,
 ) {
-    let log2e = core::f32::consts::LOG2_E;
     for j in cols.clone() {
         let col = &mut s[(j - cols.start) * br..];
         for (i, row) in rows.clone().enumerate() {
-            if let Some(b) = head.mask.boolean()
-                && !b.allows(row, j)
-            {
-                col[i] = f32::NEG_INFINITY;
-            } else if let Some(a) = head.mask.additive() {
-                col[i] += a[(row, j)] * log2e;
-            }
+            mask_entry(&mut col[i], head, row, j);
         }
+    }
+}
+
+/// Applies the boolean and additive masks to the score of query `row` and key `j`.
+fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
+    if let Some(b) = head.mask.boolean()
+        && !b.allows(row, j)
+    {
+        *x = f32::NEG_INFINITY;
+    } else if let Some(a) = head.mask.additive() {
+        *x += a[(row, j)] * core::f32::consts::LOG2_E;
     }
 }

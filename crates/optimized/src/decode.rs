@@ -1,0 +1,229 @@
+//! Kernels for tiles of very few queries (decoding: one new token per head).
+//!
+//! With one query the score "tile" is a single row and a GEMM degenerates into a
+//! matrix-vector product that is bound by reading K and V from memory. These kernels keep
+//! that loop streaming: one dot product per key, the online softmax along the row
+//! (vectorised across keys), and `acc += p_j · v_j` across the value width.
+
+use pulp::{Arch, Simd, WithSimd};
+
+use crate::exp::{exp2_approx, multiversion};
+use crate::online_softmax::LAZY_RESCALE_LOG2;
+
+/// Tiles with at most this many queries use the row kernels instead of GEMM tiles.
+pub const DECODE_ROWS: usize = 4;
+
+const LANES: usize = 16;
+
+/// Keys whose dot products run side by side: independent FMA chains hide the FMA
+/// latency that a single running sum would wait on.
+const KEYS_AT_ONCE: usize = 8;
+
+struct Scores<'a> {
+    q: &'a [f32],
+    k: &'a [&'a [f32]],
+    out: &'a mut [f32],
+}
+
+impl WithSimd for Scores<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        let d = self.q.len();
+        let (qh, qt) = S::as_simd_f32s(self.q);
+        let tail_dot = |row: &[f32]| -> f32 {
+            qt.iter()
+                .zip(&row[d - qt.len()..d])
+                .map(|(x, y)| x * y)
+                .sum()
+        };
+        let mut groups = self.k.chunks_exact(KEYS_AT_ONCE);
+        let mut outs = self.out.chunks_exact_mut(KEYS_AT_ONCE);
+        for (group, out) in (&mut groups).zip(&mut outs) {
+            // A constant trip count keeps the eight accumulators in registers.
+            let rows: [&[S::f32s]; KEYS_AT_ONCE] =
+                core::array::from_fn(|r| S::as_simd_f32s(&group[r][..d]).0);
+            let mut acc = [simd.splat_f32s(0.0); KEYS_AT_ONCE];
+            for (c, &qc) in qh.iter().enumerate() {
+                for r in 0..KEYS_AT_ONCE {
+                    acc[r] = simd.mul_add_e_f32s(qc, rows[r][c], acc[r]);
+                }
+            }
+            for r in 0..KEYS_AT_ONCE {
+                out[r] = simd.reduce_sum_f32s(acc[r]) + tail_dot(group[r]);
+            }
+        }
+        for (row, o) in groups.remainder().iter().zip(outs.into_remainder()) {
+            let (rh, _) = S::as_simd_f32s(&row[..d]);
+            let mut acc = simd.splat_f32s(0.0);
+            for (&x, &y) in qh.iter().zip(rh) {
+                acc = simd.mul_add_e_f32s(x, y, acc);
+            }
+            *o = simd.reduce_sum_f32s(acc) + tail_dot(row);
+        }
+    }
+}
+
+/// `out[j] = q · k[j]` for a block of key rows (read in place, wherever they live).
+pub(crate) fn scores(q: &[f32], k: &[&[f32]], out: &mut [f32]) {
+    Arch::new().dispatch(Scores { q, k, out });
+}
+
+#[inline(always)]
+fn softmax_row_body<const FMA: bool>(s: &mut [f32], m: &mut f32, l: &mut f32) -> f32 {
+    let mut block = [f32::NEG_INFINITY; LANES];
+    let chunks = s.chunks_exact(LANES);
+    for x in chunks.remainder() {
+        block[0] = if *x > block[0] { *x } else { block[0] };
+    }
+    for c in chunks {
+        for t in 0..LANES {
+            block[t] = if c[t] > block[t] { c[t] } else { block[t] };
+        }
+    }
+    let block = block
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    let mut alpha = 1.0;
+    if block > *m + LAZY_RESCALE_LOG2 {
+        alpha = exp2_approx::<FMA>(*m - block);
+        *m = block;
+    }
+    let m_safe = if *m == f32::NEG_INFINITY { 0.0 } else { *m };
+    let mut sums = [0.0f32; LANES];
+    let mut chunks = s.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for t in 0..LANES {
+            c[t] = exp2_approx::<FMA>(c[t] - m_safe);
+            sums[t] += c[t];
+        }
+    }
+    for (t, x) in chunks.into_remainder().iter_mut().enumerate() {
+        *x = exp2_approx::<FMA>(*x - m_safe);
+        sums[t] += *x;
+    }
+    *l = *l * alpha + sums.iter().sum::<f32>();
+    alpha
+}
+
+multiversion! {
+    /// The online-softmax step along one row of scores (log2 domain): updates the
+    /// reference maximum `m` lazily and the sum `l`, replaces the scores by `2^(s − m)`,
+    /// and returns the factor the row's accumulator must be scaled by.
+    pub(crate) fn softmax_row(s: &mut [f32], m: &mut f32, l: &mut f32) -> f32 = softmax_row_body
+}
+
+/// Value vectors held in registers while the rows of a block stream past.
+const VECTORS_AT_ONCE: usize = 8;
+
+struct Accumulate<'a> {
+    acc: &'a mut [f32],
+    alpha: f32,
+    p: &'a [f32],
+    v: &'a [&'a [f32]],
+}
+
+impl WithSimd for Accumulate<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        let Accumulate { acc, alpha, p, v } = self;
+        let d = acc.len();
+        if alpha != 1.0 {
+            for a in acc.iter_mut() {
+                *a *= alpha;
+            }
+        }
+        let (head, tail) = S::as_mut_simd_f32s(acc);
+        let head_len = head.len();
+        // Blocks of 8 vectors live in registers while every row adds into them, so rows
+        // do not wait on each other through memory (a constant trip count keeps them there).
+        let mut blocks = head.chunks_exact_mut(VECTORS_AT_ONCE);
+        for (b, regs_mem) in (&mut blocks).enumerate() {
+            let mut regs: [S::f32s; VECTORS_AT_ONCE] = core::array::from_fn(|u| regs_mem[u]);
+            for (&pj, row) in p.iter().zip(v) {
+                let pj = simd.splat_f32s(pj);
+                let row =
+                    &S::as_simd_f32s(&row[..d]).0[b * VECTORS_AT_ONCE..(b + 1) * VECTORS_AT_ONCE];
+                for u in 0..VECTORS_AT_ONCE {
+                    regs[u] = simd.mul_add_e_f32s(pj, row[u], regs[u]);
+                }
+            }
+            regs_mem.copy_from_slice(&regs);
+        }
+        let rest = blocks.into_remainder();
+        let done = head_len - rest.len();
+        for (u, reg_mem) in rest.iter_mut().enumerate() {
+            let mut reg = *reg_mem;
+            for (&pj, row) in p.iter().zip(v) {
+                reg = simd.mul_add_e_f32s(
+                    simd.splat_f32s(pj),
+                    S::as_simd_f32s(&row[..d]).0[done + u],
+                    reg,
+                );
+            }
+            *reg_mem = reg;
+        }
+        let start = d - tail.len();
+        for (&pj, row) in p.iter().zip(v) {
+            for (a, &x) in tail.iter_mut().zip(&row[start..d]) {
+                *a += pj * x;
+            }
+        }
+    }
+}
+
+/// `acc = alpha·acc + Σ_j p_j · v[j]` over a block of value rows.
+pub(crate) fn accumulate(acc: &mut [f32], alpha: f32, p: &[f32], v: &[&[f32]]) {
+    Arch::new().dispatch(Accumulate { acc, alpha, p, v });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scores_are_dot_products() {
+        let d = 37;
+        let q: Vec<f32> = (0..d).map(|i| i as f32 * 0.1).collect();
+        let k: Vec<f32> = (0..3 * d).map(|i| (i % 7) as f32 - 3.0).collect();
+        let mut out = [0.0f32; 3];
+        let rows: Vec<&[f32]> = k.chunks_exact(d).collect();
+        scores(&q, &rows, &mut out);
+        for j in 0..3 {
+            let want: f32 = (0..d).map(|c| q[c] * k[j * d + c]).sum();
+            assert!((out[j] - want).abs() < 1e-4, "{} vs {want}", out[j]);
+        }
+    }
+
+    #[test]
+    fn row_softmax_in_two_blocks_matches_one_pass() {
+        let s: Vec<f32> = (0..40)
+            .map(|j| ((j * 13) % 17) as f32 * 0.9 - 4.0)
+            .collect();
+        let v: Vec<f32> = (0..40).map(|j| j as f32).collect();
+        let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, [0.0f32]);
+        for block in [0..21, 21..40] {
+            let mut p = s[block.clone()].to_vec();
+            let alpha = softmax_row(&mut p, &mut m, &mut l);
+            let rows: Vec<&[f32]> = v[block].chunks_exact(1).collect();
+            accumulate(&mut acc, alpha, &p, &rows);
+        }
+        let mx = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let w: Vec<f64> = s.iter().map(|&x| (x as f64 - mx).exp2()).collect();
+        let want =
+            w.iter().zip(&v).map(|(w, v)| w * *v as f64).sum::<f64>() / w.iter().sum::<f64>();
+        assert!((acc[0] as f64 / l as f64 - want).abs() < 1e-4);
+    }
+
+    #[test]
+    fn hidden_row_stays_empty() {
+        let mut p = vec![f32::NEG_INFINITY; 20];
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);
+        softmax_row(&mut p, &mut m, &mut l);
+        assert_eq!(l, 0.0);
+        assert!(p.iter().all(|&x| x == 0.0));
+    }
+}

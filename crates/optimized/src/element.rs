@@ -1,0 +1,334 @@
+//! Storage types the engine reads and writes: f32, and f16/bf16 with f32 compute.
+//!
+//! Half-precision inputs are storage only: each K/V tile is widened to f32 once per visit
+//! into the task's scratch (a vectorised conversion, F16C / AVX-512 for f16, a 16-bit
+//! shift for bf16), Q once per query tile; scores, softmax state and accumulators are
+//! f32, and the probabilities are not rounded before `P·V`.
+
+use core::ops::Range;
+
+use faer::MatRef;
+use half::{bf16, f16};
+
+use crate::exp::multiversion;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type the engine takes as input or writes as output.
+///
+/// ```
+/// use attn_optimized::Element;
+/// let x = half::bf16::from_f32(1.5);
+/// assert_eq!(x.to_f32(), 1.5);
+/// let mut wide = [0.0f32; 3];
+/// half::f16::widen(&[half::f16::ONE, half::f16::MAX, half::f16::NEG_INFINITY], &mut wide);
+/// assert_eq!(wide, [1.0, 65504.0, f32::NEG_INFINITY]);
+/// ```
+pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
+    /// Short name for reports (`"f32"`, `"f16"`, `"bf16"`).
+    const NAME: &'static str;
+    /// Whether tiles must be widened to f32 before the GEMMs (false for f32 itself).
+    const WIDENS: bool = true;
+    /// Widens to f32 (exact).
+    fn to_f32(self) -> f32;
+    /// Rounds an f32 to this type (to nearest, ties to even).
+    fn from_f32(x: f32) -> Self;
+    /// Widens `src` into `dst[..src.len()]`, vectorised.
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Widens rows of equal length `d` into consecutive `d`-float chunks of `dst`, with
+    /// one CPU dispatch for the whole block.
+    fn widen_rows(src: &[&[Self]], d: usize, dst: &mut [f32]) {
+        for (row, out) in src.iter().zip(dst.chunks_exact_mut(d.max(1))) {
+            Self::widen(row, out);
+        }
+    }
+    /// The same view as f32 when no conversion is needed (f32 itself).
+    fn as_f32(m: MatRef<'_, Self>) -> Option<MatRef<'_, f32>>;
+}
+
+impl Element for f32 {
+    const NAME: &'static str = "f32";
+    const WIDENS: bool = false;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst[..src.len()].copy_from_slice(src);
+    }
+    fn as_f32(m: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
+        Some(m)
+    }
+}
+
+impl Element for f16 {
+    const NAME: &'static str = "f16";
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        widen_f16(src, &mut dst[..src.len()]);
+    }
+    fn widen_rows(src: &[&[Self]], d: usize, dst: &mut [f32]) {
+        widen_f16_rows(src, d, dst);
+    }
+    fn as_f32(_: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
+        None
+    }
+}
+
+impl Element for bf16 {
+    const NAME: &'static str = "bf16";
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        widen_bf16(src, &mut dst[..src.len()]);
+    }
+    fn widen_rows(src: &[&[Self]], d: usize, dst: &mut [f32]) {
+        widen_bf16_rows(src, d, dst);
+    }
+    fn as_f32(_: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
+        None
+    }
+}
+
+#[inline(always)]
+fn widen_bf16_body<const FMA: bool>(src: &[bf16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+    }
+}
+
+multiversion! {
+    /// bf16 → f32 is the bf16 bits in the top half of the f32: a shift LLVM vectorises.
+    fn widen_bf16(src: &[bf16], dst: &mut [f32]) = widen_bf16_body
+}
+
+#[inline(always)]
+fn widen_bf16_rows_body<const FMA: bool>(src: &[&[bf16]], d: usize, dst: &mut [f32]) {
+    for (row, out) in src.iter().zip(dst.chunks_exact_mut(d.max(1))) {
+        widen_bf16_body::<FMA>(row, out);
+    }
+}
+
+multiversion! {
+    /// [`widen_bf16`] over a block of rows.
+    fn widen_bf16_rows(src: &[&[bf16]], d: usize, dst: &mut [f32]) = widen_bf16_rows_body
+}
+
+/// f16 rows → f32 with one CPU dispatch for the block.
+fn widen_f16_rows(src: &[&[f16]], d: usize, dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") {
+            // SAFETY: AVX-512F was detected on this CPU.
+            return unsafe { x86::widen_f16_rows_avx512(src, d, dst) };
+        }
+    }
+    for (row, out) in src.iter().zip(dst.chunks_exact_mut(d.max(1))) {
+        widen_f16(row, out);
+    }
+}
+
+/// f16 → f32 with `vcvtph2ps` (AVX-512: 16 lanes, F16C: 8 lanes) where the CPU has it.
+fn widen_f16(src: &[f16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") {
+            // SAFETY: AVX-512F was detected on this CPU.
+            done = unsafe { x86::widen_f16_avx512(&src[..n], &mut dst[..n]) };
+        } else if has!("f16c") && has!("avx") {
+            // SAFETY: F16C and AVX were detected on this CPU.
+            done = unsafe { x86::widen_f16_f16c(&src[..n], &mut dst[..n]) };
+        }
+    }
+    for (d, s) in dst[done..n].iter_mut().zip(&src[done..n]) {
+        *d = s.to_f32();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use core::arch::x86_64::*;
+
+    use half::f16;
+
+    /// Widens each row into its `d`-float chunk of `dst`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn widen_f16_rows_avx512(src: &[&[f16]], d: usize, dst: &mut [f32]) {
+        for (row, out) in src.iter().zip(dst.chunks_exact_mut(d.max(1))) {
+            let n = row.len().min(out.len());
+            let done = widen_f16_avx512(&row[..n], &mut out[..n]);
+            for (o, h) in out[done..n].iter_mut().zip(&row[done..n]) {
+                *o = h.to_f32();
+            }
+        }
+    }
+
+    /// Converts the first `16·⌊n/16⌋` elements; returns how many.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn widen_f16_avx512(src: &[f16], dst: &mut [f32]) -> usize {
+        let blocks = src.len().min(dst.len()) / 16;
+        for b in 0..blocks {
+            // SAFETY: elements b·16 .. b·16+16 are in bounds of both slices (b < blocks),
+            // f16 is a 16-bit `repr(transparent)` type, and unaligned loads/stores are used.
+            unsafe {
+                let h = _mm256_loadu_si256(src.as_ptr().add(b * 16).cast::<__m256i>());
+                _mm512_storeu_ps(dst.as_mut_ptr().add(b * 16), _mm512_cvtph_ps(h));
+            }
+        }
+        blocks * 16
+    }
+
+    /// Converts the first `8·⌊n/8⌋` elements; returns how many.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) fn widen_f16_f16c(src: &[f16], dst: &mut [f32]) -> usize {
+        let blocks = src.len().min(dst.len()) / 8;
+        for b in 0..blocks {
+            // SAFETY: elements b·8 .. b·8+8 are in bounds of both slices (b < blocks), f16 is
+            // a 16-bit `repr(transparent)` type, and unaligned loads/stores are used.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(b * 8).cast::<__m128i>());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(b * 8), _mm256_cvtph_ps(h));
+            }
+        }
+        blocks * 8
+    }
+}
+
+/// Slices of rows `rows` of `m` as f32: in place for f32 rows that are contiguous, else
+/// widened (or copied) into `buf`. `out` receives one slice per row.
+pub(crate) fn row_slices<'a, T: Element>(
+    m: MatRef<'a, T>,
+    rows: Range<usize>,
+    buf: &'a mut [f32],
+    out: &mut [&'a [f32]],
+) {
+    let d = m.ncols();
+    if let Some(m) = T::as_f32(m)
+        && (rows.is_empty() || m.row(rows.start).try_as_row_major().is_some())
+    {
+        for (slot, r) in out.iter_mut().zip(rows) {
+            *slot = m
+                .row(r)
+                .try_as_row_major()
+                .map_or(&[][..], |row| row.as_slice());
+        }
+        return;
+    }
+    let n = rows.len();
+    let wide = widen_rows(m, rows, buf);
+    for (slot, row) in out.iter_mut().zip(wide.chunks_exact(d.max(1)).take(n)) {
+        *slot = &row[..d];
+    }
+}
+
+/// Rows `rows` of `m` widened (or copied) into `buf` as a contiguous row-major block.
+pub(crate) fn widen_rows<'a, T: Element>(
+    m: MatRef<'_, T>,
+    rows: Range<usize>,
+    buf: &'a mut [f32],
+) -> &'a [f32] {
+    const GROUP: usize = 64;
+    let (n, d) = (rows.len(), m.ncols());
+    let contiguous = n == 0 || m.row(rows.start).try_as_row_major().is_some();
+    for (g, dst) in (rows.start..rows.end)
+        .step_by(GROUP)
+        .zip(buf.chunks_mut(GROUP * d.max(1)))
+    {
+        let group = g..(g + GROUP).min(rows.end);
+        if contiguous {
+            let mut src: [&[T]; GROUP] = [&[]; GROUP];
+            for (slot, r) in src.iter_mut().zip(group.clone()) {
+                *slot = m
+                    .row(r)
+                    .try_as_row_major()
+                    .map_or(&[][..], |row| row.as_slice());
+            }
+            T::widen_rows(&src[..group.len()], d, dst);
+        } else {
+            for (r, out) in group.zip(dst.chunks_exact_mut(d.max(1))) {
+                for (c, x) in out.iter_mut().enumerate() {
+                    *x = m[(r, c)].to_f32();
+                }
+            }
+        }
+    }
+    &buf[..n * d]
+}
+
+/// An f32 view of rows `rows` of `m`: `m` itself for f32, else a row-major copy widened
+/// into `buf` (which must hold `rows.len() · m.ncols()` floats).
+pub(crate) fn f32_rows<'a, T: Element>(
+    m: MatRef<'a, T>,
+    rows: Range<usize>,
+    buf: &'a mut [f32],
+) -> MatRef<'a, f32> {
+    let (n, d) = (rows.len(), m.ncols());
+    if let Some(m) = T::as_f32(m) {
+        return m.subrows(rows.start, n);
+    }
+    MatRef::from_row_major_slice(widen_rows(m, rows, buf), n, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_widening_is_exact_for_every_bit_pattern() {
+        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        let mut wide = vec![0.0f32; all.len()];
+        f16::widen(&all, &mut wide);
+        for (h, w) in all.iter().zip(&wide) {
+            let want = h.to_f32();
+            assert!(
+                w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
+                "{h:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_widening_is_exact_for_every_bit_pattern() {
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut wide = vec![0.0f32; all.len()];
+        bf16::widen(&all, &mut wide);
+        for (h, w) in all.iter().zip(&wide) {
+            let want = h.to_f32();
+            assert!(
+                w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
+                "{h:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn strided_rows_are_widened_too() {
+        let data: Vec<f16> = (0..24).map(|x| f16::from_f32(x as f32)).collect();
+        // Column-major 4×6: rows are not contiguous.
+        let m = MatRef::from_column_major_slice(&data, 4, 6);
+        let mut buf = vec![0.0f32; 2 * 6];
+        let v = f32_rows(m, 1..3, &mut buf);
+        assert_eq!(v[(1, 5)], 22.0);
+    }
+}

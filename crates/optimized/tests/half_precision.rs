@@ -1,0 +1,203 @@
+//! f16 and bf16 storage with f32 compute, against the f64 reference on the same
+//! half-rounded inputs.
+
+use attn_optimized::{
+    BoolMask, Causal, Element, Layout, Options, SlidingWindow, Tensor4Ref, attention,
+    attention_batched, attention_into, attention_with_lse,
+};
+use faer::{Mat, MatRef};
+use half::{bf16, f16};
+
+fn mat<T: Element>(rows: usize, cols: usize, seed: u64, amp: f32) -> Mat<T> {
+    let mut s = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(0xD1B5_4A32_D192_ED03);
+    Mat::from_fn(rows, cols, |_, _| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        T::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp)
+    })
+}
+
+fn max_abs<T: Element>(m: MatRef<'_, T>) -> f32 {
+    let mut x = 0.0f32;
+    for j in 0..m.ncols() {
+        for i in 0..m.nrows() {
+            x = x.max(m[(i, j)].to_f32().abs());
+        }
+    }
+    x
+}
+
+/// The f32 engine bound (see tests/equivalence.rs) plus the rounding of each output to
+/// the storage type: `|fl(o) − o| ≤ u_T·|o|`.
+fn check<T: Element + attn_reference::Element>(
+    q: &Mat<T>,
+    k: &Mat<T>,
+    v: &Mat<T>,
+    opts: &Options<'_>,
+    unit: f64,
+    what: &str,
+) {
+    let o = attention(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
+    let mut o32 = Mat::<f32>::zeros(q.nrows(), v.ncols());
+    attention_into(o32.as_mut(), None, q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
+    let r =
+        attn_reference::attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
+    let u = f64::from(f32::EPSILON) / 2.0;
+    let scale = opts.scale_for(q.ncols()).unwrap();
+    let s_max = f64::from(scale * max_abs(q.as_ref()) * max_abs(k.as_ref())) * q.ncols() as f64;
+    let f32_tol = f64::from(max_abs(v.as_ref()))
+        * u
+        * (4.0 * (q.ncols() as f64 + 4.0) * s_max + 2.0 * k.nrows() as f64 + 64.0);
+    for i in 0..q.nrows() {
+        for c in 0..v.ncols() {
+            let want = r.output[(i, c)];
+            let e32 = (f64::from(o32[(i, c)]) - want).abs();
+            assert!(
+                e32 <= f32_tol,
+                "{what} f32 out ({i},{c}): {} vs {want} (err {e32:e} > {f32_tol:e})",
+                o32[(i, c)]
+            );
+            let e = (f64::from(o[(i, c)].to_f32()) - want).abs();
+            let tol = f32_tol + unit * want.abs();
+            assert!(
+                e <= tol,
+                "{what} ({i},{c}): {} vs {want} (err {e:e} > {tol:e})",
+                o[(i, c)].to_f32()
+            );
+        }
+    }
+}
+
+fn every_mask_kind<T: Element + attn_reference::Element>(unit: f64, name: &str) {
+    for (t, &(n_q, n_k, d_k, d_v)) in [
+        (1, 1, 1, 1),
+        (129, 513, 64, 64),
+        (300, 1100, 8, 16),
+        (3, 3000, 128, 128),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (q, k, v) = (
+            mat::<T>(n_q, d_k, t as u64, 2.0),
+            mat::<T>(n_k, d_k, 10 + t as u64, 2.0),
+            mat::<T>(n_k, d_v, 20 + t as u64, 1.0),
+        );
+        let allow = Mat::from_fn(n_q, n_k, |i, j| (i * 31 + j * 17) % 7 != 0);
+        let add = Mat::from_fn(n_q, n_k, |i, j| {
+            if (i + j) % 13 == 0 {
+                f32::NEG_INFINITY
+            } else {
+                ((i + 2 * j) % 5) as f32 * 0.2
+            }
+        });
+        let cases = [
+            Options::default(),
+            Options::default().with_causal(Causal::TopLeft),
+            Options::default().with_causal(Causal::BottomRight),
+            Options::default().with_window(SlidingWindow::new(
+                Some(40),
+                Some(3),
+                Causal::BottomRight,
+            )),
+            Options::default().with_key_length(n_k - n_k / 4),
+            Options::default().with_bool_mask(BoolMask::block(allow.as_ref())),
+            Options::default()
+                .with_additive_mask(add.as_ref())
+                .with_causal(Causal::BottomRight),
+        ];
+        for (c, opts) in cases.iter().enumerate() {
+            check(
+                &q,
+                &k,
+                &v,
+                opts,
+                unit,
+                &format!("{name} case {c} shape {t}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn f16_matches_reference_on_rounded_inputs_for_every_mask() {
+    every_mask_kind::<f16>(2f64.powi(-11), "f16");
+}
+
+#[test]
+fn bf16_matches_reference_on_rounded_inputs_for_every_mask() {
+    every_mask_kind::<bf16>(2f64.powi(-8), "bf16");
+}
+
+#[test]
+fn f16_near_its_range_does_not_overflow_inside() {
+    // |x| up to 6e4: the scores (≈ 1e11) only exist in f32, where they are finite.
+    let (q, k, v) = (
+        mat::<f16>(40, 64, 1, 6.0e4),
+        mat::<f16>(200, 64, 2, 6.0e4),
+        mat::<f16>(200, 32, 3, 6.0e4),
+    );
+    let (o, lse) =
+        attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &Options::default()).unwrap();
+    assert!(lse.iter().all(|l| l.is_finite()));
+    assert!((0..40).all(|i| (0..32).all(|c| o[(i, c)].is_finite())));
+    check(
+        &q,
+        &k,
+        &v,
+        &Options::default(),
+        2f64.powi(-11),
+        "f16 near range",
+    );
+}
+
+#[test]
+fn half_nan_and_inf_touch_only_their_rows() {
+    let (mut q, k, v) = (
+        mat::<f16>(200, 16, 1, 1.0),
+        mat::<f16>(300, 16, 2, 1.0),
+        mat::<f16>(300, 8, 3, 1.0),
+    );
+    q[(7, 3)] = f16::NAN;
+    q[(150, 0)] = f16::INFINITY;
+    let o = attention(q.as_ref(), k.as_ref(), v.as_ref(), &Options::default()).unwrap();
+    for i in 0..200 {
+        let finite = (0..8).all(|c| o[(i, c)].is_finite());
+        assert_eq!(finite, i != 7 && i != 150, "row {i}");
+    }
+}
+
+#[test]
+fn half_batched_gqa_both_layouts() {
+    let (b, hq, hkv, n_q, n_k, d) = (2, 4, 2, 70, 150, 32);
+    let data = |len: usize, seed: u64| -> Vec<bf16> {
+        mat::<bf16>(1, len, seed, 1.0)
+            .row(0)
+            .iter()
+            .copied()
+            .collect()
+    };
+    let (qd, kd, vd) = (
+        data(b * hq * n_q * d, 1),
+        data(b * hkv * n_k * d, 2),
+        data(b * hkv * n_k * d, 3),
+    );
+    let opts = Options::default().with_causal(Causal::BottomRight);
+    for layout in [Layout::Bhsd, Layout::Bshd] {
+        let q = Tensor4Ref::from_layout(&qd, [b, hq, n_q, d], layout).unwrap();
+        let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], layout).unwrap();
+        let v = Tensor4Ref::from_layout(&vd, [b, hkv, n_k, d], layout).unwrap();
+        let got = attention_batched(q, k, v, &opts).unwrap();
+        let want = attn_reference::attention_batched(q, k, v, &opts).unwrap();
+        for (g, w) in got.as_slice().iter().zip(want.as_slice()) {
+            // Both sides are rounded to bf16: they may differ by one bf16 ulp (2^-7 relative).
+            assert!(
+                (g.to_f32() - w.to_f32()).abs() <= 2e-5 + w.to_f32().abs() * 2f32.powi(-7),
+                "{layout:?}"
+            );
+        }
+    }
+}
