@@ -97,6 +97,14 @@ pub enum Error {
         /// How many there are.
         len: usize,
     },
+    /// An option that this entry point cannot honour.
+    #[error("{operand}: {reason}")]
+    Unsupported {
+        /// The option or operand.
+        operand: &'static str,
+        /// Why it is not accepted here, and what to use instead.
+        reason: &'static str,
+    },
     /// Appending would exceed a fixed capacity.
     #[error("{what}: {requested} exceeds the capacity of {capacity}")]
     Capacity {

@@ -15,53 +15,74 @@ const MIN_TASKS: usize = 8;
 /// Keys per chunk when splitting; fixed, so the split depends on the shape alone.
 pub const SPLIT_KEYS: usize = 1024;
 
-/// One head to compute: its inputs and where its output (and LSE) go.
+/// Whether heads with few query tiles also split their keys across tasks (flash-decoding).
+///
+/// ```
+/// assert_eq!(attn_optimized::SplitKv::default(), attn_optimized::SplitKv::Auto);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SplitKv {
+    /// Split when the grid has fewer than 8 (head, query tile) tasks and a head has more
+    /// than 1024 keys: chunks of 1024 keys, merged in order. Depends on the shape only.
+    #[default]
+    Auto,
+    /// Never split: one task per (head, query tile).
+    Never,
+}
+
+/// One head to compute: its inputs, the keys it attends (global indices; its K/V rows
+/// start at `keys.start`), and where its output (and LSE) go.
 pub(crate) struct HeadJob<'a, T, O> {
     pub inputs: HeadInputs<'a, T>,
+    pub keys: Range<usize>,
     pub out: MatMut<'a, O>,
     pub lse: Option<&'a mut [f32]>,
 }
 
 struct TileTask<'a, T, O> {
     inputs: HeadInputs<'a, T>,
+    keys: Range<usize>,
     rows: Range<usize>,
     out: MatMut<'a, O>,
     lse: Option<&'a mut [f32]>,
     work: usize,
 }
 
-/// The key range split into chunks when a grid of `tasks` tasks needs splitting, else
-/// one chunk.
-fn key_chunks(tasks: usize, keys: Range<usize>) -> Vec<Range<usize>> {
-    if tasks >= MIN_TASKS || keys.len() <= SPLIT_KEYS {
-        return vec![keys];
-    }
+fn chunked(keys: Range<usize>) -> Vec<Range<usize>> {
     keys.clone()
         .step_by(SPLIT_KEYS)
         .map(|s| s..(s + SPLIT_KEYS).min(keys.end))
         .collect()
 }
 
-/// Runs every job over the keys `keys` (global indices; each job's K/V rows start at
-/// `keys.start`); all jobs share the same shape.
+fn split_lse<'a>(lse: &mut Option<&'a mut [f32]>, n: usize) -> Option<&'a mut [f32]> {
+    let l = lse.take()?;
+    let (a, b) = l.split_at_mut(n);
+    *lse = Some(b);
+    Some(a)
+}
+
+/// Runs every job; all jobs share `n_q`, `d_k` and `d_v` (their key counts may differ).
 pub(crate) fn run<T: Element, O: Element>(
     jobs: Vec<HeadJob<'_, T, O>>,
     n_q: usize,
-    keys: Range<usize>,
+    split: SplitKv,
 ) {
     let Some(first) = jobs.first() else { return };
     let (d_k, d_v) = (first.inputs.q.ncols(), first.inputs.v.ncols());
-    let plan = TilePlan::for_shape(n_q, keys.len());
+    let n_k = jobs.iter().map(|j| j.keys.len()).max().unwrap_or(0);
+    let plan = TilePlan::for_shape(n_q, n_k);
     let tiles_per_head = plan.query_tiles(n_q);
-    let chunks = key_chunks(jobs.len() * tiles_per_head, keys.clone());
-    if chunks.len() > 1 {
-        return run_split(jobs, plan, &chunks);
+    let few = jobs.len() * tiles_per_head < MIN_TASKS;
+    if split == SplitKv::Auto && few && jobs.iter().any(|j| j.keys.len() > SPLIT_KEYS) {
+        return run_split(jobs, plan, n_q);
     }
 
     let mut tasks = Vec::with_capacity(jobs.len() * tiles_per_head);
     for job in jobs {
         let HeadJob {
             inputs,
+            keys,
             mut out,
             mut lse,
         } = job;
@@ -69,21 +90,15 @@ pub(crate) fn run<T: Element, O: Element>(
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let (tile, rest) = out.split_at_row_mut(rows.len());
             out = rest;
-            let lse_tile = match lse.take() {
-                Some(l) => {
-                    let (a, b) = l.split_at_mut(rows.len());
-                    lse = Some(b);
-                    Some(a)
-                }
-                None => None,
-            };
-            let seen = inputs.mask.key_range(rows.end - 1).end;
-            let work = seen.saturating_sub(inputs.mask.key_range(rows.start).start);
+            let lse = split_lse(&mut lse, rows.len());
+            let seen = inputs.mask.key_range(rows.end - 1).end.min(keys.end);
+            let work = seen.saturating_sub(inputs.mask.key_range(rows.start).start.max(keys.start));
             tasks.push(TileTask {
                 inputs,
+                keys: keys.clone(),
                 rows,
                 out: tile,
-                lse: lse_tile,
+                lse,
                 work,
             });
         }
@@ -92,7 +107,7 @@ pub(crate) fn run<T: Element, O: Element>(
     tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
     tasks.into_par_iter().for_each(|task| {
         Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
-            scratch.attend(&task.inputs, task.rows.clone(), keys.clone());
+            scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone());
             scratch.write_normalised(task.rows.len(), task.out, task.lse);
         })
     });
@@ -100,23 +115,23 @@ pub(crate) fn run<T: Element, O: Element>(
 
 /// Split-KV: every (head, query tile, key chunk) is a task producing a partial state; the
 /// states of one tile are merged in chunk order, whatever thread computed them.
-fn run_split<T: Element, O: Element>(
-    jobs: Vec<HeadJob<'_, T, O>>,
-    plan: TilePlan,
-    chunks: &[Range<usize>],
-) {
-    let first = &jobs[0].inputs;
-    let (n_q, d_k, d_v) = (first.q.nrows(), first.q.ncols(), first.v.ncols());
+fn run_split<T: Element, O: Element>(jobs: Vec<HeadJob<'_, T, O>>, plan: TilePlan, n_q: usize) {
+    let (d_k, d_v) = (jobs[0].inputs.q.ncols(), jobs[0].inputs.v.ncols());
     let tiles = plan.query_tiles(n_q);
-    let index: Vec<(usize, usize, usize)> = (0..jobs.len())
-        .flat_map(|j| (0..tiles).flat_map(move |t| (0..chunks.len()).map(move |c| (j, t, c))))
-        .collect();
+    let chunks: Vec<Vec<Range<usize>>> = jobs.iter().map(|j| chunked(j.keys.clone())).collect();
+    let mut index: Vec<(usize, usize, usize)> = Vec::new();
+    for (j, job_chunks) in chunks.iter().enumerate() {
+        for t in 0..tiles {
+            index.extend((0..job_chunks.len().max(1)).map(|c| (j, t, c)));
+        }
+    }
     let states: Vec<PartialState> = index
         .par_iter()
         .map(|&(j, t, c)| {
             Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
                 let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
-                scratch.attend(&jobs[j].inputs, rows.clone(), chunks[c].clone());
+                let keys = chunks[j].get(c).cloned().unwrap_or(0..0);
+                scratch.attend(&jobs[j].inputs, rows.clone(), keys);
                 let mut out = Mat::<f32>::zeros(rows.len(), d_v);
                 let mut lse = vec![0.0; rows.len()];
                 scratch.write_normalised(rows.len(), out.as_mut(), Some(&mut lse));
@@ -125,14 +140,14 @@ fn run_split<T: Element, O: Element>(
         })
         .collect();
     let mut states = states.into_iter();
-    for job in jobs {
+    for (job, chunks) in jobs.into_iter().zip(&chunks) {
         let HeadJob {
             mut out, mut lse, ..
         } = job;
         for t in 0..tiles {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let mut merged = states.next().expect("one state per task");
-            for _ in 1..chunks.len() {
+            for _ in 1..chunks.len().max(1) {
                 let next = states.next().expect("one state per task");
                 merged
                     .merge_in_place(&next)

@@ -32,6 +32,7 @@
 mod decode;
 mod element;
 mod grid;
+mod kv_cache;
 mod merge;
 mod multi_head;
 mod online_softmax;
@@ -48,12 +49,14 @@ pub use attn_core::{
 use attn_core::{HeadMask, check_shape, validate_batch, validate_head};
 pub use element::Element;
 use faer::{Mat, MatMut, MatRef};
+pub use kv_cache::{Growth, KvCache};
 pub use merge::PartialState;
 pub use multi_head::MultiHeadAttention;
 pub use online_softmax::LAZY_RESCALE_LOG2;
 pub use tile::{KEY_TILE, QUERY_TILE, TilePlan};
 
 use grid::HeadJob;
+pub use grid::{SPLIT_KEYS, SplitKv};
 use tile::HeadInputs;
 
 fn head_inputs<'a, T>(
@@ -120,10 +123,11 @@ pub fn attention_into<T: Element, O: Element>(
     let mask = HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0));
     let job = HeadJob {
         inputs: head_inputs(q, k, v, 0, mask, scale),
+        keys: 0..shape.n_k,
         out,
         lse,
     };
-    grid::run(vec![job], shape.n_q, 0..shape.n_k);
+    grid::run(vec![job], shape.n_q, SplitKv::Auto);
     Ok(())
 }
 
@@ -227,10 +231,11 @@ pub fn partial_attention<T: Element>(
     let mut lse = vec![f32::NEG_INFINITY; shape.n_q];
     let job = HeadJob {
         inputs,
+        keys,
         out: out.as_mut(),
         lse: Some(&mut lse),
     };
-    grid::run(vec![job], shape.n_q, keys);
+    grid::run(vec![job], shape.n_q, SplitKv::Auto);
     PartialState::new(out, lse)
 }
 
@@ -254,7 +259,31 @@ pub fn attention_batched<T: Element>(
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<Tensor4<T>> {
-    attention_batched_impl(q, k, v, options, false).map(|(o, _)| o)
+    attention_batched_impl(q, k, v, options, false, SplitKv::Auto).map(|(o, _)| o)
+}
+
+/// [`attention_batched`] with an explicit key-splitting policy (for measuring what
+/// split-KV buys; [`SplitKv::Auto`] is what every other entry point uses).
+///
+/// ```
+/// use attn_optimized::{attention_batched, attention_batched_with, Layout, Options, SplitKv, Tensor4Ref};
+/// let q = vec![0.1f32; 64];
+/// let kv: Vec<f32> = (0..3000 * 64).map(|i| (i % 17) as f32 * 0.01).collect();
+/// let q = Tensor4Ref::from_layout(&q, [1, 1, 1, 64], Layout::Bhsd)?;
+/// let kv = Tensor4Ref::from_layout(&kv, [1, 1, 3000, 64], Layout::Bhsd)?;
+/// let split = attention_batched(q, kv, kv, &Options::default())?;
+/// let whole = attention_batched_with(q, kv, kv, &Options::default(), SplitKv::Never)?;
+/// assert!((split.as_slice()[0] - whole.as_slice()[0]).abs() < 1e-6);
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+pub fn attention_batched_with<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    options: &Options<'_>,
+    split: SplitKv,
+) -> Result<Tensor4<T>> {
+    attention_batched_impl(q, k, v, options, false, split).map(|(o, _)| o)
 }
 
 /// [`attention_batched`] and the natural-log LSE of every row, `[batch][h_q][n_q]` flattened.
@@ -264,7 +293,7 @@ pub fn attention_batched_with_lse<T: Element>(
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<(Tensor4<T>, Vec<f32>)> {
-    attention_batched_impl(q, k, v, options, true)
+    attention_batched_impl(q, k, v, options, true, SplitKv::Auto)
 }
 
 fn attention_batched_impl<T: Element, O: Element>(
@@ -273,6 +302,7 @@ fn attention_batched_impl<T: Element, O: Element>(
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
     with_lse: bool,
+    split: SplitKv,
 ) -> Result<(Tensor4<O>, Vec<f32>)> {
     let shape = validate_batch(q, k, v, options)?;
     let (n_q, n_k, d_k, d_v) = (
@@ -312,11 +342,12 @@ fn attention_batched_impl<T: Element, O: Element>(
                 .transpose_mut();
             jobs.push(HeadJob {
                 inputs,
+                keys: 0..n_k,
                 out,
                 lse: lse.take(),
             });
         }
-        grid::run(jobs, n_q, 0..n_k);
+        grid::run(jobs, n_q, split);
     } else if with_lse {
         lse.fill(f32::NEG_INFINITY);
     }
@@ -347,7 +378,7 @@ pub fn attention_batched_into<T: Element, O: Element>(
             ),
         });
     }
-    let (result, _) = attention_batched_impl::<T, O>(q, k, v, options, false)?;
+    let (result, _) = attention_batched_impl::<T, O>(q, k, v, options, false, SplitKv::Auto)?;
     for b in 0..shape.batch {
         for h in 0..shape.h_q {
             let (mut dst, src) = (out.head_mut(b, h)?, result.as_ref().head(b, h)?);

@@ -1,0 +1,392 @@
+//! A key/value cache for autoregressive decoding.
+//!
+//! Training attends every position in one causal pass; generation appends one token at a
+//! time and attends its query against everything cached so far. The cache stores K and V
+//! per layer as `[batch, kv_heads, capacity, d]` in the storage type `T` (f32, f16, bf16),
+//! with a valid length per batch entry (ragged batches). [`KvCache::attend`] runs the
+//! streaming engine on the cached prefix of each entry; with few heads the grid splits the
+//! keys into fixed chunks (flash-decoding) and merges the partial states in order.
+
+use attn_core::{Error, HeadMask, Layout, Options, Result, Tensor4, Tensor4Ref};
+use faer::MatMut;
+
+use crate::grid::{self, HeadJob, SplitKv};
+use crate::{Element, head_inputs};
+
+/// What happens when an append does not fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Growth {
+    /// Appending past the capacity is an [`Error::Capacity`]; the cache never reallocates.
+    #[default]
+    Fixed,
+    /// The capacity doubles (at least to what the append needs): one reallocation and copy
+    /// of the whole cache, amortised over the appends that fill it.
+    Double,
+}
+
+/// Keys and values of one attention layer for a batch of sequences being generated.
+///
+/// ```
+/// use attn_optimized::{Causal, KvCache, Layout, Options, Tensor4Ref};
+/// // Batch of 1, 2 kv heads, room for 8 tokens, d_k = d_v = 4.
+/// let mut cache = KvCache::<f32>::new(1, 2, 8, 4, 4)?;
+/// let prompt = vec![0.5f32; 2 * 3 * 4]; // 3 tokens, [B,S,H,D]
+/// let kv = Tensor4Ref::from_layout(&prompt, [1, 2, 3, 4], Layout::Bshd)?;
+/// cache.append(kv, kv)?;
+/// assert_eq!(cache.len(0), 3);
+/// let q = vec![1.0f32; 4 * 4]; // one new token, 4 query heads (GQA over 2 kv heads)
+/// let q = Tensor4Ref::from_layout(&q, [1, 4, 1, 4], Layout::Bshd)?;
+/// let out = cache.attend(q, &Options::default().with_causal(Causal::BottomRight))?;
+/// assert_eq!(out.dims(), [1, 4, 1, 4]);
+/// assert!(out.as_slice().iter().all(|&x| (x - 0.5).abs() < 1e-6));
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct KvCache<T> {
+    batch: usize,
+    kv_heads: usize,
+    capacity: usize,
+    d_k: usize,
+    d_v: usize,
+    k: Vec<T>,
+    v: Vec<T>,
+    lens: Vec<usize>,
+    growth: Growth,
+}
+
+impl<T: Element> KvCache<T> {
+    /// An empty cache for `batch` sequences of `kv_heads` heads, room for `capacity`
+    /// tokens each, keys of width `d_k` and values of width `d_v`.
+    pub fn new(
+        batch: usize,
+        kv_heads: usize,
+        capacity: usize,
+        d_k: usize,
+        d_v: usize,
+    ) -> Result<Self> {
+        if d_k == 0 {
+            return Err(Error::EmptyKeyWidth);
+        }
+        let zero = T::from_f32(0.0);
+        Ok(Self {
+            batch,
+            kv_heads,
+            capacity,
+            d_k,
+            d_v,
+            k: vec![zero; batch * kv_heads * capacity * d_k],
+            v: vec![zero; batch * kv_heads * capacity * d_v],
+            lens: vec![0; batch],
+            growth: Growth::Fixed,
+        })
+    }
+
+    /// Sets the growth policy (default [`Growth::Fixed`]).
+    pub fn with_growth(mut self, growth: Growth) -> Self {
+        self.growth = growth;
+        self
+    }
+
+    /// Tokens cached for batch entry `b` (0 for an index out of range).
+    pub fn len(&self, b: usize) -> usize {
+        self.lens.get(b).copied().unwrap_or(0)
+    }
+
+    /// Whether no batch entry has any token.
+    pub fn is_empty(&self) -> bool {
+        self.lens.iter().all(|&l| l == 0)
+    }
+
+    /// Tokens cached per batch entry.
+    pub fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    /// Tokens each batch entry can hold without growing.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// `[batch, kv_heads, capacity, d_k]`.
+    pub fn dims(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.capacity, self.d_k]
+    }
+
+    /// Forgets the tokens of batch entry `b` (its storage is kept).
+    pub fn clear(&mut self, b: usize) -> Result<()> {
+        let len = self.batch;
+        *self.lens.get_mut(b).ok_or(Error::OutOfRange {
+            what: "batch",
+            index: b,
+            len,
+        })? = 0;
+        Ok(())
+    }
+
+    /// The cached keys as a `[batch, kv_heads, capacity, d_k]` view (rows past each
+    /// entry's length are stale).
+    pub fn keys(&self) -> Tensor4Ref<'_, T> {
+        Tensor4Ref::from_layout(
+            &self.k,
+            [self.batch, self.kv_heads, self.capacity, self.d_k],
+            Layout::Bhsd,
+        )
+        .expect("the cache's own buffer fits its dims")
+    }
+
+    /// The cached values as a `[batch, kv_heads, capacity, d_v]` view.
+    pub fn values(&self) -> Tensor4Ref<'_, T> {
+        Tensor4Ref::from_layout(
+            &self.v,
+            [self.batch, self.kv_heads, self.capacity, self.d_v],
+            Layout::Bhsd,
+        )
+        .expect("the cache's own buffer fits its dims")
+    }
+
+    /// Appends `t` tokens to every batch entry: `k : [batch, kv_heads, t, d_k]`,
+    /// `v : [batch, kv_heads, t, d_v]` (any layout). On error nothing is appended.
+    pub fn append(&mut self, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>) -> Result<()> {
+        self.check_tokens(k, v, self.batch)?;
+        let t = k.dims()[2];
+        let need = self.lens.iter().map(|l| l + t).max().unwrap_or(0);
+        self.reserve(need)?;
+        for b in 0..self.batch {
+            self.write(b, b, k, v)?;
+        }
+        Ok(())
+    }
+
+    /// Appends `t` tokens to batch entry `b` only: `k : [1, kv_heads, t, d_k]`,
+    /// `v : [1, kv_heads, t, d_v]`. On error nothing is appended.
+    pub fn append_to(
+        &mut self,
+        b: usize,
+        k: Tensor4Ref<'_, T>,
+        v: Tensor4Ref<'_, T>,
+    ) -> Result<()> {
+        if b >= self.batch {
+            return Err(Error::OutOfRange {
+                what: "batch",
+                index: b,
+                len: self.batch,
+            });
+        }
+        self.check_tokens(k, v, 1)?;
+        self.reserve(self.lens[b] + k.dims()[2])?;
+        self.write(b, 0, k, v)
+    }
+
+    fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>, batch: usize) -> Result<()> {
+        let mismatch = |operand, axis, found, expected, rule| Error::DimensionMismatch {
+            operand,
+            axis,
+            found,
+            other: "the cache",
+            expected,
+            rule,
+        };
+        let ([bk, hk, tk, dk], [bv, hv, tv, dv]) = (k.dims(), v.dims());
+        let checks = [
+            (
+                bk == batch,
+                mismatch(
+                    "new K",
+                    "batch entries",
+                    bk,
+                    batch,
+                    "one block of tokens per batch entry",
+                ),
+            ),
+            (
+                bv == batch,
+                mismatch(
+                    "new V",
+                    "batch entries",
+                    bv,
+                    batch,
+                    "one block of tokens per batch entry",
+                ),
+            ),
+            (
+                hk == self.kv_heads,
+                mismatch("new K", "heads", hk, self.kv_heads, "kv heads must match"),
+            ),
+            (
+                hv == self.kv_heads,
+                mismatch("new V", "heads", hv, self.kv_heads, "kv heads must match"),
+            ),
+            (
+                dk == self.d_k,
+                mismatch("new K", "columns", dk, self.d_k, "d_k must match"),
+            ),
+            (
+                dv == self.d_v,
+                mismatch("new V", "columns", dv, self.d_v, "d_v must match"),
+            ),
+            (
+                tv == tk,
+                Error::DimensionMismatch {
+                    operand: "new V",
+                    axis: "tokens",
+                    found: tv,
+                    other: "new K",
+                    expected: tk,
+                    rule: "K and V carry the same tokens",
+                },
+            ),
+        ];
+        match checks.into_iter().find(|(ok, _)| !ok) {
+            Some((_, err)) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes room for `need` tokens per entry, or fails without changing anything.
+    fn reserve(&mut self, need: usize) -> Result<()> {
+        if need <= self.capacity {
+            return Ok(());
+        }
+        if self.growth == Growth::Fixed {
+            return Err(Error::Capacity {
+                what: "KV cache tokens per batch entry",
+                requested: need,
+                capacity: self.capacity,
+            });
+        }
+        let new_cap = need.max(self.capacity * 2);
+        let zero = T::from_f32(0.0);
+        let regrow = |old: &[T], d: usize| {
+            let mut new = vec![zero; self.batch * self.kv_heads * new_cap * d];
+            for (src, dst) in old
+                .chunks(self.capacity * d)
+                .zip(new.chunks_mut(new_cap * d))
+            {
+                dst[..src.len()].copy_from_slice(src);
+            }
+            new
+        };
+        self.k = regrow(&self.k, self.d_k);
+        self.v = regrow(&self.v, self.d_v);
+        self.capacity = new_cap;
+        Ok(())
+    }
+
+    /// Copies the tokens of `src_b` in `k`/`v` after the cached ones of entry `b`.
+    fn write(
+        &mut self,
+        b: usize,
+        src_b: usize,
+        k: Tensor4Ref<'_, T>,
+        v: Tensor4Ref<'_, T>,
+    ) -> Result<()> {
+        let (t, start) = (k.dims()[2], self.lens[b]);
+        for h in 0..self.kv_heads {
+            for (buf, src, d) in [(&mut self.k, k, self.d_k), (&mut self.v, v, self.d_v)] {
+                let src = src.head(src_b, h)?;
+                let base = ((b * self.kv_heads + h) * self.capacity + start) * d;
+                for (i, row) in buf[base..base + t * d]
+                    .chunks_exact_mut(d.max(1))
+                    .enumerate()
+                {
+                    for (c, x) in row.iter_mut().enumerate() {
+                        *x = src[(i, c)];
+                    }
+                }
+            }
+        }
+        self.lens[b] = start + t;
+        Ok(())
+    }
+
+    /// Attends new queries `q : [batch, h_q, n_q, d_k]` (`h_q` a multiple of the kv heads)
+    /// to each entry's cached tokens, which must already include the new ones: with
+    /// `Causal::BottomRight` query `i` sees the keys up to position `len − n_q + i`.
+    /// Returns `[batch, h_q, n_q, d_v]`.
+    ///
+    /// Scale, causal alignment and sliding window are honoured; boolean and additive masks
+    /// and key padding are rejected (the cache's lengths are the padding, and a mask's
+    /// width would differ per entry).
+    pub fn attend(&self, q: Tensor4Ref<'_, T>, options: &Options<'_>) -> Result<Tensor4<T>> {
+        self.attend_impl(q, options, SplitKv::Auto)
+    }
+
+    /// [`KvCache::attend`] with an explicit split-KV policy.
+    pub fn attend_with(
+        &self,
+        q: Tensor4Ref<'_, T>,
+        options: &Options<'_>,
+        split: SplitKv,
+    ) -> Result<Tensor4<T>> {
+        self.attend_impl(q, options, split)
+    }
+
+    fn attend_impl(
+        &self,
+        q: Tensor4Ref<'_, T>,
+        options: &Options<'_>,
+        split: SplitKv,
+    ) -> Result<Tensor4<T>> {
+        if options.bool_mask.is_some()
+            || options.additive_mask.is_some()
+            || options.key_padding.is_some()
+        {
+            return Err(Error::Unsupported {
+                operand: "KV cache attend options",
+                reason: "masks and key padding are not accepted; use causal alignment and windows (the cache lengths pad each entry)",
+            });
+        }
+        let [b, h_q, n_q, d_k] = q.dims();
+        let mismatch = |operand, axis, found, expected, rule| Error::DimensionMismatch {
+            operand,
+            axis,
+            found,
+            other: "the cache",
+            expected,
+            rule,
+        };
+        if b != self.batch {
+            return Err(mismatch(
+                "Q",
+                "batch entries",
+                b,
+                self.batch,
+                "batch must match",
+            ));
+        }
+        if d_k != self.d_k {
+            return Err(mismatch("Q", "columns", d_k, self.d_k, "d_k must match"));
+        }
+        if self.kv_heads == 0 || !h_q.is_multiple_of(self.kv_heads) {
+            return Err(Error::HeadGrouping {
+                h_q,
+                h_kv: self.kv_heads,
+            });
+        }
+        let scale = options.scale_for(d_k)?;
+        let group = h_q / self.kv_heads;
+        let (keys, values) = (self.keys(), self.values());
+        let mut data = vec![T::from_f32(0.0); b * h_q * n_q * self.d_v];
+        if n_q * self.d_v > 0 {
+            let mut jobs = Vec::with_capacity(b * h_q);
+            for (idx, chunk) in data.chunks_mut(n_q * self.d_v).enumerate() {
+                let (bi, h) = (idx / h_q, idx % h_q);
+                let len = self.lens[bi];
+                let mask = HeadMask::new(options, n_q, len, None);
+                let k = keys.head(bi, h / group)?.subrows(0, len);
+                let v = values.head(bi, h / group)?.subrows(0, len);
+                let out =
+                    MatMut::from_column_major_slice_with_stride_mut(chunk, self.d_v, n_q, self.d_v)
+                        .transpose_mut();
+                jobs.push(HeadJob {
+                    inputs: head_inputs(q.head(bi, h)?, k, v, 0, mask, scale),
+                    keys: 0..len,
+                    out,
+                    lse: None,
+                });
+            }
+            grid::run(jobs, n_q, split);
+        }
+        Tensor4::from_vec(data, [b, h_q, n_q, self.d_v])
+    }
+}

@@ -1,0 +1,244 @@
+//! Decoding through the KV cache equals one causal pass; bad appends leave it unchanged.
+
+use attn_optimized::{
+    Causal, Element, Error, Growth, KvCache, Layout, Options, SplitKv, Tensor4, Tensor4Ref,
+    attention_batched,
+};
+use half::f16;
+
+fn data<T: Element>(len: usize, seed: u64) -> Vec<T> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            T::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+        })
+        .collect()
+}
+
+/// Token `t` of a `[B,S,H,D]` buffer as its own `[B, H, 1, D]` view.
+fn token<T>(buf: &[T], dims: [usize; 4], t: usize) -> Tensor4Ref<'_, T> {
+    let [b, h, s, d] = dims;
+    Tensor4Ref::new(&buf[t * h * d..], [b, h, 1, d], [s * h * d, d, h * d]).unwrap()
+}
+
+fn generate_matches_one_pass<T: Element>(tol: f32) {
+    let (b, h_q, h_kv, n, d) = (2, 4, 2, 300, 32);
+    let (qd, kd, vd) = (
+        data::<T>(b * n * h_q * d, 1),
+        data::<T>(b * n * h_kv * d, 2),
+        data::<T>(b * n * h_kv * d, 3),
+    );
+    let causal = Options::default().with_causal(Causal::BottomRight);
+    let q = Tensor4Ref::from_layout(&qd, [b, h_q, n, d], Layout::Bshd).unwrap();
+    let k = Tensor4Ref::from_layout(&kd, [b, h_kv, n, d], Layout::Bshd).unwrap();
+    let v = Tensor4Ref::from_layout(&vd, [b, h_kv, n, d], Layout::Bshd).unwrap();
+    let full = attention_batched(q, k, v, &causal).unwrap();
+
+    // Prefill 100 tokens in one chunk, then generate the rest one at a time.
+    let mut cache = KvCache::<T>::new(b, h_kv, n, d, d).unwrap();
+    let prefill = 100;
+    let kp = Tensor4Ref::new(&kd, [b, h_kv, prefill, d], [n * h_kv * d, d, h_kv * d]).unwrap();
+    let vp = Tensor4Ref::new(&vd, [b, h_kv, prefill, d], [n * h_kv * d, d, h_kv * d]).unwrap();
+    cache.append(kp, vp).unwrap();
+    let qp = Tensor4Ref::new(&qd, [b, h_q, prefill, d], [n * h_q * d, d, h_q * d]).unwrap();
+    let first = cache.attend(qp, &causal).unwrap();
+    let mut rows: Vec<Tensor4<T>> = vec![first];
+    for t in prefill..n {
+        cache
+            .append(
+                token(&kd, [b, h_kv, n, d], t),
+                token(&vd, [b, h_kv, n, d], t),
+            )
+            .unwrap();
+        rows.push(
+            cache
+                .attend(token(&qd, [b, h_q, n, d], t), &causal)
+                .unwrap(),
+        );
+    }
+    for bi in 0..b {
+        for h in 0..h_q {
+            let want = full.as_ref().head(bi, h).unwrap();
+            for t in 0..n {
+                let (src, row) = if t < prefill {
+                    (&rows[0], t)
+                } else {
+                    (&rows[t - prefill + 1], 0)
+                };
+                let got = src.as_ref().head(bi, h).unwrap();
+                for c in 0..d {
+                    let (g, w) = (got[(row, c)].to_f32(), want[(t, c)].to_f32());
+                    assert!(
+                        (g - w).abs() <= tol * (1.0 + w.abs()),
+                        "b{bi} h{h} t{t} c{c}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn generating_token_by_token_equals_one_causal_pass_f32() {
+    generate_matches_one_pass::<f32>(2e-6);
+}
+
+#[test]
+fn generating_token_by_token_equals_one_causal_pass_f16() {
+    // Both sides round their outputs to f16: one f16 ulp apart at most.
+    generate_matches_one_pass::<f16>(2f32.powi(-10));
+}
+
+#[test]
+fn ragged_batch_entries_attend_their_own_length() {
+    let (h, d) = (2, 16);
+    let kd = data::<f32>(40 * h * d, 5);
+    let mut cache = KvCache::<f32>::new(2, h, 64, d, d).unwrap();
+    let k =
+        |n: usize| Tensor4Ref::from_layout(&kd[..n * h * d], [1, h, n, d], Layout::Bshd).unwrap();
+    cache.append_to(0, k(40), k(40)).unwrap();
+    cache.append_to(1, k(7), k(7)).unwrap();
+    assert_eq!(cache.lens(), &[40, 7]);
+    let qd = data::<f32>(2 * h * d, 6);
+    let q = Tensor4Ref::from_layout(&qd, [2, h, 1, d], Layout::Bhsd).unwrap();
+    let got = cache
+        .attend(q, &Options::default().with_causal(Causal::BottomRight))
+        .unwrap();
+    for (b, n) in [(0, 40), (1, 7)] {
+        let qb = Tensor4Ref::new(&qd[b * h * d..], [1, h, 1, d], [0, d, d]).unwrap();
+        let want = attention_batched(qb, k(n), k(n), &Options::default()).unwrap();
+        for hh in 0..h {
+            let (g, w) = (
+                got.as_ref().head(b, hh).unwrap(),
+                want.as_ref().head(0, hh).unwrap(),
+            );
+            for c in 0..d {
+                assert!((g[(0, c)] - w[(0, c)]).abs() < 1e-6);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_appends_are_typed_errors_and_leave_the_cache_unchanged() {
+    let (h, d) = (2, 8);
+    let ok = data::<f32>(3 * h * d, 1);
+    fn kv(buf: &[f32], b: usize, hh: usize, n: usize, dd: usize) -> Tensor4Ref<'_, f32> {
+        Tensor4Ref::from_layout(&buf[..b * hh * n * dd], [b, hh, n, dd], Layout::Bhsd).unwrap()
+    }
+    let mut cache = KvCache::<f32>::new(1, h, 4, d, d).unwrap();
+    cache
+        .append(kv(&ok, 1, h, 3, d), kv(&ok, 1, h, 3, d))
+        .unwrap();
+    let before = cache.clone();
+    let wide = data::<f32>(3 * h * (d + 1), 2);
+    let cases = [
+        cache
+            .clone()
+            .append(kv(&wide, 1, h, 1, d + 1), kv(&ok, 1, h, 1, d))
+            .unwrap_err(),
+        cache
+            .clone()
+            .append(kv(&ok, 1, 1, 1, d), kv(&ok, 1, 1, 1, d))
+            .unwrap_err(),
+        cache
+            .clone()
+            .append_to(3, kv(&ok, 1, h, 1, d), kv(&ok, 1, h, 1, d))
+            .unwrap_err(),
+        cache
+            .clone()
+            .append(kv(&ok, 1, h, 2, d), kv(&ok, 1, h, 2, d))
+            .unwrap_err(),
+    ];
+    assert_eq!(
+        cases[0].to_string(),
+        "new K has 9 columns but the cache has 8 (d_k must match)"
+    );
+    assert!(matches!(
+        cases[1],
+        Error::DimensionMismatch { axis: "heads", .. }
+    ));
+    assert!(matches!(
+        cases[2],
+        Error::OutOfRange {
+            what: "batch",
+            index: 3,
+            len: 1
+        }
+    ));
+    assert!(matches!(
+        cases[3],
+        Error::Capacity {
+            requested: 5,
+            capacity: 4,
+            ..
+        }
+    ));
+    // Each failing call above ran on a clone; the failing append on the cache itself too:
+    assert!(
+        cache
+            .append(kv(&ok, 1, h, 2, d), kv(&ok, 1, h, 2, d))
+            .is_err()
+    );
+    assert_eq!(cache.lens(), before.lens());
+    assert_eq!(
+        cache.keys().head(0, 1).unwrap(),
+        before.keys().head(0, 1).unwrap()
+    );
+    let q = data::<f32>(3 * h * d, 3);
+    assert!(matches!(
+        cache.attend(
+            Tensor4Ref::from_layout(&q, [1, 3, 1, d], Layout::Bhsd).unwrap(),
+            &Options::default()
+        ),
+        Err(Error::HeadGrouping { h_q: 3, h_kv: 2 })
+    ));
+}
+
+#[test]
+fn doubling_growth_keeps_the_tokens() {
+    let (h, d) = (1, 4);
+    let buf = data::<f32>(10 * d, 9);
+    let mut cache = KvCache::<f32>::new(1, h, 2, d, d)
+        .unwrap()
+        .with_growth(Growth::Double);
+    for t in 0..10 {
+        let x =
+            Tensor4Ref::from_layout(&buf[t * d..(t + 1) * d], [1, 1, 1, d], Layout::Bhsd).unwrap();
+        cache.append(x, x).unwrap();
+    }
+    assert_eq!((cache.len(0), cache.capacity()), (10, 16));
+    let keys = cache.keys();
+    for t in 0..10 {
+        assert_eq!(keys.head(0, 0).unwrap()[(t, 2)], buf[t * d + 2]);
+    }
+}
+
+#[test]
+fn split_kv_decode_is_deterministic_across_thread_counts() {
+    let (h, n, d) = (2, 5000, 64);
+    let kd = data::<f32>(h * n * d, 4);
+    let mut cache = KvCache::<f32>::new(1, h, n, d, d).unwrap();
+    let kv = Tensor4Ref::from_layout(&kd, [1, h, n, d], Layout::Bhsd).unwrap();
+    cache.append(kv, kv).unwrap();
+    let qd = data::<f32>(h * d, 8);
+    let q = Tensor4Ref::from_layout(&qd, [1, h, 1, d], Layout::Bhsd).unwrap();
+    let opts = Options::default().with_causal(Causal::BottomRight);
+    let run = |t: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build()
+            .unwrap()
+            .install(|| cache.attend(q, &opts).unwrap())
+    };
+    let one = run(1);
+    assert_eq!(run(2), one);
+    assert_eq!(run(3), one);
+    let unsplit = cache.attend_with(q, &opts, SplitKv::Never).unwrap();
+    for (a, b) in one.as_slice().iter().zip(unsplit.as_slice()) {
+        assert!((a - b).abs() < 1e-6);
+    }
+}
