@@ -395,3 +395,8 @@ pub fn attention_batched_into<T: Element, O: Element>(
 fn zeros<T: Element>(rows: usize, cols: usize) -> Mat<T> {
     Mat::from_fn(rows, cols, |_, _| T::from_f32(0.0))
 }
+
+/// The README's library example, compiled and run as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctest;

@@ -31,7 +31,3 @@ pub use head::{
 };
 pub use multi_head::MultiHeadAttention;
 
-/// The README's library example, compiled and run as a doctest.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-pub struct ReadmeDoctest;
