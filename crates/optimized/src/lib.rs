@@ -400,3 +400,18 @@ fn zeros<T: Element>(rows: usize, cols: usize) -> Mat<T> {
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctest;
+
+/// `docs/conventions.md`, whose Rust examples run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/conventions.md")]
+pub struct ConventionsDoctest;
+
+/// `docs/attention.md`, whose Rust examples run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/attention.md")]
+pub struct AttentionDoctest;
+
+/// `docs/algorithm.md`, whose Rust examples run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/algorithm.md")]
+pub struct AlgorithmDoctest;
