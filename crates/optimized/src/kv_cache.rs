@@ -67,15 +67,14 @@ impl<T: Element> KvCache<T> {
         if d_k == 0 {
             return Err(Error::EmptyKeyWidth);
         }
-        let zero = T::from_f32(0.0);
         Ok(Self {
             batch,
             kv_heads,
             capacity,
             d_k,
             d_v,
-            k: vec![zero; batch * kv_heads * capacity * d_k],
-            v: vec![zero; batch * kv_heads * capacity * d_v],
+            k: zeroed(&[batch, kv_heads, capacity, d_k])?,
+            v: zeroed(&[batch, kv_heads, capacity, d_v])?,
             lens: vec![0; batch],
             growth: Growth::Fixed,
         })
@@ -389,4 +388,26 @@ impl<T: Element> KvCache<T> {
         }
         Tensor4::from_vec(data, [b, h_q, n_q, self.d_v])
     }
+}
+
+/// A zeroed buffer of `dims.product()` elements, or an error when that does not fit in
+/// memory (never an abort on a size a caller passed in).
+fn zeroed<T: Element>(dims: &[usize]) -> Result<Vec<T>> {
+    let too_big = || Error::Capacity {
+        what: "KV cache elements",
+        requested: usize::MAX,
+        capacity: isize::MAX as usize,
+    };
+    let n = dims
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(too_big)?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::Capacity {
+        what: "KV cache elements",
+        requested: n,
+        capacity: isize::MAX as usize / core::mem::size_of::<T>().max(1),
+    })?;
+    v.resize(n, T::from_f32(0.0));
+    Ok(v)
 }

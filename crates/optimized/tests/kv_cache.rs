@@ -199,6 +199,18 @@ fn bad_appends_are_typed_errors_and_leave_the_cache_unchanged() {
 }
 
 #[test]
+fn absurd_sizes_are_errors_not_aborts() {
+    assert!(matches!(
+        KvCache::<f32>::new(1 << 20, 1 << 20, 1 << 20, 1 << 20, 1),
+        Err(Error::Capacity { .. })
+    ));
+    assert!(matches!(
+        KvCache::<f16>::new(1, 1, usize::MAX / 4, 4, 4),
+        Err(Error::Capacity { .. })
+    ));
+}
+
+#[test]
 fn doubling_growth_keeps_the_tokens() {
     let (h, d) = (1, 4);
     let buf = data::<f32>(10 * d, 9);
