@@ -152,19 +152,7 @@ impl Scratch {
         self.l[..nr].fill(0.0);
         let q_tile = MatRef::from_column_major_slice_with_stride(&self.q, nr, d_k, br);
 
-        // Only the keys some row of this tile can see: tiles start at the first such key
-        // and the last one stops at the last such key (on the causal diagonal that halves
-        // the work of the boundary tile). Both ends depend on the shape alone.
-        let first = head.mask.key_range(rows.start).start.max(keys.start);
-        let last = head.mask.key_range(rows.end - 1).end.min(keys.end);
-        let mut j0 = first;
-        while j0 < last {
-            let cols = j0..(j0 + bc).min(last);
-            j0 = cols.end;
-            let coverage = head.mask.tile_coverage(rows.clone(), cols.clone());
-            if coverage == TileCoverage::Hidden {
-                continue;
-            }
+        for (cols, coverage) in key_blocks(head, rows.clone(), keys, bc) {
             let nc = cols.len();
             let local = cols.start - head.key_base;
             {
@@ -221,16 +209,7 @@ impl Scratch {
         self.acc_rows.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
-        let first = head.mask.key_range(rows.start).start.max(keys.start);
-        let last = head.mask.key_range(rows.end - 1).end.min(keys.end);
-        let mut j0 = first;
-        while j0 < last {
-            let cols = j0..(j0 + ROW_BLOCK).min(last);
-            j0 = cols.end;
-            let coverage = head.mask.tile_coverage(rows.clone(), cols.clone());
-            if coverage == TileCoverage::Hidden {
-                continue;
-            }
+        for (cols, coverage) in key_blocks(head, rows.clone(), keys, ROW_BLOCK) {
             let (nc, local) = (cols.len(), cols.start - head.key_base);
             // K pass, then V pass: each is one long sequential stream, which the hardware
             // prefetcher follows at full bandwidth (interleaving K and V rows does not).
@@ -309,6 +288,29 @@ impl Scratch {
 }
 
 /// Hides the keys outside each row's structural range (diagonal and boundary tiles).
+/// The blocks of at most `block` keys of `keys` that query rows `rows` must visit, with
+/// their coverage. Blocks start at the first key some row can see and the last one stops
+/// at the last such key (on the causal diagonal that halves the work of the boundary
+/// tile); fully hidden blocks are left out. Both ends depend on the shape alone.
+fn key_blocks<'a, T>(
+    head: &'a HeadInputs<'_, T>,
+    rows: Range<usize>,
+    keys: Range<usize>,
+    block: usize,
+) -> impl Iterator<Item = (Range<usize>, TileCoverage)> + 'a {
+    let first = head.mask.key_range(rows.start).start.max(keys.start);
+    let last = head.mask.key_range(rows.end - 1).end.min(keys.end);
+    (first..last.max(first))
+        .step_by(block.max(1))
+        .filter_map(move |j0| {
+            let cols = j0..(j0 + block).min(last);
+            match head.mask.tile_coverage(rows.clone(), cols.clone()) {
+                TileCoverage::Hidden => None,
+                coverage => Some((cols, coverage)),
+            }
+        })
+}
+
 fn mask_structural<T>(
     s: &mut [f32],
     br: usize,

@@ -6,38 +6,13 @@ use attn_optimized::{
     Tensor4Mut, Tensor4Ref, attention, attention_batched, attention_batched_into,
     attention_with_lse, partial_attention,
 };
-use faer::{Mat, MatRef};
+use faer::Mat;
 
-/// Deterministic pseudo-random matrix in [-amp, amp].
+mod common;
+use common::{f32_bound as bound, max_abs};
+
 fn mat(rows: usize, cols: usize, seed: u64, amp: f32) -> Mat<f32> {
-    let mut s = seed
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(0xD1B5_4A32_D192_ED03);
-    Mat::from_fn(rows, cols, |_, _| {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
-    })
-}
-
-fn max_abs(m: MatRef<'_, f32>) -> f32 {
-    let mut x = 0.0f32;
-    for j in 0..m.ncols() {
-        for i in 0..m.nrows() {
-            x = x.max(m[(i, j)].abs());
-        }
-    }
-    x
-}
-
-/// A bound in units of f32 rounding: score error (dot products of length d_k, the folded
-/// scale and the ≤ 2-ulp exp2) times the largest value, plus the P·V and row-sum
-/// accumulation over n_k keys.
-fn bound(q: MatRef<'_, f32>, k: MatRef<'_, f32>, v: MatRef<'_, f32>, scale: f32) -> f32 {
-    let u = f32::EPSILON / 2.0;
-    let s_max = scale * max_abs(q) * max_abs(k) * q.ncols() as f32;
-    max_abs(v) * u * (4.0 * (q.ncols() as f32 + 4.0) * s_max + 2.0 * k.nrows() as f32 + 64.0)
+    common::mat(rows, cols, seed, amp)
 }
 
 fn check(q: &Mat<f32>, k: &Mat<f32>, v: &Mat<f32>, opts: &Options<'_>, what: &str) {

@@ -5,30 +5,11 @@ use attn_optimized::{
     BoolMask, Causal, Element, Layout, Options, SlidingWindow, Tensor4Ref, attention,
     attention_batched, attention_into, attention_with_lse,
 };
-use faer::{Mat, MatRef};
+use faer::Mat;
 use half::{bf16, f16};
 
-fn mat<T: Element>(rows: usize, cols: usize, seed: u64, amp: f32) -> Mat<T> {
-    let mut s = seed
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(0xD1B5_4A32_D192_ED03);
-    Mat::from_fn(rows, cols, |_, _| {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        T::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp)
-    })
-}
-
-fn max_abs<T: Element>(m: MatRef<'_, T>) -> f32 {
-    let mut x = 0.0f32;
-    for j in 0..m.ncols() {
-        for i in 0..m.nrows() {
-            x = x.max(m[(i, j)].to_f32().abs());
-        }
-    }
-    x
-}
+mod common;
+use common::{f32_bound, mat};
 
 /// The f32 engine bound (see tests/equivalence.rs) plus the rounding of each output to
 /// the storage type: `|fl(o) − o| ≤ u_T·|o|`.
@@ -45,12 +26,8 @@ fn check<T: Element + attn_reference::Element>(
     attention_into(o32.as_mut(), None, q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
     let r =
         attn_reference::attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
-    let u = f64::from(f32::EPSILON) / 2.0;
     let scale = opts.scale_for(q.ncols()).unwrap();
-    let s_max = f64::from(scale * max_abs(q.as_ref()) * max_abs(k.as_ref())) * q.ncols() as f64;
-    let f32_tol = f64::from(max_abs(v.as_ref()))
-        * u
-        * (4.0 * (q.ncols() as f64 + 4.0) * s_max + 2.0 * k.nrows() as f64 + 64.0);
+    let f32_tol = f64::from(f32_bound(q.as_ref(), k.as_ref(), v.as_ref(), scale));
     for i in 0..q.nrows() {
         for c in 0..v.ncols() {
             let want = r.output[(i, c)];
