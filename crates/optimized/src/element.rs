@@ -68,43 +68,32 @@ impl Element for f32 {
     }
 }
 
-impl Element for f16 {
-    const NAME: &'static str = "f16";
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        widen_f16(src, &mut dst[..src.len()]);
-    }
-    fn widen_rows(src: &[&[Self]], d: usize, dst: &mut [f32]) {
-        widen_f16_rows(src, d, dst);
-    }
-    fn as_f32(_: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
-        None
-    }
+/// The two half types differ only in their name and their widening kernels.
+macro_rules! half_element {
+    ($t:ty, $name:literal, $widen:ident, $widen_rows:ident) => {
+        impl Element for $t {
+            const NAME: &'static str = $name;
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            fn from_f32(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            fn widen(src: &[Self], dst: &mut [f32]) {
+                $widen(src, &mut dst[..src.len()]);
+            }
+            fn widen_rows(src: &[&[Self]], d: usize, dst: &mut [f32]) {
+                $widen_rows(src, d, dst);
+            }
+            fn as_f32(_: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
+                None
+            }
+        }
+    };
 }
 
-impl Element for bf16 {
-    const NAME: &'static str = "bf16";
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        widen_bf16(src, &mut dst[..src.len()]);
-    }
-    fn widen_rows(src: &[&[Self]], d: usize, dst: &mut [f32]) {
-        widen_bf16_rows(src, d, dst);
-    }
-    fn as_f32(_: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
-        None
-    }
-}
+half_element!(f16, "f16", widen_f16, widen_f16_rows);
+half_element!(bf16, "bf16", widen_bf16, widen_bf16_rows);
 
 #[inline(always)]
 fn widen_bf16_body<const FMA: bool>(src: &[bf16], dst: &mut [f32]) {
