@@ -24,8 +24,8 @@ fn token<T>(buf: &[T], dims: [usize; 4], t: usize) -> Tensor4Ref<'_, T> {
     Tensor4Ref::new(&buf[t * h * d..], [b, h, 1, d], [s * h * d, d, h * d]).unwrap()
 }
 
-fn generate_matches_one_pass<T: Element>(tol: f32) {
-    let (b, h_q, h_kv, n, d) = (2, 4, 2, 300, 32);
+fn generate_matches_one_pass<T: Element>(h_q: usize, h_kv: usize, tol: f32) {
+    let (b, n, d) = (2, 300, 32);
     let (qd, kd, vd) = (
         data::<T>(b * n * h_q * d, 1),
         data::<T>(b * n * h_kv * d, 2),
@@ -83,13 +83,16 @@ fn generate_matches_one_pass<T: Element>(tol: f32) {
 
 #[test]
 fn generating_token_by_token_equals_one_causal_pass_f32() {
-    generate_matches_one_pass::<f32>(2e-6);
+    generate_matches_one_pass::<f32>(4, 2, 2e-6); // GQA
+    generate_matches_one_pass::<f32>(3, 3, 2e-6); // MHA
+    generate_matches_one_pass::<f32>(4, 1, 2e-6); // MQA
 }
 
 #[test]
-fn generating_token_by_token_equals_one_causal_pass_f16() {
-    // Both sides round their outputs to f16: one f16 ulp apart at most.
-    generate_matches_one_pass::<f16>(2f32.powi(-10));
+fn generating_token_by_token_equals_one_causal_pass_half() {
+    // Both sides round their outputs to the half type: one ulp apart at most.
+    generate_matches_one_pass::<f16>(4, 2, 2f32.powi(-10));
+    generate_matches_one_pass::<half::bf16>(2, 2, 2f32.powi(-7));
 }
 
 #[test]
