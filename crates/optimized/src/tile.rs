@@ -20,7 +20,7 @@ pub const QUERY_TILE: usize = 128;
 pub const KEY_TILE: usize = 512;
 
 /// Keys per block in the row kernels.
-pub const ROW_BLOCK: usize = 512;
+pub const ROW_BLOCK: usize = KEY_TILE;
 
 /// Tile sizes for a problem; fixed by the shape alone, never by the thread count, so the
 /// result bits do not depend on how many threads run.
@@ -184,9 +184,25 @@ impl Scratch {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
             let p = MatRef::from_column_major_slice_with_stride(&self.s, nr, nc, br);
-            let acc = MatMut::from_column_major_slice_with_stride_mut(&mut self.acc, nr, d_v, br);
+            let mut acc =
+                MatMut::from_column_major_slice_with_stride_mut(&mut self.acc, nr, d_v, br);
             let v_tile = f32_rows(head.v, local..local + nc, &mut self.v_wide);
-            matmul(acc, Accum::Add, p, v_tile, 1.0, Par::Seq);
+            let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
+            if masked && !all_finite((0..nc).map(|j| v_tile.row(j))) {
+                // A hidden key must contribute nothing, not 0·V_j (NaN for a non-finite V_j).
+                for (i, row) in rows.clone().enumerate() {
+                    for (jj, j) in cols.clone().enumerate() {
+                        let pij = p[(i, jj)];
+                        if pij != 0.0 || visible(head, row, j) {
+                            for c in 0..d_v {
+                                acc[(i, c)] += pij * v_tile[(jj, c)];
+                            }
+                        }
+                    }
+                }
+            } else {
+                matmul(acc, Accum::Add, p, v_tile, 1.0, Par::Seq);
+            }
         }
     }
 
@@ -236,14 +252,27 @@ impl Scratch {
             }
             let mut v: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
             row_slices(head.v, local..local + nc, &mut self.v_wide, &mut v);
+            let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
+            let careful =
+                masked && !all_finite(v[..nc].iter().map(|r| faer::RowRef::from_slice(r)));
             for i in 0..nr {
                 let p = &self.s[i * bc..i * bc + nc];
-                accumulate(
-                    &mut self.acc_rows[i * d_v..(i + 1) * d_v],
-                    self.alpha[i],
-                    p,
-                    &v[..nc],
-                );
+                let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
+                if careful {
+                    // A hidden key must contribute nothing, not 0·V_j (see the GEMM path).
+                    for a in acc.iter_mut() {
+                        *a *= self.alpha[i];
+                    }
+                    for ((j, &pj), vj) in cols.clone().zip(p).zip(&v[..nc]) {
+                        if pj != 0.0 || visible(head, rows.start + i, j) {
+                            for (a, &x) in acc.iter_mut().zip(vj.iter()) {
+                                *a += pj * x;
+                            }
+                        }
+                    }
+                } else {
+                    accumulate(acc, self.alpha[i], p, &v[..nc]);
+                }
             }
         }
         // Into the tile layout (column-major) that `write_normalised` reads.
@@ -341,6 +370,20 @@ fn mask_elementwise<T>(
             mask_entry(&mut col[i], head, row, j);
         }
     }
+}
+
+/// Whether every entry of these rows is finite.
+fn all_finite<'a>(rows: impl Iterator<Item = faer::RowRef<'a, f32>>) -> bool {
+    rows.into_iter().all(|r| r.iter().all(|x| x.is_finite()))
+}
+
+/// Whether query `row` may see key `j` (structure, boolean mask, and an additive `-inf`).
+fn visible<T>(head: &HeadInputs<'_, T>, row: usize, j: usize) -> bool {
+    head.mask.allows(row, j)
+        && head
+            .mask
+            .additive()
+            .is_none_or(|a| a[(row, j)] != f32::NEG_INFINITY)
 }
 
 /// Applies the boolean and additive masks to the score of query `row` and key `j`.

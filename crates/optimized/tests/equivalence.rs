@@ -475,3 +475,34 @@ fn malformed_input_is_the_same_typed_error_as_the_reference() {
         .is_err()
     );
 }
+
+#[test]
+fn non_finite_values_at_hidden_keys_never_reach_the_output() {
+    for n_q in [1, 3, 200] {
+        let (q, k, mut v) = (
+            mat(n_q, 8, 1, 1.0),
+            mat(300, 8, 2, 1.0),
+            mat(300, 4, 3, 1.0),
+        );
+        v[(250, 1)] = f32::NAN;
+        v[(260, 2)] = f32::INFINITY;
+        let allow = Mat::from_fn(n_q, 300, |_, j| j < 250);
+        for opts in [
+            Options::default().with_bool_mask(BoolMask::allow(allow.as_ref())),
+            Options::default().with_key_length(250),
+            Options::default().with_window(SlidingWindow::new(Some(10), Some(0), Causal::TopLeft)),
+        ] {
+            let o = attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+            let r = attn_reference::attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+            for i in 0..n_q {
+                for c in 0..4 {
+                    assert_eq!(
+                        o[(i, c)].is_finite(),
+                        r[(i, c)].is_finite(),
+                        "n_q {n_q} row {i} col {c}"
+                    );
+                }
+            }
+        }
+    }
+}
