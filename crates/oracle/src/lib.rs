@@ -1,2 +1,133 @@
 //! Property-based conformance suite for attention engines.
+//!
+//! An engine implements [`Engine`]; [`check_engine`] (or one `#[test]` per property
+//! through [`engine_suite!`]) runs every [`Property`] against it with proptest: random
+//! cases, shrinking to a minimal failing recipe, failing seeds persisted under
+//! `proptest-regressions/` and replayed first on the next run. The f64 reference
+//! (`attn-reference`) is the ground truth; an engine's output must match it within a
+//! bound *derived* from the engine's [`ErrorModel`], computed per case from the actual
+//! inputs (below), never a tuned epsilon.
+//!
+//! ```
+//! use attn_oracle::{check_property, Property, ReferenceEngine, SuiteConfig};
+//! check_property(&ReferenceEngine, Property::Equivalence, &SuiteConfig::quick(4)).unwrap();
+//! ```
+//!
+//! For your own kernel: implement [`Engine`] (here a stand-in that delegates to the
+//! reference), then check it, one property or all of them; in a test file,
+//! `attn_oracle::engine_suite!(MyKernel);` makes one `#[test]` per property.
+//!
+//! ```
+//! use attn_core::{Options, Result, Tensor4, Tensor4Ref};
+//! use attn_oracle::{check_property, Engine, ErrorModel, Property, ReferenceEngine, SuiteConfig};
+//! use faer::{Mat, MatRef};
+//!
+//! struct MyKernel;
+//! impl Engine for MyKernel {
+//!     fn name(&self) -> String { "my-kernel".into() }
+//!     // f32 scores and accumulators, an exp accurate to 2 ulp, no split-KV.
+//!     fn error_model(&self) -> ErrorModel { ErrorModel::f32_streaming(2.0, None) }
+//!     fn attention_with_lse(&self, q: MatRef<'_, f32>, k: MatRef<'_, f32>, v: MatRef<'_, f32>,
+//!                           o: &Options<'_>) -> Result<(Mat<f32>, Vec<f32>)> {
+//!         ReferenceEngine.attention_with_lse(q, k, v, o)
+//!     }
+//!     fn attention_batched(&self, q: Tensor4Ref<'_, f32>, k: Tensor4Ref<'_, f32>,
+//!                          v: Tensor4Ref<'_, f32>, o: &Options<'_>) -> Result<Tensor4<f32>> {
+//!         ReferenceEngine.attention_batched(q, k, v, o)
+//!     }
+//! }
+//! check_property(&MyKernel, Property::MaskedWeightsAreZero, &SuiteConfig::quick(8)).unwrap();
+//! ```
+//!
+//! # The properties
+//!
+//! | issue | test (= [`Property::name`]) | what it proves |
+//! |---|---|---|
+//! | 1 | `rows_sum_to_one_and_weights_lie_in_unit_interval` | with `V = I` the output is the weights: rows sum to 1 within the (tight) step-7 bound, weights in `[0, 1]` |
+//! | 2 | `masked_weights_are_exactly_zero` | every key hidden by causal TL/BR, window, padding, boolean allow/block or additive `-inf` has weight exactly 0 |
+//! | 2 | `hidden_keys_never_reach_the_output` | a NaN/±Inf K and V row does not reach the rows that cannot see it |
+//! | 3 | `fully_masked_row_is_zero_not_nan` | rows with no visible key (and `n_k = 0`) are exactly 0 with LSE `-inf`, single-head and batched |
+//! | 4 | `unscaled_softmax_entropy_collapses_scaled_does_not` (+ `tests/statistics.rs`) | the √d_k variance argument and its consequence (see [`stats`]) |
+//! | 5 | `single_head_matches_reference_within_derived_bound`, `batched_gqa_any_layout_matches_reference` | equivalence on tile-straddling shapes, `n_q ≠ n_k`, `d_v ≠ d_k`, GQA, both layouts and padded strides, every mask |
+//! | 6 | `adding_a_row_constant_changes_nothing`, `permuting_keys_and_values_changes_nothing`, `scaling_v_scales_the_output`, `batched_heads_equal_per_head_calls` (+ `tests/multi_head.rs`) | the invariances |
+//! | 7 | `merging_an_empty_state_is_the_identity_bit_for_bit`, `merge_is_associative_within_bound`, `splitting_keys_anywhere_equals_one_pass` | partial states, through [`Engine::attention_split`] |
+//! | 8 | `output_bits_do_not_depend_on_thread_count` | identical bits with 1, 2 and 3 rayon threads |
+//! | 9 | `adversarial_values_stay_finite_and_within_bound` | logits to ±1e4, scale × 1000, subnormals, ties, identical keys, `-inf`/±1e4 biases, edge-of-range values |
+//! | — | `malformed_input_is_the_reference_error` | the same [`attn_core::Error`] as the reference, never a panic |
+//!
+//! # Case counts and deep runs
+//!
+//! Each property runs [`Property::default_cases`] cases (512 for most, 128 for the
+//! thread-count and malformed-input properties): about 8 s per engine for the 17
+//! properties in the test profile on two cores. For a deep run set `PROPTEST_CASES`,
+//! which replaces the default counts (explicit counts, as in [`SuiteConfig::quick`],
+//! stay), e.g.
+//! `PROPTEST_CASES=100000 cargo test -p attn-oracle --release -- optimized`.
+//! Other `PROPTEST_*` variables (`PROPTEST_RNG_SEED`, `PROPTEST_MAX_SHRINK_ITERS`, …)
+//! work as in proptest. `ATTN_ORACLE_TIGHTNESS=1` prints, per property, the largest
+//! ratio of a measured error to its bound.
+//!
+//! # The derived bound
+//!
+#![doc = include_str!("../BOUND.md")]
 #![forbid(unsafe_code)]
+
+pub mod bound;
+mod case;
+mod engine;
+mod optimized;
+mod properties;
+pub mod stats;
+mod suite;
+
+pub use case::{
+    AdditiveRecipe, BatchCase, BatchInputs, Bias, BoolRecipe, BuiltMasks, HeadCase, HeadInputs,
+    KeyPattern, MaskRecipe, OwnedTensor, Shapes, TensorLayout, Values, adversarial_case,
+    batch_case, edge_lengths, head_case, head_case_with, length, masks, width,
+};
+pub use engine::{Compute, Dtype, Engine, ErrorModel, MergePlan, ReferenceEngine};
+pub use optimized::{OPTIMIZED_SPLIT_KEYS, OptimizedEngine};
+pub use properties::{Defect, RowHider, compare_head};
+pub use suite::{Failure, Property, SuiteConfig, assert_property, check_engine, check_property};
+
+/// Generates one `#[test]` per [`Property`] for an engine, named after the property
+/// (e.g. `fully_masked_row_is_zero_not_nan`), with failures persisted under the calling
+/// crate's `proptest-regressions/<engine name>/`.
+///
+/// Put it in a module per engine: `mod reference { attn_oracle::engine_suite!(attn_oracle::ReferenceEngine); }`.
+#[macro_export]
+macro_rules! engine_suite {
+    ($engine:expr) => {
+        $crate::engine_suite!(@tests $engine;
+            rows_sum_to_one_and_weights_lie_in_unit_interval => RowsSumToOne,
+            masked_weights_are_exactly_zero => MaskedWeightsAreZero,
+            hidden_keys_never_reach_the_output => HiddenKeysNeverLeak,
+            fully_masked_row_is_zero_not_nan => FullyMaskedRows,
+            unscaled_softmax_entropy_collapses_scaled_does_not => EntropyCollapse,
+            single_head_matches_reference_within_derived_bound => Equivalence,
+            batched_gqa_any_layout_matches_reference => BatchedEquivalence,
+            adding_a_row_constant_changes_nothing => RowShift,
+            permuting_keys_and_values_changes_nothing => KeyPermutation,
+            scaling_v_scales_the_output => ValueScaling,
+            batched_heads_equal_per_head_calls => HeadsAreIndependent,
+            merging_an_empty_state_is_the_identity_bit_for_bit => MergeIdentity,
+            merge_is_associative_within_bound => MergeAssociativity,
+            splitting_keys_anywhere_equals_one_pass => SplitKeys,
+            output_bits_do_not_depend_on_thread_count => Determinism,
+            adversarial_values_stay_finite_and_within_bound => Adversarial,
+            malformed_input_is_the_reference_error => MalformedInput,
+        );
+    };
+    (@tests $engine:expr; $($name:ident => $prop:ident,)*) => {
+        $(
+            #[test]
+            fn $name() {
+                $crate::assert_property(
+                    &$engine,
+                    $crate::Property::$prop,
+                    &$crate::SuiteConfig::for_crate(env!("CARGO_MANIFEST_DIR")),
+                );
+            }
+        )*
+    };
+}

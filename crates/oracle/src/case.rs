@@ -1,0 +1,830 @@
+//! Test cases: small, shrinkable *recipes* (shapes, value distributions, mask choices,
+//! seeds) and the inputs they build deterministically.
+//!
+//! A recipe holds no matrix: proptest shrinks its fields (lengths toward 0, choices toward
+//! the first alternative), and the shrunk recipe printed in a failure report rebuilds the
+//! exact failing inputs with [`HeadCase::build`] or [`BatchCase::build`].
+
+use attn_core::{BoolMask, Causal, KeyPadding, Layout, Options, SlidingWindow, Tensor4Ref};
+use faer::Mat;
+use proptest::prelude::*;
+use proptest::sample::select;
+
+use crate::Dtype;
+
+/// A small deterministic generator (SplitMix64): the same values on every machine.
+#[derive(Debug, Clone)]
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64, stream: u64) -> Self {
+        let mut r = Rng(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        r.next_u64();
+        r
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        ((self.next_u64() as u128 * n as u128) >> 64) as u64
+    }
+
+    pub(crate) fn chance(&mut self, percent: u8) -> bool {
+        self.below(100) < u64::from(percent)
+    }
+
+    /// Standard normal (Box–Muller).
+    pub(crate) fn normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.unit(); // (0, 1]
+        let u2 = self.unit();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * core::f64::consts::PI * u2).cos()
+    }
+
+    fn sign(&mut self) -> f32 {
+        if self.next_u64() & 1 == 0 { 1.0 } else { -1.0 }
+    }
+}
+
+/// How the entries of an operand are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Values {
+    /// Uniform in `[-1, 1]`.
+    Unit,
+    /// Integers in `{-2, …, 2}`: exact products and many tied scores.
+    Ties,
+    /// Standard normal.
+    Gaussian,
+    /// Uniform in `[-35, 35]`: at `d_k = 64` and the default scale, logits reach `±1e4`.
+    Large,
+    /// Subnormals of the storage type, both signs, mixed with zeros and `±1`.
+    Subnormal,
+    /// `±` the storage type's edge magnitude ([`Dtype::edge_magnitude`]) mixed with `±1`.
+    Edge,
+    /// Each entry from one of the kinds above.
+    Mixed,
+}
+
+impl Values {
+    fn sample(self, rng: &mut Rng, dtype: Dtype) -> f32 {
+        let x = match self {
+            Values::Unit => (rng.unit() * 2.0 - 1.0) as f32,
+            Values::Ties => rng.below(5) as f32 - 2.0,
+            Values::Gaussian => rng.normal() as f32,
+            Values::Large => ((rng.unit() * 2.0 - 1.0) * 35.0) as f32,
+            Values::Subnormal => match rng.below(4) {
+                0 => 0.0,
+                1 => rng.sign(),
+                _ => {
+                    let s = rng.sign();
+                    s * match dtype {
+                        // f16 subnormals: k · 2^-24, k < 1024.
+                        Dtype::F16 => (1 + rng.below(1023)) as f32 * 2f32.powi(-24),
+                        // bf16 subnormals are f32 subnormals with 7 mantissa bits.
+                        Dtype::Bf16 => f32::from_bits(((1 + rng.below(127)) as u32) << 16),
+                        Dtype::F32 => f32::from_bits(1 + rng.below(0x7F_FFFE) as u32),
+                    }
+                }
+            },
+            Values::Edge => {
+                let s = rng.sign();
+                if rng.below(2) == 0 {
+                    s * dtype.edge_magnitude()
+                } else {
+                    s
+                }
+            }
+            Values::Mixed => {
+                let kind = [
+                    Values::Unit,
+                    Values::Ties,
+                    Values::Gaussian,
+                    Values::Large,
+                    Values::Subnormal,
+                ][rng.below(5) as usize];
+                return kind.sample(rng, dtype);
+            }
+        };
+        dtype.round(x)
+    }
+}
+
+/// How the key rows relate to each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KeyPattern {
+    /// Every key row drawn independently.
+    Independent,
+    /// Every key row (and value row) equal to the first: one score repeated in each row.
+    AllIdentical,
+    /// Keys come in identical pairs `(2m, 2m + 1)`: exact ties between neighbours.
+    Pairs,
+}
+
+/// The kind of values in an additive mask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Bias {
+    /// Zeros (with `-inf` entries, if any).
+    Zero,
+    /// Normal with standard deviation 2.
+    Small,
+    /// Uniform in `[-1e4, 1e4]`.
+    Large,
+    /// Multiples of `2⁻¹⁰` in `[-4, 4]`: a grid on which shifts by grid constants are exact.
+    Grid,
+    /// `0.75·j` plus a small normal term for key `j`: the row maximum grows by more than
+    /// the usual lazy-rescale threshold within every 8 keys, so every key tile rescales.
+    Ramp,
+}
+
+impl Bias {
+    fn sample(self, rng: &mut Rng, j: usize) -> f32 {
+        match self {
+            Bias::Ramp => (0.75 * j as f64 + rng.normal() * 0.5) as f32,
+            Bias::Zero => 0.0,
+            Bias::Small => (rng.normal() * 2.0) as f32,
+            Bias::Large => ((rng.unit() * 2.0 - 1.0) * 1e4) as f32,
+            Bias::Grid => (rng.below(8193) as f32 - 4096.0) / 1024.0,
+        }
+    }
+}
+
+/// A boolean mask recipe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BoolRecipe {
+    /// `true`: built with [`BoolMask::allow`]; `false`: with [`BoolMask::block`] (the
+    /// stored bits are then inverted so that both polarities hide the same keys).
+    pub allow: bool,
+    /// Percentage of visible entries.
+    pub visible_percent: u8,
+    /// Percentage of rows hidden entirely.
+    pub hidden_rows_percent: u8,
+}
+
+/// An additive mask recipe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AdditiveRecipe {
+    /// The finite values.
+    pub bias: Bias,
+    /// Percentage of `-inf` entries.
+    pub neg_inf_percent: u8,
+    /// Percentage of rows that are `-inf` everywhere.
+    pub hidden_rows_percent: u8,
+}
+
+/// Every option of a call except the operands.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MaskRecipe {
+    /// An explicit scale (else `1/√d_k`).
+    pub scale: Option<f32>,
+    /// Causal constraint.
+    pub causal: Option<Causal>,
+    /// Sliding window.
+    pub window: Option<SlidingWindow>,
+    /// Key padding as a fraction of `n_k` in per-mille (uniform over the batch).
+    pub key_len_permille: Option<u16>,
+    /// Boolean mask.
+    pub bool_mask: Option<BoolRecipe>,
+    /// Additive mask.
+    pub additive: Option<AdditiveRecipe>,
+}
+
+impl MaskRecipe {
+    /// No constraint at all, default scale.
+    pub const NONE: MaskRecipe = MaskRecipe {
+        scale: None,
+        causal: None,
+        window: None,
+        key_len_permille: None,
+        bool_mask: None,
+        additive: None,
+    };
+
+    /// Whether every constraint is invariant under permuting the keys (only element-wise
+    /// masks, which are permuted with them).
+    pub fn is_permutation_invariant(&self) -> bool {
+        self.causal.is_none() && self.window.is_none() && self.key_len_permille.is_none()
+    }
+}
+
+fn permille(n: usize, p: u16) -> usize {
+    (n * usize::from(p.min(1000))) / 1000
+}
+
+/// The element-wise masks of a case, built.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BuiltMasks {
+    /// Boolean mask bits and polarity (`true` = allow).
+    pub bool_mask: Option<(bool, Mat<bool>)>,
+    /// Additive mask.
+    pub additive: Option<Mat<f32>>,
+}
+
+impl MaskRecipe {
+    fn build(&self, n_q: usize, n_k: usize, seed: u64) -> BuiltMasks {
+        let bool_mask = self.bool_mask.map(|b| {
+            let mut rng = Rng::new(seed, 11);
+            let hidden_rows: Vec<bool> = (0..n_q)
+                .map(|_| rng.chance(b.hidden_rows_percent))
+                .collect();
+            let visible = Mat::from_fn(n_q, n_k, |i, _| {
+                !hidden_rows[i] && rng.chance(b.visible_percent)
+            });
+            let bits = Mat::from_fn(n_q, n_k, |i, j| visible[(i, j)] == b.allow);
+            (b.allow, bits)
+        });
+        let additive = self.additive.map(|a| {
+            let mut rng = Rng::new(seed, 12);
+            let hidden_rows: Vec<bool> = (0..n_q)
+                .map(|_| rng.chance(a.hidden_rows_percent))
+                .collect();
+            Mat::from_fn(n_q, n_k, |i, j| {
+                if hidden_rows[i] || rng.chance(a.neg_inf_percent) {
+                    f32::NEG_INFINITY
+                } else {
+                    a.bias.sample(&mut rng, j)
+                }
+            })
+        });
+        BuiltMasks {
+            bool_mask,
+            additive,
+        }
+    }
+}
+
+/// One head's problem as a recipe.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeadCase {
+    /// Queries.
+    pub n_q: usize,
+    /// Keys.
+    pub n_k: usize,
+    /// Key width.
+    pub d_k: usize,
+    /// Value width.
+    pub d_v: usize,
+    /// Distribution of Q and K.
+    pub qk: Values,
+    /// Distribution of V.
+    pub v: Values,
+    /// Relations between key rows.
+    pub keys: KeyPattern,
+    /// Options and masks.
+    pub masks: MaskRecipe,
+    /// Seed of every value.
+    pub seed: u64,
+}
+
+/// The inputs of one head, built from a [`HeadCase`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadInputs {
+    /// `[n_q, d_k]`.
+    pub q: Mat<f32>,
+    /// `[n_k, d_k]`.
+    pub k: Mat<f32>,
+    /// `[n_k, d_v]`.
+    pub v: Mat<f32>,
+    /// The mask recipe (scale, causal, window).
+    pub recipe: MaskRecipe,
+    /// Valid key length.
+    pub key_len: Option<usize>,
+    /// Element-wise masks.
+    pub masks: BuiltMasks,
+}
+
+impl HeadInputs {
+    /// The options of the call, borrowing the masks.
+    pub fn options(&self) -> Options<'_> {
+        let r = &self.recipe;
+        Options {
+            scale: r.scale,
+            causal: r.causal,
+            window: r.window,
+            key_padding: self.key_len.map(KeyPadding::Uniform),
+            bool_mask: self.masks.bool_mask.as_ref().map(|(allow, m)| {
+                if *allow {
+                    BoolMask::allow(m.as_ref())
+                } else {
+                    BoolMask::block(m.as_ref())
+                }
+            }),
+            additive_mask: self.masks.additive.as_ref().map(|m| m.as_ref()),
+        }
+    }
+
+    /// `n_q, n_k, d_k, d_v`.
+    pub fn dims(&self) -> [usize; 4] {
+        [
+            self.q.nrows(),
+            self.k.nrows(),
+            self.q.ncols(),
+            self.v.ncols(),
+        ]
+    }
+}
+
+fn operand(rows: usize, cols: usize, values: Values, dtype: Dtype, rng: &mut Rng) -> Mat<f32> {
+    // Row-major fill so that a recipe means the same matrix whatever faer's storage order.
+    let data: Vec<f32> = (0..rows * cols)
+        .map(|_| values.sample(rng, dtype))
+        .collect();
+    Mat::from_fn(rows, cols, |i, j| data[i * cols + j])
+}
+
+fn pattern_row(pattern: KeyPattern, j: usize) -> usize {
+    match pattern {
+        KeyPattern::Independent => j,
+        KeyPattern::AllIdentical => 0,
+        KeyPattern::Pairs => j & !1,
+    }
+}
+
+impl HeadCase {
+    /// Builds the inputs, every operand rounded to `dtype`.
+    ///
+    /// ```
+    /// use attn_oracle::{Dtype, HeadCase};
+    /// let inputs = HeadCase::small(3, 5, 4, 2, 7).build(Dtype::F32);
+    /// assert_eq!(inputs.dims(), [3, 5, 4, 2]);
+    /// assert_eq!(inputs, HeadCase::small(3, 5, 4, 2, 7).build(Dtype::F32)); // deterministic
+    /// ```
+    pub fn build(&self, dtype: Dtype) -> HeadInputs {
+        let mut rng = Rng::new(self.seed, 1);
+        let q = operand(self.n_q, self.d_k, self.qk, dtype, &mut rng);
+        let k0 = operand(self.n_k, self.d_k, self.qk, dtype, &mut rng);
+        let v0 = operand(self.n_k, self.d_v, self.v, dtype, &mut rng);
+        let k = Mat::from_fn(self.n_k, self.d_k, |j, t| {
+            k0[(pattern_row(self.keys, j), t)]
+        });
+        let v = Mat::from_fn(self.n_k, self.d_v, |j, t| {
+            v0[(pattern_row(self.keys, j), t)]
+        });
+        HeadInputs {
+            q,
+            k,
+            v,
+            recipe: self.masks,
+            key_len: self.masks.key_len_permille.map(|p| permille(self.n_k, p)),
+            masks: self.masks.build(self.n_q, self.n_k, self.seed),
+        }
+    }
+
+    /// A plain case: uniform values, independent keys, no mask.
+    pub fn small(n_q: usize, n_k: usize, d_k: usize, d_v: usize, seed: u64) -> Self {
+        HeadCase {
+            n_q,
+            n_k,
+            d_k,
+            d_v,
+            qk: Values::Unit,
+            v: Values::Unit,
+            keys: KeyPattern::Independent,
+            masks: MaskRecipe::NONE,
+            seed,
+        }
+    }
+}
+
+/// The memory layout of one batched operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TensorLayout {
+    /// Contiguous `[B,H,S,D]`.
+    Bhsd,
+    /// Contiguous `[B,S,H,D]`.
+    Bshd,
+    /// `[B,S,H,D]` with a gap of 3 elements after every row and 5 after every batch
+    /// entry; the gaps hold NaN, so an engine that reads outside its view is caught.
+    Padded,
+}
+
+/// A batched, grouped-query problem as a recipe.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchCase {
+    /// Batch entries.
+    pub batch: usize,
+    /// Key/value heads.
+    pub h_kv: usize,
+    /// Query heads per key/value head (`h_q = h_kv · group`).
+    pub group: usize,
+    /// The per-head shape and values; its `masks.key_len_permille` is ignored in favour
+    /// of `key_lens_permille`.
+    pub head: HeadCase,
+    /// Layouts of Q, K, V.
+    pub layouts: [TensorLayout; 3],
+    /// Per-batch key padding (per-mille of `n_k`), one entry per batch entry.
+    pub key_lens_permille: Option<Vec<u16>>,
+}
+
+/// One batched operand, owned: its buffer and how to view it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OwnedTensor {
+    /// The buffer (gaps hold NaN).
+    pub data: Vec<f32>,
+    /// `[batch, heads, seq, dim]`.
+    pub dims: [usize; 4],
+    /// Element strides of batch, head, seq.
+    pub strides: [usize; 3],
+}
+
+impl OwnedTensor {
+    fn new(layout: TensorLayout, dims: [usize; 4], mut value: impl FnMut() -> f32) -> Self {
+        let [b, h, s, d] = dims;
+        let strides = match layout {
+            TensorLayout::Bhsd => Layout::Bhsd.strides(dims),
+            TensorLayout::Bshd => Layout::Bshd.strides(dims),
+            TensorLayout::Padded => [s * h * (d + 3) + 5, d + 3, h * (d + 3)],
+        };
+        let len = if dims.contains(&0) {
+            0
+        } else {
+            (b - 1) * strides[0] + (h - 1) * strides[1] + (s - 1) * strides[2] + d
+        };
+        let mut data = vec![f32::NAN; len];
+        // Logical [b][h][s][d] order, whatever the layout.
+        for bi in 0..b {
+            for hi in 0..h {
+                for si in 0..s {
+                    for di in 0..d {
+                        data[bi * strides[0] + hi * strides[1] + si * strides[2] + di] = value();
+                    }
+                }
+            }
+        }
+        OwnedTensor {
+            data,
+            dims,
+            strides,
+        }
+    }
+
+    /// The view.
+    pub fn view(&self) -> Tensor4Ref<'_, f32> {
+        Tensor4Ref::new(&self.data, self.dims, self.strides).expect("built to fit")
+    }
+}
+
+/// The inputs of a batched problem, built from a [`BatchCase`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchInputs {
+    /// `[batch, h_q, n_q, d_k]`.
+    pub q: OwnedTensor,
+    /// `[batch, h_kv, n_k, d_k]`.
+    pub k: OwnedTensor,
+    /// `[batch, h_kv, n_k, d_v]`.
+    pub v: OwnedTensor,
+    /// The mask recipe (scale, causal, window).
+    pub recipe: MaskRecipe,
+    /// Per-batch valid key lengths.
+    pub key_lens: Option<Vec<usize>>,
+    /// Element-wise masks, shared by every batch entry and head.
+    pub masks: BuiltMasks,
+}
+
+impl BatchInputs {
+    /// The options of the call, borrowing the masks.
+    pub fn options(&self) -> Options<'_> {
+        let r = &self.recipe;
+        Options {
+            scale: r.scale,
+            causal: r.causal,
+            window: r.window,
+            key_padding: self.key_lens.as_deref().map(KeyPadding::PerBatch),
+            bool_mask: self.masks.bool_mask.as_ref().map(|(allow, m)| {
+                if *allow {
+                    BoolMask::allow(m.as_ref())
+                } else {
+                    BoolMask::block(m.as_ref())
+                }
+            }),
+            additive_mask: self.masks.additive.as_ref().map(|m| m.as_ref()),
+        }
+    }
+}
+
+impl BatchCase {
+    /// Builds the inputs, every operand rounded to `dtype`.
+    ///
+    /// ```
+    /// use attn_oracle::{BatchCase, Dtype, HeadCase, TensorLayout};
+    /// let case = BatchCase {
+    ///     batch: 2, h_kv: 1, group: 3,
+    ///     head: HeadCase::small(4, 5, 8, 2, 1),
+    ///     layouts: [TensorLayout::Bshd, TensorLayout::Padded, TensorLayout::Bhsd],
+    ///     key_lens_permille: Some(vec![1000, 0]),
+    /// };
+    /// let inputs = case.build(Dtype::F32);
+    /// assert_eq!(inputs.q.view().dims(), [2, 3, 4, 8]);
+    /// assert_eq!(inputs.key_lens, Some(vec![5, 0]));
+    /// ```
+    pub fn build(&self, dtype: Dtype) -> BatchInputs {
+        let h = &self.head;
+        let h_q = self.h_kv * self.group;
+        let mut rng = Rng::new(h.seed, 2);
+        let q = OwnedTensor::new(self.layouts[0], [self.batch, h_q, h.n_q, h.d_k], || {
+            h.qk.sample(&mut rng, dtype)
+        });
+        let k = OwnedTensor::new(
+            self.layouts[1],
+            [self.batch, self.h_kv, h.n_k, h.d_k],
+            || h.qk.sample(&mut rng, dtype),
+        );
+        let v = OwnedTensor::new(
+            self.layouts[2],
+            [self.batch, self.h_kv, h.n_k, h.d_v],
+            || h.v.sample(&mut rng, dtype),
+        );
+        let key_lens = self.key_lens_permille.as_ref().map(|ps| {
+            (0..self.batch)
+                .map(|b| permille(h.n_k, ps.get(b).copied().unwrap_or(1000)))
+                .collect()
+        });
+        BatchInputs {
+            q,
+            k,
+            v,
+            recipe: h.masks,
+            key_lens,
+            masks: h.masks.build(h.n_q, h.n_k, h.seed),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Strategies.
+
+/// Lengths worth testing for an engine whose behaviour changes at `tiles`: `t − 1`, `t`,
+/// `t + 1` for each, capped at `cap`, plus a few primes.
+pub fn edge_lengths(tiles: &[usize], cap: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = tiles
+        .iter()
+        .flat_map(|&t| [t.saturating_sub(1), t, t + 1])
+        .chain([13, 31, 97])
+        .filter(|&n| n > 0 && n <= cap)
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// A sequence length: half the time small (`0..=9`), half the time at a tile edge: a
+/// tile `t` (or a prime) picked uniformly, then `t − 1`, `t` or `t + 1`, so that the
+/// largest tiles (where rescaling and split-KV happen) are as likely as the smallest.
+pub fn length(tiles: &[usize], cap: usize) -> BoxedStrategy<usize> {
+    let mut groups: Vec<Vec<usize>> = tiles
+        .iter()
+        .chain(&[13, 31, 97])
+        .map(|&t| {
+            [t.saturating_sub(1), t, t + 1]
+                .into_iter()
+                .filter(|&n| n > 0 && n <= cap)
+                .collect::<Vec<_>>()
+        })
+        .filter(|g| !g.is_empty())
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    let small = 0..=9usize.min(cap);
+    if groups.is_empty() {
+        small.boxed()
+    } else {
+        prop_oneof![small, select(groups).prop_flat_map(select)].boxed()
+    }
+}
+
+/// A feature width (`d_k` or `d_v`): small, or around the widths kernels specialise on.
+pub fn width() -> BoxedStrategy<usize> {
+    prop_oneof![
+        3 => 1..=8usize,
+        1 => select(vec![16usize, 31, 32, 33, 63, 64, 65, 80, 127, 128]),
+    ]
+    .boxed()
+}
+
+fn window_side() -> impl Strategy<Value = Option<usize>> {
+    proptest::option::weighted(0.8, prop_oneof![2 => 0..=4usize, 1 => 0..=600usize])
+}
+
+fn causal() -> impl Strategy<Value = Causal> {
+    prop_oneof![Just(Causal::TopLeft), Just(Causal::BottomRight)]
+}
+
+fn bool_recipe() -> impl Strategy<Value = BoolRecipe> {
+    (
+        any::<bool>(),
+        0u8..=100,
+        prop_oneof![3 => Just(0u8), 1 => 0u8..=50],
+    )
+        .prop_map(|(allow, visible_percent, hidden_rows_percent)| BoolRecipe {
+            allow,
+            visible_percent,
+            hidden_rows_percent,
+        })
+}
+
+fn additive_recipe(biases: Vec<Bias>) -> impl Strategy<Value = AdditiveRecipe> {
+    (
+        select(biases),
+        prop_oneof![2 => Just(0u8), 1 => 0u8..=60],
+        prop_oneof![3 => Just(0u8), 1 => 0u8..=50],
+    )
+        .prop_map(
+            |(bias, neg_inf_percent, hidden_rows_percent)| AdditiveRecipe {
+                bias,
+                neg_inf_percent,
+                hidden_rows_percent,
+            },
+        )
+}
+
+/// Every mask kind and their combinations; `scales` are the explicit scales offered.
+pub fn masks(scales: Vec<f32>, biases: Vec<Bias>) -> BoxedStrategy<MaskRecipe> {
+    use proptest::option::weighted;
+    (
+        weighted(0.3, select(scales)),
+        weighted(0.4, causal()),
+        weighted(
+            0.25,
+            (window_side(), window_side(), causal())
+                .prop_map(|(l, r, a)| SlidingWindow::new(l, r, a)),
+        ),
+        weighted(0.25, 0u16..=1000),
+        weighted(0.25, bool_recipe()),
+        weighted(0.4, additive_recipe(biases)),
+    )
+        .prop_map(
+            |(scale, causal, window, key_len_permille, bool_mask, additive)| MaskRecipe {
+                scale,
+                causal,
+                window,
+                key_len_permille,
+                bool_mask,
+                additive,
+            },
+        )
+        .boxed()
+}
+
+/// Masks without any structural (position-dependent) constraint.
+pub fn elementwise_masks() -> BoxedStrategy<MaskRecipe> {
+    (
+        proptest::option::weighted(0.3, bool_recipe()),
+        proptest::option::weighted(
+            0.5,
+            additive_recipe(vec![Bias::Small, Bias::Zero, Bias::Ramp]),
+        ),
+    )
+        .prop_map(|(bool_mask, additive)| MaskRecipe {
+            bool_mask,
+            additive,
+            ..MaskRecipe::NONE
+        })
+        .boxed()
+}
+
+/// Value distributions of ordinary cases.
+pub fn ordinary_values() -> BoxedStrategy<Values> {
+    select(vec![Values::Unit, Values::Gaussian, Values::Ties]).boxed()
+}
+
+/// Value distributions of adversarial cases.
+pub fn adversarial_values() -> BoxedStrategy<Values> {
+    select(vec![
+        Values::Large,
+        Values::Subnormal,
+        Values::Edge,
+        Values::Ties,
+        Values::Mixed,
+        Values::Unit,
+    ])
+    .boxed()
+}
+
+/// Key patterns, independent most of the time.
+pub fn key_pattern() -> BoxedStrategy<KeyPattern> {
+    prop_oneof![
+        4 => Just(KeyPattern::Independent),
+        1 => Just(KeyPattern::Pairs),
+        1 => Just(KeyPattern::AllIdentical),
+    ]
+    .boxed()
+}
+
+/// Shape bounds of generated cases.
+#[derive(Debug, Clone)]
+pub struct Shapes {
+    /// Lengths at which the engine changes behaviour.
+    pub tiles: Vec<usize>,
+    /// Largest query count.
+    pub max_q: usize,
+    /// Largest key count.
+    pub max_k: usize,
+}
+
+/// A single-head case with ordinary values and every mask kind.
+pub fn head_case(shapes: &Shapes) -> BoxedStrategy<HeadCase> {
+    head_case_with(
+        shapes,
+        ordinary_values(),
+        ordinary_values(),
+        masks(
+            vec![0.05, 0.5, 1.0, 2.0],
+            vec![Bias::Small, Bias::Zero, Bias::Ramp, Bias::Ramp],
+        ),
+    )
+}
+
+/// A single-head case from the given parts.
+pub fn head_case_with(
+    shapes: &Shapes,
+    qk: BoxedStrategy<Values>,
+    v: BoxedStrategy<Values>,
+    masks: BoxedStrategy<MaskRecipe>,
+) -> BoxedStrategy<HeadCase> {
+    (
+        length(&shapes.tiles, shapes.max_q),
+        length(&shapes.tiles, shapes.max_k),
+        width(),
+        width(),
+        qk,
+        v,
+        key_pattern(),
+        masks,
+        any::<u64>(),
+    )
+        .prop_map(|(n_q, n_k, d_k, d_v, qk, v, keys, masks, seed)| HeadCase {
+            n_q,
+            n_k,
+            d_k,
+            d_v,
+            qk,
+            v,
+            keys,
+            masks,
+            seed,
+        })
+        .boxed()
+}
+
+/// An adversarial single-head case: large logits, scale × 1000, subnormals, ties,
+/// identical keys, `-inf` and `±1e4` additive entries, values at the edge of the range.
+pub fn adversarial_case(shapes: &Shapes) -> BoxedStrategy<HeadCase> {
+    let scales = vec![1000.0f32, 0.001, 1.0, 30.0];
+    let biases = vec![Bias::Large, Bias::Zero, Bias::Small, Bias::Ramp];
+    head_case_with(
+        shapes,
+        adversarial_values(),
+        adversarial_values(),
+        masks(scales, biases),
+    )
+    .prop_map(|mut c| {
+        // "scale × 1000" means relative to 1/√d_k.
+        if let Some(s) = c.masks.scale.as_mut() {
+            *s /= (c.d_k as f32).sqrt();
+        }
+        c
+    })
+    .boxed()
+}
+
+fn layout() -> impl Strategy<Value = TensorLayout> {
+    prop_oneof![
+        Just(TensorLayout::Bhsd),
+        Just(TensorLayout::Bshd),
+        Just(TensorLayout::Padded),
+    ]
+}
+
+/// A batched, grouped-query case in mixed layouts with per-batch padding.
+pub fn batch_case(shapes: &Shapes) -> BoxedStrategy<BatchCase> {
+    (
+        1..=3usize,
+        1..=2usize,
+        1..=3usize,
+        head_case(shapes),
+        [layout(), layout(), layout()],
+        proptest::option::weighted(0.4, proptest::collection::vec(0u16..=1000, 3)),
+    )
+        .prop_map(|(batch, h_kv, group, head, layouts, lens)| BatchCase {
+            batch,
+            h_kv,
+            group,
+            head,
+            layouts,
+            key_lens_permille: lens.map(|mut l| {
+                l.truncate(batch);
+                l
+            }),
+        })
+        .boxed()
+}

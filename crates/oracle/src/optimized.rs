@@ -1,0 +1,171 @@
+//! The streaming engine (`attn-optimized`) as an [`Engine`], for each storage type.
+
+use core::marker::PhantomData;
+use core::ops::Range;
+
+use attn_core::{Options, Result, Tensor4, Tensor4Ref, validate_head};
+use attn_optimized::{Element, KEY_TILE, PartialState, QUERY_TILE};
+use faer::{Mat, MatRef};
+
+use crate::{Compute, Dtype, Engine, ErrorModel, MergePlan};
+
+/// Keys per split-KV chunk of `attn-optimized` (its `grid::SPLIT_KEYS`, not exported).
+pub const OPTIMIZED_SPLIT_KEYS: usize = attn_optimized::SPLIT_KEYS;
+
+/// `attn-optimized` with storage type `T` (`f32`, `half::f16` or `half::bf16`): inputs
+/// are converted to `T` (exactly: the oracle has already rounded them), outputs widened
+/// back to f32.
+///
+/// ```
+/// use attn_oracle::{check_property, OptimizedEngine, Property, SuiteConfig};
+/// check_property(&OptimizedEngine::<f32>::new(), Property::Equivalence, &SuiteConfig::quick(2)).unwrap();
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OptimizedEngine<T = f32>(PhantomData<T>);
+
+impl<T> OptimizedEngine<T> {
+    /// The engine for storage type `T`.
+    pub fn new() -> Self {
+        OptimizedEngine(PhantomData)
+    }
+}
+
+fn dtype<T: Element>() -> Dtype {
+    match T::NAME {
+        "f16" => Dtype::F16,
+        "bf16" => Dtype::Bf16,
+        _ => Dtype::F32,
+    }
+}
+
+fn narrow<T: Element>(m: MatRef<'_, f32>) -> Mat<T> {
+    Mat::from_fn(m.nrows(), m.ncols(), |i, j| T::from_f32(m[(i, j)]))
+}
+
+fn widen<T: Element>(m: MatRef<'_, T>) -> Mat<f32> {
+    Mat::from_fn(m.nrows(), m.ncols(), |i, j| m[(i, j)].to_f32())
+}
+
+/// The same dims and strides as `t`, in `T`; elements outside the view are NaN.
+fn narrow_tensor<T: Element>(t: Tensor4Ref<'_, f32>) -> Result<Vec<T>> {
+    let (dims, s) = (t.dims(), t.strides());
+    let [b, h, n, d] = dims;
+    let len = if dims.contains(&0) {
+        0
+    } else {
+        (b - 1) * s[0] + (h - 1) * s[1] + (n - 1) * s[2] + d
+    };
+    let mut data = vec![T::from_f32(f32::NAN); len];
+    for bi in 0..b {
+        for hi in 0..h {
+            let m = t.head(bi, hi)?;
+            for i in 0..n {
+                for c in 0..d {
+                    data[bi * s[0] + hi * s[1] + i * s[2] + c] = T::from_f32(m[(i, c)]);
+                }
+            }
+        }
+    }
+    Ok(data)
+}
+
+impl<T: Element> Engine for OptimizedEngine<T> {
+    fn name(&self) -> String {
+        format!("optimized-{}", T::NAME)
+    }
+
+    fn storage(&self) -> Dtype {
+        dtype::<T>()
+    }
+
+    fn error_model(&self) -> ErrorModel {
+        ErrorModel {
+            // Cephes' degree-6 exp2 polynomial: ≤ 2 ulp (attn_optimized::exp).
+            compute: Compute::F32 {
+                exp_ulps: 2.0,
+                split_keys: Some(OPTIMIZED_SPLIT_KEYS),
+            },
+            output: dtype::<T>(),
+        }
+    }
+
+    fn tile_lengths(&self) -> Vec<usize> {
+        // Row kernels up to 4 queries, 8-row and 16-key tile granularity, 64-key row
+        // blocks, the query and key tiles, and the split-KV chunk.
+        vec![4, 8, 16, 64, QUERY_TILE, KEY_TILE, OPTIMIZED_SPLIT_KEYS]
+    }
+
+    fn attention_with_lse(
+        &self,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+        options: &Options<'_>,
+    ) -> Result<(Mat<f32>, Vec<f32>)> {
+        if T::NAME == "f32" {
+            return attn_optimized::attention_with_lse(q, k, v, options);
+        }
+        let (qt, kt, vt) = (narrow::<T>(q), narrow::<T>(k), narrow::<T>(v));
+        let (o, lse) =
+            attn_optimized::attention_with_lse(qt.as_ref(), kt.as_ref(), vt.as_ref(), options)?;
+        Ok((widen(o.as_ref()), lse))
+    }
+
+    fn attention_batched(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        options: &Options<'_>,
+    ) -> Result<Tensor4<f32>> {
+        if T::NAME == "f32" {
+            return attn_optimized::attention_batched(q, k, v, options);
+        }
+        let (qd, kd, vd) = (
+            narrow_tensor::<T>(q)?,
+            narrow_tensor::<T>(k)?,
+            narrow_tensor::<T>(v)?,
+        );
+        let o = attn_optimized::attention_batched(
+            Tensor4Ref::new(&qd, q.dims(), q.strides())?,
+            Tensor4Ref::new(&kd, k.dims(), k.strides())?,
+            Tensor4Ref::new(&vd, v.dims(), v.strides())?,
+            options,
+        )?;
+        let dims = o.dims();
+        Tensor4::from_vec(o.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)
+    }
+
+    fn attention_split(
+        &self,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+        options: &Options<'_>,
+        plan: &MergePlan,
+    ) -> Option<Result<(Mat<f32>, Vec<f32>)>> {
+        let run = || -> Result<(Mat<f32>, Vec<f32>)> {
+            let shape = validate_head(q, k, v, options)?;
+            let (qt, kt, vt) = (narrow::<T>(q), narrow::<T>(k), narrow::<T>(v));
+            let state = plan.fold(
+                &mut |r: Range<usize>| {
+                    attn_optimized::partial_attention(
+                        qt.as_ref(),
+                        kt.as_ref().subrows(r.start, r.len()),
+                        vt.as_ref().subrows(r.start, r.len()),
+                        r,
+                        shape.n_k,
+                        options,
+                    )
+                },
+                &mut || PartialState::empty(shape.n_q, shape.d_v),
+                &mut |a: PartialState, b: PartialState| {
+                    a.merge(&b)
+                        .expect("states of the same head have the same shape")
+                },
+            )?;
+            Ok(state.into_parts())
+        };
+        Some(run())
+    }
+}

@@ -1,0 +1,432 @@
+//! Running properties against an engine: the property list, the configuration, failures.
+
+use std::cell::Cell;
+use std::fmt;
+use std::path::PathBuf;
+
+use proptest::strategy::Strategy;
+use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestError, TestRunner};
+
+use crate::Engine;
+use crate::properties as p;
+
+/// One property of the suite. [`Property::name`] is the name of its test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Property {
+    /// 1. With `V = I` the output is the weight matrix: every row with a visible key
+    ///    sums to 1 within the derived bound, every weight lies in `[0, 1]`.
+    RowsSumToOne,
+    /// 2. Every hidden weight is exactly 0, for every mask kind and combination.
+    MaskedWeightsAreZero,
+    /// 2. A NaN/Inf in the K and V rows of a key hidden from some queries does not reach
+    ///    those queries' outputs; a NaN/Inf query row does not reach the other rows.
+    HiddenKeysNeverLeak,
+    /// 3. Rows with no visible key (and `n_k = 0`) are exactly 0 with LSE `-inf`.
+    FullyMaskedRows,
+    /// 4. Without scaling, softmax entropy collapses as `d_k` grows; with `1/√d_k` it
+    ///    does not (deterministic, fixed seed).
+    EntropyCollapse,
+    /// 5. One head ≡ reference within the derived bound (output and LSE).
+    Equivalence,
+    /// 5. Batched, grouped-query, mixed layouts, per-batch padding ≡ reference.
+    BatchedEquivalence,
+    /// 6. Adding a constant to every score of a row (through the additive mask) changes
+    ///    the output by no more than the bounds, and the LSE by the constant.
+    RowShift,
+    /// 6. Permuting keys and values (and the element-wise masks' columns) together
+    ///    changes nothing beyond the bounds.
+    KeyPermutation,
+    /// 6. `O(αV) = α·O(V)`: exactly for `α = −1`, within the bound otherwise; the LSE
+    ///    does not depend on `V` at all (bit for bit).
+    ValueScaling,
+    /// 6. A batched call ≡ one single-head call per (batch, head) on strided views.
+    HeadsAreIndependent,
+    /// 7. Merging with the empty state, or with a state whose keys are all hidden, is
+    ///    the identity, bit for bit.
+    MergeIdentity,
+    /// 7. `(a·b)·c` and `a·(b·c)` both match the reference within the bound.
+    MergeAssociativity,
+    /// 7. Splitting the keys anywhere and merging (left fold, right fold, tree) ≡ one pass.
+    SplitKeys,
+    /// 8. Identical output bits with 1, 2 and 3 rayon threads.
+    Determinism,
+    /// 9. Adversarial values (large logits, scale × 1000, subnormals, ties, identical
+    ///    keys, `-inf`/`±1e4` biases, edge-of-range values): finite, within the bound.
+    Adversarial,
+    /// Malformed input is the same [`attn_core::Error`] as the reference's, never a
+    ///    panic.
+    MalformedInput,
+}
+
+impl Property {
+    /// Every property, in the order of the issue.
+    pub const ALL: [Property; 17] = [
+        Property::RowsSumToOne,
+        Property::MaskedWeightsAreZero,
+        Property::HiddenKeysNeverLeak,
+        Property::FullyMaskedRows,
+        Property::EntropyCollapse,
+        Property::Equivalence,
+        Property::BatchedEquivalence,
+        Property::RowShift,
+        Property::KeyPermutation,
+        Property::ValueScaling,
+        Property::HeadsAreIndependent,
+        Property::MergeIdentity,
+        Property::MergeAssociativity,
+        Property::SplitKeys,
+        Property::Determinism,
+        Property::Adversarial,
+        Property::MalformedInput,
+    ];
+
+    /// The test name: what the property proves.
+    ///
+    /// ```
+    /// use attn_oracle::Property;
+    /// assert_eq!(Property::FullyMaskedRows.name(), "fully_masked_row_is_zero_not_nan");
+    /// ```
+    pub fn name(self) -> &'static str {
+        match self {
+            Property::RowsSumToOne => "rows_sum_to_one_and_weights_lie_in_unit_interval",
+            Property::MaskedWeightsAreZero => "masked_weights_are_exactly_zero",
+            Property::HiddenKeysNeverLeak => "hidden_keys_never_reach_the_output",
+            Property::FullyMaskedRows => "fully_masked_row_is_zero_not_nan",
+            Property::EntropyCollapse => "unscaled_softmax_entropy_collapses_scaled_does_not",
+            Property::Equivalence => "single_head_matches_reference_within_derived_bound",
+            Property::BatchedEquivalence => "batched_gqa_any_layout_matches_reference",
+            Property::RowShift => "adding_a_row_constant_changes_nothing",
+            Property::KeyPermutation => "permuting_keys_and_values_changes_nothing",
+            Property::ValueScaling => "scaling_v_scales_the_output",
+            Property::HeadsAreIndependent => "batched_heads_equal_per_head_calls",
+            Property::MergeIdentity => "merging_an_empty_state_is_the_identity_bit_for_bit",
+            Property::MergeAssociativity => "merge_is_associative_within_bound",
+            Property::SplitKeys => "splitting_keys_anywhere_equals_one_pass",
+            Property::Determinism => "output_bits_do_not_depend_on_thread_count",
+            Property::Adversarial => "adversarial_values_stay_finite_and_within_bound",
+            Property::MalformedInput => "malformed_input_is_the_reference_error",
+        }
+    }
+
+    /// Cases run by default (the `PROPTEST_CASES` environment variable overrides it for
+    /// configurations without an explicit count, such as [`engine_suite!`](crate::engine_suite)'s).
+    pub fn default_cases(self) -> u32 {
+        match self {
+            Property::EntropyCollapse => 1,
+            Property::Determinism => 128,
+            Property::MalformedInput => 128,
+            _ => 512,
+        }
+    }
+}
+
+impl fmt::Display for Property {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How many cases to run and where to persist failures.
+///
+/// ```
+/// use attn_oracle::{Property, SuiteConfig};
+/// let c = SuiteConfig::quick(3);
+/// assert!(c.regressions.is_none());
+/// assert_eq!(c.cases_for(Property::Equivalence), 3); // exact, whatever PROPTEST_CASES says
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct SuiteConfig {
+    /// Cases per property, exactly; `None` uses the environment variable
+    /// `PROPTEST_CASES` when it is set, else [`Property::default_cases`].
+    pub cases: Option<u32>,
+    /// Directory of persisted failing seeds (`<dir>/<engine>/<property>.txt`), replayed
+    /// first on every run; `None` persists nothing.
+    pub regressions: Option<PathBuf>,
+    /// Upper limit on shrinking steps (0: proptest's default).
+    pub max_shrink_iters: u32,
+}
+
+impl SuiteConfig {
+    /// `cases` per property, nothing persisted.
+    pub fn quick(cases: u32) -> Self {
+        SuiteConfig {
+            cases: Some(cases),
+            regressions: None,
+            max_shrink_iters: 256,
+        }
+    }
+
+    /// Default case counts, failures persisted under `<manifest_dir>/proptest-regressions`
+    /// (what [`engine_suite!`](crate::engine_suite) uses).
+    pub fn for_crate(manifest_dir: &str) -> Self {
+        SuiteConfig {
+            cases: None,
+            regressions: Some(PathBuf::from(manifest_dir).join("proptest-regressions")),
+            max_shrink_iters: 1024,
+        }
+    }
+
+    /// The number of cases `property` runs with.
+    pub fn cases_for(&self, property: Property) -> u32 {
+        if property == Property::EntropyCollapse {
+            return 1;
+        }
+        self.cases.unwrap_or_else(|| {
+            std::env::var("PROPTEST_CASES")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(property.default_cases())
+        })
+    }
+}
+
+/// A property that does not hold, with the minimal (shrunk) input that shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The engine's name.
+    pub engine: String,
+    /// The property.
+    pub property: Property,
+    /// What went wrong and the shrunk input.
+    pub message: String,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "engine `{}` fails `{}`: {}",
+            self.engine, self.property, self.message
+        )
+    }
+}
+
+impl std::error::Error for Failure {}
+
+thread_local! {
+    /// The largest |error| / bound seen by the current property run on this thread.
+    static TIGHTNESS: Cell<f64> = const { Cell::new(0.0) };
+}
+
+/// Records a measured error against its bound (for the tightness report).
+pub(crate) fn record_tightness(err: f64, bound: f64) {
+    if bound > 0.0 && bound.is_finite() && err.is_finite() {
+        TIGHTNESS.with(|t| t.set(t.get().max(err / bound)));
+    }
+}
+
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// Runs `strategy` through `test` with proptest (shrinking, persisted failures).
+pub(crate) fn run<S>(
+    engine: &dyn Engine,
+    property: Property,
+    config: &SuiteConfig,
+    strategy: S,
+    test: impl Fn(&dyn Engine, S::Value) -> Result<(), TestCaseError>,
+) -> Result<(), Failure>
+where
+    S: Strategy,
+    S::Value: fmt::Debug,
+{
+    // Config::default() reads the PROPTEST_* environment variables.
+    let mut pc = Config {
+        cases: config.cases_for(property),
+        ..Config::default()
+    };
+    if config.max_shrink_iters > 0 {
+        pc.max_shrink_iters = config.max_shrink_iters;
+    }
+    pc.source_file = None;
+    pc.failure_persistence = config.regressions.as_ref().map(|dir| {
+        let path = dir
+            .join(sanitize(&engine.name()))
+            .join(format!("{}.txt", property.name()));
+        // proptest wants a 'static path; one small leak per property run.
+        let path: &'static str = Box::leak(path.to_string_lossy().into_owned().into_boxed_str());
+        Box::new(FileFailurePersistence::Direct(path)) as _
+    });
+    TIGHTNESS.with(|t| t.set(0.0));
+    let mut runner = TestRunner::new(pc);
+    let result = runner.run(&strategy, |value| test(engine, value));
+    if std::env::var_os("ATTN_ORACLE_TIGHTNESS").is_some() {
+        eprintln!(
+            "attn-oracle: {} / {}: largest |error| / bound = {:.3e}",
+            engine.name(),
+            property.name(),
+            TIGHTNESS.with(Cell::get)
+        );
+    }
+    match result {
+        Ok(()) => Ok(()),
+        Err(TestError::Fail(reason, value)) => Err(Failure {
+            engine: engine.name(),
+            property,
+            message: format!("{reason}\nminimal failing input: {value:#?}"),
+        }),
+        Err(TestError::Abort(reason)) => Err(Failure {
+            engine: engine.name(),
+            property,
+            message: format!("aborted: {reason}"),
+        }),
+    }
+}
+
+/// Checks one property against `engine`.
+///
+/// ```
+/// use attn_oracle::{check_property, Property, ReferenceEngine, SuiteConfig};
+/// check_property(&ReferenceEngine, Property::FullyMaskedRows, &SuiteConfig::quick(4)).unwrap();
+/// ```
+pub fn check_property(
+    engine: &dyn Engine,
+    property: Property,
+    config: &SuiteConfig,
+) -> Result<(), Failure> {
+    let shapes = p::shapes(engine);
+    match property {
+        Property::RowsSumToOne => run(
+            engine,
+            property,
+            config,
+            p::identity_v_case(&shapes),
+            p::rows_sum_to_one,
+        ),
+        Property::MaskedWeightsAreZero => run(
+            engine,
+            property,
+            config,
+            p::identity_v_case(&shapes),
+            p::masked_weights_are_zero,
+        ),
+        Property::HiddenKeysNeverLeak => run(
+            engine,
+            property,
+            config,
+            p::poison_case(&shapes),
+            p::hidden_keys_never_leak,
+        ),
+        Property::FullyMaskedRows => run(
+            engine,
+            property,
+            config,
+            p::masked_rows_case(&shapes),
+            p::fully_masked_rows,
+        ),
+        Property::EntropyCollapse => {
+            crate::stats::entropy_collapse(engine).map_err(|message| Failure {
+                engine: engine.name(),
+                property,
+                message,
+            })
+        }
+        Property::Equivalence => run(
+            engine,
+            property,
+            config,
+            crate::case::head_case(&shapes),
+            p::equivalence,
+        ),
+        Property::BatchedEquivalence => run(
+            engine,
+            property,
+            config,
+            crate::case::batch_case(&p::batch_shapes(&shapes)),
+            p::batched_equivalence,
+        ),
+        Property::RowShift => run(
+            engine,
+            property,
+            config,
+            p::shift_case(&shapes),
+            p::row_shift,
+        ),
+        Property::KeyPermutation => run(
+            engine,
+            property,
+            config,
+            p::permutation_case(&shapes),
+            p::key_permutation,
+        ),
+        Property::ValueScaling => run(
+            engine,
+            property,
+            config,
+            p::scaling_case(&shapes),
+            p::value_scaling,
+        ),
+        Property::HeadsAreIndependent => run(
+            engine,
+            property,
+            config,
+            crate::case::batch_case(&p::batch_shapes(&shapes)),
+            p::heads_are_independent,
+        ),
+        Property::MergeIdentity | Property::MergeAssociativity | Property::SplitKeys => {
+            if !p::supports_split(engine) {
+                eprintln!(
+                    "attn-oracle: engine `{}` has no partial-state API; `{}` skipped",
+                    engine.name(),
+                    property.name()
+                );
+                return Ok(());
+            }
+            let check = match property {
+                Property::MergeIdentity => p::merge_identity,
+                Property::MergeAssociativity => p::merge_associativity,
+                _ => p::split_keys,
+            };
+            run(engine, property, config, p::split_case(&shapes), check)
+        }
+        Property::Determinism => run(
+            engine,
+            property,
+            config,
+            p::determinism_case(&shapes),
+            p::determinism,
+        ),
+        Property::Adversarial => run(
+            engine,
+            property,
+            config,
+            crate::case::adversarial_case(&shapes),
+            p::adversarial,
+        ),
+        Property::MalformedInput => run(
+            engine,
+            property,
+            config,
+            p::malformed_case(),
+            p::malformed_input,
+        ),
+    }
+}
+
+/// Checks every property against `engine`; returns the first failure.
+///
+/// ```
+/// use attn_oracle::{check_engine, ReferenceEngine, SuiteConfig};
+/// assert!(check_engine(&ReferenceEngine, &SuiteConfig::quick(1)).is_ok());
+/// ```
+pub fn check_engine(engine: &dyn Engine, config: &SuiteConfig) -> Result<(), Failure> {
+    Property::ALL
+        .iter()
+        .try_for_each(|&p| check_property(engine, p, config))
+}
+
+/// Checks `property` and panics with the failure report: the body of each generated test.
+pub fn assert_property(engine: &dyn Engine, property: Property, config: &SuiteConfig) {
+    if let Err(f) = check_property(engine, property, config) {
+        panic!("{f}");
+    }
+}
