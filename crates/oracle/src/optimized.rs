@@ -9,7 +9,7 @@ use faer::{Mat, MatRef};
 
 use crate::{Compute, Dtype, Engine, ErrorModel, MergePlan};
 
-/// Keys per split-KV chunk of `attn-optimized` (its `grid::SPLIT_KEYS`, not exported).
+/// Keys per split-KV chunk of `attn-optimized` (re-exported from the engine).
 pub const OPTIMIZED_SPLIT_KEYS: usize = attn_optimized::SPLIT_KEYS;
 
 /// `attn-optimized` with storage type `T` (`f32`, `half::f16` or `half::bf16`): inputs
