@@ -411,6 +411,11 @@ pub struct ConventionsDoctest;
 #[doc = include_str!("../../../docs/attention.md")]
 pub struct AttentionDoctest;
 
+/// `docs/accuracy.md`, whose Rust examples run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/accuracy.md")]
+pub struct AccuracyDoctest;
+
 /// `docs/algorithm.md`, whose Rust examples run as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../../../docs/algorithm.md")]
