@@ -1,1 +1,37 @@
-//! Criterion micro-benchmarks of the attn engines live in `benches/`.
+//! The measuring code of the attn workspace, shared by the criterion benches
+//! (`cargo bench -p attn-benches`) and the scaling report (`cargo xtask bench`).
+//!
+//! - [`baseline`]: attention as a user writes it by hand with faer (GEMM, softmax, GEMM),
+//!   the number the streaming engine has to beat.
+//! - [`roof`]: the machine's limits, faer's f32 GEMM rate and the memory read bandwidth.
+//! - [`inputs`]: deterministic, seeded operands.
+//! - [`runner`]: one case of the report (memory of the first run, median of timed runs),
+//!   and the single dispatch from (engine, dtype) to code.
+//! - [`catalog`], [`protocol`]: the engine names and sweep caps, and the JSON spoken between
+//!   `xtask` and the release-built `attn-bench-runner` child. They need no engine, so
+//!   `xtask` builds this crate without the default `engines` feature.
+//!
+//! ```
+//! use attn_benches::{baseline, inputs::Qkv};
+//! use attn_core::Options;
+//! let x = Qkv::random(2, 16, 16, 8, 42);
+//! let ours = baseline::attention_batched(x.q(), x.k(), x.v(), &Options::default()).unwrap();
+//! let truth = attn_reference::attention_batched(x.q(), x.k(), x.v(), &Options::default()).unwrap();
+//! let worst = ours.as_slice().iter().zip(truth.as_slice())
+//!     .map(|(a, b)| (a - b).abs())
+//!     .fold(0.0f32, f32::max);
+//! assert!(worst < 1e-5);
+//! ```
+
+pub mod catalog;
+pub mod memory;
+pub mod protocol;
+
+#[cfg(feature = "engines")]
+pub mod baseline;
+#[cfg(feature = "engines")]
+pub mod inputs;
+#[cfg(feature = "engines")]
+pub mod roof;
+#[cfg(feature = "engines")]
+pub mod runner;

@@ -1,1 +1,41 @@
-fn main() {}
+//! Workspace automation for attn, in the rust-analyzer `xtask` style: ordinary Rust run by
+//! `cargo xtask <command>` (an alias for `cargo run --package xtask --`).
+//!
+//! `cargo xtask bench` is the scaling report: it sweeps the sequence length over every
+//! engine, measures time and peak memory per case in child processes, measures the
+//! machine's roofs in the same run, fits the growth exponents and writes
+//! `target/bench-report/` (`report.md`, `report.json`, SVG plots).
+//!
+//! This binary is built in debug by the alias, so it never times anything itself: it builds
+//! the `attn-bench-runner` binary of `attn-benches` in release and runs it once per case.
+
+mod child;
+mod cli;
+mod fit;
+mod machine;
+mod plot;
+mod report;
+mod sweep;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    match cli.command {
+        cli::Command::Bench(args) => {
+            let result = match args.replot.clone() {
+                Some(dir) => sweep::replot(&dir),
+                None => sweep::run(&args.resolve()),
+            };
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("xtask bench: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! What the criterion benches share.
+
+// Each bench binary compiles this module on its own and not every one uses every helper.
+#![allow(dead_code)]
+
+use attn_benches::catalog::{Dtype, Engine};
+use attn_benches::runner::{Buffers, RunError, case_options, run_engine};
+
+/// Whether this is a real benchmark run (`cargo bench`), not `cargo test --benches` or
+/// `cargo bench -- --test`, where criterion runs every routine once and the shapes must
+/// shrink so that the test stays fast. Mirrors criterion's own rule: `--bench` without
+/// `--test`.
+pub fn full_size() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--test")
+}
+
+/// Whether `engine` runs f32 inputs, asked of the report's dispatch with a tiny call (an
+/// engine that has not landed yet is skipped, not faked).
+pub fn supports_f32(engine: Engine) -> Result<(), String> {
+    let probe = Buffers::random(Dtype::F32, 1, 2, 2, 4, 0);
+    match run_engine(engine, &probe, &case_options(false)) {
+        Ok(()) => Ok(()),
+        Err(e @ RunError::Unsupported(_)) => Err(e.to_string()),
+        Err(e) => panic!("{engine} fails on a 2×2 probe: {e}"),
+    }
+}

@@ -1,0 +1,182 @@
+//! Issue 3's targets: 8 heads, n = 4096, d = 64, f32, 2 threads. Times the optimized
+//! engine (non-causal and top-left causal), the materialised baseline and faer's 2048³ GEMM
+//! with criterion, then measures the ratios that the targets are stated in:
+//!
+//! - roof fraction: the engine's GFLOP/s (`4·n²·d` per head, causal counts the visible
+//!   half) over the GEMM's, and
+//! - speedup: baseline time over optimized time.
+//!
+//! Rates drift by several per cent within a run on these machines, so the ratios are not
+//! taken from criterion's separate means: a custom loop interleaves the pair being
+//! compared (roof, kernel, roof, kernel, …) and prints the median of the per-round ratios.
+//!
+//! Under `cargo test --benches` (criterion's test mode) the shapes shrink to a toy size.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use attn_benches::catalog::{Dtype, Engine, attention_flops};
+use attn_benches::protocol::median;
+use attn_benches::roof::{GemmRoof, pool};
+use attn_benches::runner::{Buffers, case_options, run_engine};
+use criterion::{Criterion, Throughput};
+
+/// The problem of issue 3, or a toy one in test mode.
+struct Setup {
+    heads: usize,
+    n: usize,
+    d: usize,
+    threads: usize,
+    gemm_n: usize,
+    rounds: usize,
+}
+
+impl Setup {
+    fn new(full: bool) -> Self {
+        if full {
+            Self {
+                heads: 8,
+                n: 4096,
+                d: 64,
+                threads: 2,
+                gemm_n: 2048,
+                rounds: 9,
+            }
+        } else {
+            Self {
+                heads: 1,
+                n: 64,
+                d: 16,
+                threads: 2,
+                gemm_n: 64,
+                rounds: 1,
+            }
+        }
+    }
+}
+
+/// One timed kernel of the comparison.
+struct Kernel {
+    label: &'static str,
+    engine: Engine,
+    causal: bool,
+}
+
+const KERNELS: [Kernel; 3] = [
+    Kernel {
+        label: "optimized",
+        engine: Engine::Optimized,
+        causal: false,
+    },
+    Kernel {
+        label: "baseline",
+        engine: Engine::Baseline,
+        causal: false,
+    },
+    Kernel {
+        label: "optimized_causal",
+        engine: Engine::Optimized,
+        causal: true,
+    },
+];
+
+fn seconds(f: impl FnOnce()) -> f64 {
+    let start = Instant::now();
+    f();
+    start.elapsed().as_secs_f64()
+}
+
+fn main() {
+    let full = common::full_size();
+    let s = Setup::new(full);
+    let pool = pool(s.threads);
+    let inputs = Buffers::random(Dtype::F32, s.heads, s.n, s.n, s.d, 1);
+    let mut gemm = GemmRoof::new(s.gemm_n, s.threads);
+    let available: Vec<&Kernel> = KERNELS
+        .iter()
+        .filter(|k| match common::supports_f32(k.engine) {
+            Ok(()) => true,
+            Err(why) => {
+                eprintln!("forward: skipping {}: {why}", k.label);
+                false
+            }
+        })
+        .collect();
+
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(if full { 25 } else { 1 }))
+        .configure_from_args();
+    {
+        let (h, n, d, t) = (s.heads, s.n, s.d, s.threads);
+        let mut group = c.benchmark_group(format!("forward_h{h}_n{n}_d{d}_t{t}"));
+        for k in &available {
+            let options = case_options(k.causal);
+            group.throughput(Throughput::Elements(
+                attention_flops(h, n, n, d, k.causal) as u64
+            ));
+            group.bench_function(k.label, |b| {
+                pool.install(|| b.iter(|| run_engine(k.engine, &inputs, &options).expect("runs")))
+            });
+        }
+        group.throughput(Throughput::Elements(gemm.flops() as u64));
+        group.bench_function(format!("gemm_{}", s.gemm_n), |b| {
+            pool.install(|| b.iter(|| gemm.run()))
+        });
+        group.finish();
+    }
+    c.final_summary();
+
+    // Interleaved ratios. Warm everything once so first-touch costs stay out of round one.
+    pool.install(|| {
+        gemm.run();
+        for k in &available {
+            run_engine(k.engine, &inputs, &case_options(k.causal)).expect("runs");
+        }
+    });
+    let time_kernel = |k: &Kernel| {
+        let options = case_options(k.causal);
+        pool.install(|| seconds(|| run_engine(k.engine, &inputs, &options).expect("runs")))
+    };
+    let mut roof_fraction: Vec<Vec<f64>> = vec![Vec::new(); available.len()];
+    let mut speedup = Vec::new();
+    let baseline = available.iter().position(|k| k.engine == Engine::Baseline);
+    for _ in 0..s.rounds {
+        let mut times = Vec::with_capacity(available.len());
+        for (i, k) in available.iter().enumerate() {
+            let t_roof = pool.install(|| gemm.time());
+            let t = time_kernel(k);
+            let kernel_rate = attention_flops(s.heads, s.n, s.n, s.d, k.causal) / t;
+            roof_fraction[i].push(kernel_rate / (gemm.flops() / t_roof));
+            times.push(t);
+        }
+        // Optimized non-causal and baseline run back to back in each round (the same drift).
+        if let (Some(b), Some(o)) = (
+            baseline,
+            available.iter().position(|k| k.label == "optimized"),
+        ) {
+            speedup.push(times[b] / times[o]);
+        }
+    }
+
+    println!(
+        "\nforward: interleaved ratios, median of {} rounds (h={}, n={}, d={}, threads={}, GEMM {}³)",
+        s.rounds, s.heads, s.n, s.d, s.threads, s.gemm_n
+    );
+    for (k, fractions) in available.iter().zip(&roof_fraction) {
+        let lo = fractions.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = fractions.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        println!(
+            "  {:<18} GFLOP/s ÷ GEMM GFLOP/s = {:.3}  (range {lo:.3}–{hi:.3})",
+            k.label,
+            median(fractions).unwrap_or(f64::NAN)
+        );
+    }
+    match median(&speedup) {
+        Some(x) => println!("  optimized ÷ baseline speedup = {x:.2}×"),
+        None => {
+            println!("  optimized ÷ baseline speedup: unavailable (optimized engine not landed)")
+        }
+    }
+}
