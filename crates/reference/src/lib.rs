@@ -30,4 +30,3 @@ pub use head::{
     attention_materialized,
 };
 pub use multi_head::MultiHeadAttention;
-
