@@ -273,32 +273,27 @@ pub(crate) fn f32_rows<'a, T: Element>(
 mod tests {
     use super::*;
 
-    #[test]
-    fn f16_widening_is_exact_for_every_bit_pattern() {
-        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    fn widening_is_exact_for_every_bit_pattern<T: Element>(from_bits: fn(u16) -> T) {
+        let all: Vec<T> = (0..=u16::MAX).map(from_bits).collect();
         let mut wide = vec![0.0f32; all.len()];
-        f16::widen(&all, &mut wide);
+        T::widen(&all, &mut wide);
         for (h, w) in all.iter().zip(&wide) {
             let want = h.to_f32();
             assert!(
                 w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
-                "{h:?}"
+                "{want}"
             );
         }
     }
 
     #[test]
+    fn f16_widening_is_exact_for_every_bit_pattern() {
+        widening_is_exact_for_every_bit_pattern(f16::from_bits);
+    }
+
+    #[test]
     fn bf16_widening_is_exact_for_every_bit_pattern() {
-        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
-        let mut wide = vec![0.0f32; all.len()];
-        bf16::widen(&all, &mut wide);
-        for (h, w) in all.iter().zip(&wide) {
-            let want = h.to_f32();
-            assert!(
-                w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
-                "{h:?}"
-            );
-        }
+        widening_is_exact_for_every_bit_pattern(bf16::from_bits);
     }
 
     #[test]
