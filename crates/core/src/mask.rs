@@ -225,6 +225,12 @@ impl<'a> HeadMask<'a> {
         self.key_range(i).contains(&j) && self.boolean.is_none_or(|b| b.allows(i, j))
     }
 
+    /// Whether key `j` reaches query `i` at all: [`HeadMask::allows`] and no `-inf` in the
+    /// additive mask. A key that does not must contribute nothing to the row, not `0·V_j`.
+    pub fn sees(&self, i: usize, j: usize) -> bool {
+        self.allows(i, j) && self.additive.is_none_or(|a| a[(i, j)] != f32::NEG_INFINITY)
+    }
+
     /// The additive mask entry for `(i, j)`, `0` without an additive mask.
     pub fn bias(&self, i: usize, j: usize) -> f32 {
         self.additive.map_or(0.0, |m| m[(i, j)])

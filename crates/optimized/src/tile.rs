@@ -193,7 +193,7 @@ impl Scratch {
                 for (i, row) in rows.clone().enumerate() {
                     for (jj, j) in cols.clone().enumerate() {
                         let pij = p[(i, jj)];
-                        if pij != 0.0 || visible(head, row, j) {
+                        if pij != 0.0 || head.mask.sees(row, j) {
                             for c in 0..d_v {
                                 acc[(i, c)] += pij * v_tile[(jj, c)];
                             }
@@ -264,7 +264,7 @@ impl Scratch {
                         *a *= self.alpha[i];
                     }
                     for ((j, &pj), vj) in cols.clone().zip(p).zip(&v[..nc]) {
-                        if pj != 0.0 || visible(head, rows.start + i, j) {
+                        if pj != 0.0 || head.mask.sees(rows.start + i, j) {
                             for (a, &x) in acc.iter_mut().zip(vj.iter()) {
                                 *a += pj * x;
                             }
@@ -375,15 +375,6 @@ fn mask_elementwise<T>(
 /// Whether every entry of these rows is finite.
 fn all_finite<'a>(rows: impl Iterator<Item = faer::RowRef<'a, f32>>) -> bool {
     rows.into_iter().all(|r| r.iter().all(|x| x.is_finite()))
-}
-
-/// Whether query `row` may see key `j` (structure, boolean mask, and an additive `-inf`).
-fn visible<T>(head: &HeadInputs<'_, T>, row: usize, j: usize) -> bool {
-    head.mask.allows(row, j)
-        && head
-            .mask
-            .additive()
-            .is_none_or(|a| a[(row, j)] != f32::NEG_INFINITY)
 }
 
 /// Applies the boolean and additive masks to the score of query `row` and key `j`.
