@@ -5,10 +5,64 @@
 //! that loop streaming: one dot product per key, the online softmax along the row
 //! (vectorised across keys), and `acc += p_j · v_j` across the value width.
 
+use faer::MatRef;
 use pulp::{Arch, Simd, WithSimd};
 
+use crate::element::Element;
 use crate::exp::{exp2_approx, multiversion};
 use crate::online_softmax::LAZY_RESCALE_LOG2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Whether [`stream_scores`] and [`stream_accumulate`] read `m` in place on this CPU
+/// (AVX-512, rows of unit column stride and a width of whole 16-lane vectors). Elsewhere
+/// the row kernels copy each block first ([`scores`], [`accumulate`]).
+pub(crate) fn streams<T>(m: MatRef<'_, T>) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if crate::exp::isa() == crate::exp::Isa::Avx512 {
+        return avx512::supports(m);
+    }
+    let _ = m;
+    false
+}
+
+/// `out[j] = q · k[j]` straight from `k` (any element type), prefetching on into `next`.
+///
+/// # Panics
+/// Unless [`streams`]`(k)` and the lengths agree.
+pub(crate) fn stream_scores<T: Element>(
+    q: &[f32],
+    k: MatRef<'_, T>,
+    next: MatRef<'_, T>,
+    out: &mut [f32],
+) {
+    assert!(streams(k), "no streaming kernel for these rows on this CPU");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `streams` found AVX-512 (F, BW, VL, DQ) with AVX2 and FMA on this CPU.
+    unsafe {
+        avx512::scores(q, k, next, out)
+    }
+}
+
+/// `acc = alpha·acc + Σ_j p_j · v[j]` straight from `v`, prefetching on into `next`.
+///
+/// # Panics
+/// Unless [`streams`]`(v)` and the lengths agree.
+pub(crate) fn stream_accumulate<T: Element>(
+    acc: &mut [f32],
+    alpha: f32,
+    p: &[f32],
+    v: MatRef<'_, T>,
+    next: MatRef<'_, T>,
+) {
+    assert!(streams(v), "no streaming kernel for these rows on this CPU");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `streams` found AVX-512 (F, BW, VL, DQ) with AVX2 and FMA on this CPU.
+    unsafe {
+        avx512::accumulate(acc, alpha, p, v, next)
+    }
+}
 
 /// Tiles with at most this many queries use the row kernels instead of GEMM tiles.
 pub const DECODE_ROWS: usize = 4;
@@ -216,6 +270,43 @@ mod tests {
         let want =
             w.iter().zip(&v).map(|(w, v)| w * *v as f64).sum::<f64>() / w.iter().sum::<f64>();
         assert!((acc[0] as f64 / l as f64 - want).abs() < 1e-4);
+    }
+
+    /// The in-place kernels against plain sums, for every storage type, widths of one to
+    /// seventeen vectors, key counts off the group size, and strided rows.
+    fn streaming_matches_plain_sums<T: Element>() {
+        if !streams(MatRef::<T>::from_row_major_slice(&[], 0, 16)) {
+            return; // no streaming kernel on this CPU: the copying kernels are tested above
+        }
+        for (n, d, stride) in [(1, 16, 16), (13, 48, 48), (29, 128, 160), (8, 272, 272)] {
+            let data: Vec<T> = (0..n * stride + d)
+                .map(|x| T::from_f32(((x * 37) % 23) as f32 / 8.0 - 1.4))
+                .collect();
+            let m = MatRef::from_row_major_slice_with_stride(&data, n, d, stride);
+            let next = MatRef::from_row_major_slice(&data[..d], 1, d);
+            let wide = |j: usize, c: usize| m[(j, c)].to_f32() as f64;
+            let q: Vec<f32> = (0..d).map(|c| (c % 5) as f32 * 0.3 - 0.5).collect();
+            let mut out = vec![0.0f32; n];
+            stream_scores(&q, m, next, &mut out);
+            for (j, &o) in out.iter().enumerate() {
+                let want: f64 = (0..d).map(|c| q[c] as f64 * wide(j, c)).sum();
+                assert!((o as f64 - want).abs() < 1e-4, "{} d={d} j={j}", T::NAME);
+            }
+            let p: Vec<f32> = (0..n).map(|j| (j % 3) as f32 * 0.25).collect();
+            let mut acc: Vec<f32> = (0..d).map(|c| c as f32).collect();
+            stream_accumulate(&mut acc, 0.5, &p, m, next);
+            for (c, &a) in acc.iter().enumerate() {
+                let want = 0.5 * c as f64 + (0..n).map(|j| p[j] as f64 * wide(j, c)).sum::<f64>();
+                assert!((a as f64 - want).abs() < 1e-4, "{} d={d} c={c}", T::NAME);
+            }
+        }
+    }
+
+    #[test]
+    fn streaming_kernels_match_plain_sums() {
+        streaming_matches_plain_sums::<f32>();
+        streaming_matches_plain_sums::<half::f16>();
+        streaming_matches_plain_sums::<half::bf16>();
     }
 
     #[test]

@@ -12,11 +12,28 @@ use half::{bf16, f16};
 
 use crate::exp::multiversion;
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::f16 {}
-    impl Sealed for half::bf16 {}
+pub(crate) mod sealed {
+    /// How an element is stored, for kernels that load it straight from memory.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Storage {
+        F32,
+        F16,
+        Bf16,
+    }
+
+    /// Keeps [`super::Element`] closed to the three types the kernels know.
+    pub trait Sealed {
+        const STORAGE: Storage;
+    }
+    impl Sealed for f32 {
+        const STORAGE: Storage = Storage::F32;
+    }
+    impl Sealed for half::f16 {
+        const STORAGE: Storage = Storage::F16;
+    }
+    impl Sealed for half::bf16 {
+        const STORAGE: Storage = Storage::Bf16;
+    }
 }
 
 /// An element type the engine takes as input or writes as output.

@@ -8,7 +8,9 @@ use attn_core::{HeadMask, TileCoverage};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 
-use crate::decode::{DECODE_ROWS, accumulate, scores, softmax_row};
+use crate::decode::{
+    DECODE_ROWS, accumulate, scores, softmax_row, stream_accumulate, stream_scores, streams,
+};
 use crate::element::{Element, f32_rows, row_slices};
 use crate::online_softmax::{RowState, scale_rows, softmax_update};
 
@@ -188,7 +190,7 @@ impl Scratch {
                 MatMut::from_column_major_slice_with_stride_mut(&mut self.acc, nr, d_v, br);
             let v_tile = f32_rows(head.v, local..local + nc, &mut self.v_wide);
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
-            if masked && !all_finite((0..nc).map(|j| v_tile.row(j))) {
+            if masked && !all_finite(v_tile) {
                 // A hidden key must contribute nothing, not 0·V_j (NaN for a non-finite V_j).
                 for (i, row) in rows.clone().enumerate() {
                     for (jj, j) in cols.clone().enumerate() {
@@ -227,13 +229,23 @@ impl Scratch {
         self.l[..nr].fill(0.0);
         for (cols, coverage) in key_blocks(head, rows.clone(), keys, ROW_BLOCK) {
             let (nc, local) = (cols.len(), cols.start - head.key_base);
-            // K pass, then V pass: each is one long sequential stream, which the hardware
-            // prefetcher follows at full bandwidth (interleaving K and V rows does not).
+            let (kb, vb) = (head.k.subrows(local, nc), head.v.subrows(local, nc));
+            // Read in place where a streaming kernel exists, else copied block by block.
+            let direct = streams(kb) && streams(vb);
+            // K pass, then V pass: each is one long sequential stream, which the prefetchers
+            // follow at full bandwidth (interleaving K and V rows does not).
             let mut k: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
-            row_slices(head.k, local..local + nc, &mut self.k_wide, &mut k);
+            if !direct {
+                row_slices(head.k, local..local + nc, &mut self.k_wide, &mut k);
+            }
             for i in 0..nr {
                 let s = &mut self.s[i * bc..i * bc + nc];
-                scores(&self.q[i * d_k..(i + 1) * d_k], &k[..nc], s);
+                let q = &self.q[i * d_k..(i + 1) * d_k];
+                if direct {
+                    stream_scores(q, kb, vb, s);
+                } else {
+                    scores(q, &k[..nc], s);
+                }
                 let row = rows.start + i;
                 if coverage == TileCoverage::Partial {
                     let r = head.mask.key_range(row);
@@ -250,11 +262,20 @@ impl Scratch {
                 }
                 self.alpha[i] = softmax_row(s, &mut self.m[i], &mut self.l[i]);
             }
+            let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
+            let careful = masked && !all_finite(vb);
+            if direct && !careful {
+                let rest = head.k.nrows() - (local + nc);
+                let next_k = head.k.subrows(local + nc, rest);
+                for i in 0..nr {
+                    let p = &self.s[i * bc..i * bc + nc];
+                    let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
+                    stream_accumulate(acc, self.alpha[i], p, vb, next_k);
+                }
+                continue;
+            }
             let mut v: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
             row_slices(head.v, local..local + nc, &mut self.v_wide, &mut v);
-            let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
-            let careful =
-                masked && !all_finite(v[..nc].iter().map(|r| faer::RowRef::from_slice(r)));
             for i in 0..nr {
                 let p = &self.s[i * bc..i * bc + nc];
                 let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
@@ -372,9 +393,10 @@ fn mask_elementwise<T>(
     }
 }
 
-/// Whether every entry of these rows is finite.
-fn all_finite<'a>(rows: impl Iterator<Item = faer::RowRef<'a, f32>>) -> bool {
-    rows.into_iter().all(|r| r.iter().all(|x| x.is_finite()))
+/// Whether every entry of `m` is finite.
+fn all_finite<T: Element>(m: MatRef<'_, T>) -> bool {
+    m.row_iter()
+        .all(|r| r.iter().all(|x| x.to_f32().is_finite()))
 }
 
 /// Applies the boolean and additive masks to the score of query `row` and key `j`.
