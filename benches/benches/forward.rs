@@ -1,10 +1,12 @@
-//! Issue 3's targets: 8 heads, n = 4096, d = 64, f32, 2 threads. Times the optimized
-//! engine (non-causal and top-left causal), the materialised baseline and faer's 2048³ GEMM
-//! with criterion, then measures the ratios that the targets are stated in:
+//! Issue 3's and 5's prefill targets: 8 heads, n = 4096, d = 64, 2 threads. Times the
+//! optimized engine (f32, f16, bf16; non-causal and top-left causal), the materialised
+//! baseline and faer's 2048³ GEMM with criterion, then measures the ratios that the targets
+//! are stated in:
 //!
 //! - roof fraction: the engine's GFLOP/s (`4·n²·d` per head, causal counts the visible
-//!   half) over the GEMM's, and
-//! - speedup: baseline time over optimized time.
+//!   half) over the GEMM's,
+//! - speedup: baseline time over optimized time, and
+//! - half precision: f16 and bf16 throughput over f32's (same mask).
 //!
 //! Rates drift by several per cent within a run on these machines, so the ratios are not
 //! taken from criterion's separate means: a custom loop interleaves the pair being
@@ -60,25 +62,32 @@ impl Setup {
 struct Kernel {
     label: &'static str,
     engine: Engine,
+    dtype: Dtype,
     causal: bool,
 }
 
-const KERNELS: [Kernel; 3] = [
+const fn kernel(label: &'static str, engine: Engine, dtype: Dtype, causal: bool) -> Kernel {
     Kernel {
-        label: "optimized",
-        engine: Engine::Optimized,
-        causal: false,
-    },
-    Kernel {
-        label: "baseline",
-        engine: Engine::Baseline,
-        causal: false,
-    },
-    Kernel {
-        label: "optimized_causal",
-        engine: Engine::Optimized,
-        causal: true,
-    },
+        label,
+        engine,
+        dtype,
+        causal,
+    }
+}
+
+const KERNELS: [Kernel; 7] = [
+    kernel("optimized", Engine::Optimized, Dtype::F32, false),
+    kernel("baseline", Engine::Baseline, Dtype::F32, false),
+    kernel("optimized_causal", Engine::Optimized, Dtype::F32, true),
+    kernel("optimized_f16", Engine::Optimized, Dtype::F16, false),
+    kernel("optimized_bf16", Engine::Optimized, Dtype::Bf16, false),
+    kernel("optimized_f16_causal", Engine::Optimized, Dtype::F16, true),
+    kernel(
+        "optimized_bf16_causal",
+        Engine::Optimized,
+        Dtype::Bf16,
+        true,
+    ),
 ];
 
 fn seconds(f: impl FnOnce()) -> f64 {
@@ -91,7 +100,19 @@ fn main() {
     let full = common::full_size();
     let s = Setup::new(full);
     let pool = pool(s.threads);
-    let inputs = Buffers::random(Dtype::F32, s.heads, s.n, s.n, s.d, 1);
+    let inputs_of = |dtype| Buffers::random(dtype, s.heads, s.n, s.n, s.d, 1);
+    let all_inputs = [
+        (Dtype::F32, inputs_of(Dtype::F32)),
+        (Dtype::F16, inputs_of(Dtype::F16)),
+        (Dtype::Bf16, inputs_of(Dtype::Bf16)),
+    ];
+    let inputs = |k: &Kernel| {
+        &all_inputs
+            .iter()
+            .find(|(d, _)| *d == k.dtype)
+            .expect("inputs for every dtype")
+            .1
+    };
     let mut gemm = GemmRoof::new(s.gemm_n, s.threads);
     let available: Vec<&Kernel> = KERNELS
         .iter()
@@ -106,7 +127,7 @@ fn main() {
 
     let mut c = Criterion::default()
         .sample_size(10)
-        .measurement_time(Duration::from_secs(if full { 25 } else { 1 }))
+        .measurement_time(Duration::from_secs(if full { 12 } else { 1 }))
         .configure_from_args();
     {
         let (h, n, d, t) = (s.heads, s.n, s.d, s.threads);
@@ -117,7 +138,7 @@ fn main() {
                 attention_flops(h, n, n, d, k.causal) as u64
             ));
             group.bench_function(k.label, |b| {
-                pool.install(|| b.iter(|| run_engine(k.engine, &inputs, &options).expect("runs")))
+                pool.install(|| b.iter(|| run_engine(k.engine, inputs(k), &options).expect("runs")))
             });
         }
         group.throughput(Throughput::Elements(gemm.flops() as u64));
@@ -132,15 +153,16 @@ fn main() {
     pool.install(|| {
         gemm.run();
         for k in &available {
-            run_engine(k.engine, &inputs, &case_options(k.causal)).expect("runs");
+            run_engine(k.engine, inputs(k), &case_options(k.causal)).expect("runs");
         }
     });
     let time_kernel = |k: &Kernel| {
         let options = case_options(k.causal);
-        pool.install(|| seconds(|| run_engine(k.engine, &inputs, &options).expect("runs")))
+        pool.install(|| seconds(|| run_engine(k.engine, inputs(k), &options).expect("runs")))
     };
     let mut roof_fraction: Vec<Vec<f64>> = vec![Vec::new(); available.len()];
     let mut speedup = Vec::new();
+    let mut half_ratio: Vec<Vec<f64>> = vec![Vec::new(); available.len()];
     let baseline = available.iter().position(|k| k.engine == Engine::Baseline);
     for _ in 0..s.rounds {
         let mut times = Vec::with_capacity(available.len());
@@ -158,6 +180,15 @@ fn main() {
         ) {
             speedup.push(times[b] / times[o]);
         }
+        // Half precision over f32 with the same mask, from the same round.
+        for (i, k) in available.iter().enumerate() {
+            let f32_twin = available.iter().position(|f| {
+                f.engine == k.engine && f.causal == k.causal && f.dtype == Dtype::F32
+            });
+            if let Some(f) = f32_twin.filter(|_| k.dtype != Dtype::F32) {
+                half_ratio[i].push(times[f] / times[i]);
+            }
+        }
     }
 
     println!(
@@ -168,10 +199,19 @@ fn main() {
         let lo = fractions.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = fractions.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         println!(
-            "  {:<18} GFLOP/s ÷ GEMM GFLOP/s = {:.3}  (range {lo:.3}–{hi:.3})",
+            "  {:<22} GFLOP/s ÷ GEMM GFLOP/s = {:.3}  (range {lo:.3}–{hi:.3})",
             k.label,
             median(fractions).unwrap_or(f64::NAN)
         );
+    }
+    for (k, ratios) in available.iter().zip(&half_ratio) {
+        if let Some(x) = median(ratios) {
+            let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            println!(
+                "  {:<22} throughput ÷ f32's = {x:.3}  (min {lo:.3}, target ≥ 0.9)",
+                k.label
+            );
+        }
     }
     match median(&speedup) {
         Some(x) => println!("  optimized ÷ baseline speedup = {x:.2}×"),
