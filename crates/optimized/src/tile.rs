@@ -234,18 +234,20 @@ impl Scratch {
             let direct = streams(kb) && streams(vb);
             // K pass, then V pass: each is one long sequential stream, which the prefetchers
             // follow at full bandwidth (interleaving K and V rows does not).
-            let mut k: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
-            if !direct {
+            let q_row = |i: usize| &self.q[i * d_k..(i + 1) * d_k];
+            if direct {
+                for (i, s) in self.s.chunks_exact_mut(bc).take(nr).enumerate() {
+                    stream_scores(q_row(i), kb, vb, &mut s[..nc]);
+                }
+            } else {
+                let mut k: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
                 row_slices(head.k, local..local + nc, &mut self.k_wide, &mut k);
+                for (i, s) in self.s.chunks_exact_mut(bc).take(nr).enumerate() {
+                    scores(q_row(i), &k[..nc], &mut s[..nc]);
+                }
             }
             for i in 0..nr {
                 let s = &mut self.s[i * bc..i * bc + nc];
-                let q = &self.q[i * d_k..(i + 1) * d_k];
-                if direct {
-                    stream_scores(q, kb, vb, s);
-                } else {
-                    scores(q, &k[..nc], s);
-                }
                 let row = rows.start + i;
                 if coverage == TileCoverage::Partial {
                     let r = head.mask.key_range(row);

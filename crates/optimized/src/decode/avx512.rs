@@ -149,6 +149,11 @@ fn scores_q_in_registers<T: Element, const NV: usize>(
         // SAFETY: q holds 16·NV floats.
         *x = unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) };
     }
+    // The first rows too: a task's first block was prefetched by nobody (or by another
+    // core); for later blocks the previous V pass did it and these are cheap hits.
+    for r in 0..ahead {
+        prefetch_row(&rows, &next, r);
+    }
     let mut j = 0;
     while j + KEYS_AT_ONCE <= n {
         for r in 0..KEYS_AT_ONCE {
