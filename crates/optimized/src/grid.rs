@@ -5,7 +5,7 @@ use core::ops::Range;
 use core::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use faer::{Mat, MatMut};
+use faer::MatMut;
 
 use crate::element::Element;
 use crate::merge::PartialState;
@@ -177,10 +177,7 @@ fn run_split<T: Element, O: Element>(jobs: Vec<HeadJob<'_, T, O>>, plan: TilePla
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let keys = chunks[j].get(c).cloned().unwrap_or(0..0);
             scratch.attend(&jobs[j].inputs, rows.clone(), keys);
-            let mut out = Mat::<f32>::zeros(rows.len(), d_v);
-            let mut lse = vec![0.0; rows.len()];
-            scratch.write_normalised(rows.len(), out.as_mut(), Some(&mut lse));
-            PartialState::new(out, lse).expect("one LSE per row by construction")
+            scratch.partial_state(rows.len())
         });
         // Each index is handed out once, so the slot is empty.
         let _ = states[i].set(state);

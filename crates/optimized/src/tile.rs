@@ -6,12 +6,13 @@ use core::ops::Range;
 
 use attn_core::{HeadMask, TileCoverage};
 use faer::linalg::matmul::matmul;
-use faer::{Accum, MatMut, MatRef, Par};
+use faer::{Accum, Mat, MatMut, MatRef, Par};
 
 use crate::decode::{
     DECODE_ROWS, accumulate, scores, softmax_row, stream_accumulate, stream_scores, streams,
 };
 use crate::element::{Element, f32_rows, row_slices};
+use crate::merge::PartialState;
 use crate::online_softmax::{RowState, scale_rows, softmax_update};
 
 /// Query rows per task (at most): the Q tile, the score tile and the accumulator of this
@@ -313,13 +314,9 @@ impl Scratch {
         mut out: MatMut<'_, O>,
         lse: Option<&mut [f32]>,
     ) {
-        let br = self.plan.br;
         for c in 0..out.ncols() {
-            let acc = &self.acc[c * br..c * br + rows];
-            for (i, &a) in acc.iter().enumerate() {
-                let l = self.l[i];
-                // l = 0 only when nothing was visible (acc is 0 too); a NaN l stays NaN.
-                out[(i, c)] = O::from_f32(if l == 0.0 { 0.0 } else { a / l });
+            for i in 0..rows {
+                out[(i, c)] = O::from_f32(self.normalised(i, c));
             }
         }
         if let Some(lse) = lse {
@@ -327,6 +324,21 @@ impl Scratch {
                 *x = self.lse_row(i);
             }
         }
+    }
+
+    /// The tile's `rows` rows as a partial state (output and LSE), built in one pass.
+    pub fn partial_state(&self, rows: usize) -> PartialState {
+        let d_v = self.acc.len() / self.plan.br;
+        let out = Mat::from_fn(rows, d_v, |i, c| self.normalised(i, c));
+        let lse = (0..rows).map(|i| self.lse_row(i)).collect();
+        PartialState::new(out, lse).expect("one LSE per row by construction")
+    }
+
+    /// Row `i`, column `c` of `acc / l`.
+    fn normalised(&self, i: usize, c: usize) -> f32 {
+        let (a, l) = (self.acc[c * self.plan.br + i], self.l[i]);
+        // l = 0 only when nothing was visible (acc is 0 too); a NaN l stays NaN.
+        if l == 0.0 { 0.0 } else { a / l }
     }
 
     fn lse_row(&self, i: usize) -> f32 {
