@@ -108,7 +108,7 @@ pub(crate) fn run<T: Element, O: Element>(
     tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
     let tasks: Vec<Mutex<Option<TileTask<'_, T, O>>>> =
         tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
-    for_each_index(tasks.len(), |i| {
+    for_each_index(tasks.len(), Order::Front, |i| {
         let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
             return;
         };
@@ -119,9 +119,19 @@ pub(crate) fn run<T: Element, O: Element>(
     });
 }
 
+/// Which end of the task list each thread takes from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// Everyone takes the next task from the front (tasks sorted heaviest first).
+    Front,
+    /// The calling thread takes from the front, the pool's workers from the back: equal
+    /// tasks land on the same threads call after call (a short decode step's K and V then
+    /// stay in the cache of the core that read them last time), and still balance.
+    BothEnds,
+}
+
 /// Runs `task(i)` for every `i < n`: on the calling thread and on as many workers of the
-/// current rayon pool as help, each taking the next index from a shared counter, so tasks
-/// start in index order (heaviest first, as the callers sort them).
+/// current rayon pool as help, each taking the next index as `order` says.
 ///
 /// The calling thread works from the first moment instead of waiting for the pool, and at
 /// the end spins (rather than sleeps) until the helpers that took work are done: waking a
@@ -130,14 +140,14 @@ pub(crate) fn run<T: Element, O: Element>(
 /// short sequence. A helper that has not started by then finds no work left; the rayon
 /// scope waits for it the ordinary way (a worker thread runs pending jobs meanwhile, so
 /// nested calls cannot deadlock). The calling thread counts as one of the pool's threads.
-fn for_each_index(n: usize, task: impl Fn(usize) + Sync) {
-    let next = AtomicUsize::new(0);
-    let work = || {
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            if i >= n {
-                break;
-            }
+fn for_each_index(n: usize, order: Order, task: impl Fn(usize) + Sync) {
+    let left = Mutex::new(0..n);
+    let take = |back: bool| {
+        let mut left = left.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if back { left.next_back() } else { left.next() }
+    };
+    let work = |back: bool| {
+        while let Some(i) = take(back) {
             task(i);
         }
     };
@@ -147,11 +157,11 @@ fn for_each_index(n: usize, task: impl Fn(usize) + Sync) {
         for _ in 0..helpers {
             scope.spawn(|_| {
                 started.fetch_add(1, Ordering::AcqRel);
-                work();
+                work(order == Order::BothEnds);
                 finished.fetch_add(1, Ordering::Release);
             });
         }
-        work();
+        work(false);
         while finished.load(Ordering::Acquire) < started.load(Ordering::Acquire) {
             core::hint::spin_loop();
         }
@@ -171,7 +181,7 @@ fn run_split<T: Element, O: Element>(jobs: Vec<HeadJob<'_, T, O>>, plan: TilePla
         }
     }
     let states: Vec<OnceLock<PartialState>> = index.iter().map(|_| OnceLock::new()).collect();
-    for_each_index(index.len(), |i| {
+    for_each_index(index.len(), Order::BothEnds, |i| {
         let (j, t, c) = index[i];
         let state = Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
