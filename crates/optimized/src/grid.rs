@@ -4,6 +4,7 @@
 use core::ops::Range;
 use core::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use faer::MatMut;
 
@@ -134,12 +135,13 @@ enum Order {
 /// current rayon pool as help, each taking the next index as `order` says.
 ///
 /// The calling thread works from the first moment instead of waiting for the pool, and at
-/// the end spins (rather than sleeps) until the helpers that took work are done: waking a
-/// sleeping thread costs tens of microseconds on a virtual machine (measured here: a
-/// `rayon::join` of two 10 µs halves takes 48 µs), as long as a whole decode step of a
-/// short sequence. A helper that has not started by then finds no work left; the rayon
-/// scope waits for it the ordinary way (a worker thread runs pending jobs meanwhile, so
-/// nested calls cannot deadlock). The calling thread counts as one of the pool's threads.
+/// the end spins (rather than sleeps, for up to [`SPIN_LIMIT`]) until the helpers that took
+/// work are done: waking a sleeping thread costs tens of microseconds on a virtual machine
+/// (measured here: a `rayon::join` of two 10 µs halves takes 48 µs), as long as a whole
+/// decode step of a short sequence. A helper that has not started by then finds no work
+/// left; the rayon scope waits for it the ordinary way (a worker thread runs pending jobs
+/// meanwhile, so nested calls cannot deadlock). The calling thread counts as one of the
+/// pool's threads.
 fn for_each_index(n: usize, order: Order, task: impl Fn(usize) + Sync) {
     let left = Mutex::new(0..n);
     let take = |back: bool| {
@@ -157,15 +159,34 @@ fn for_each_index(n: usize, order: Order, task: impl Fn(usize) + Sync) {
         for _ in 0..helpers {
             scope.spawn(|_| {
                 started.fetch_add(1, Ordering::AcqRel);
+                // Counted as finished even if a task panics (the scope re-raises it).
+                let _done = Finished(&finished);
                 work(order == Order::BothEnds);
-                finished.fetch_add(1, Ordering::Release);
             });
         }
         work(false);
-        while finished.load(Ordering::Acquire) < started.load(Ordering::Acquire) {
+        // Spin for at most a while: a helper still in a long task (prefill) is better
+        // waited for by the scope, which lets a worker thread run other jobs meanwhile.
+        let since = Instant::now();
+        while finished.load(Ordering::Acquire) < started.load(Ordering::Acquire)
+            && since.elapsed() < SPIN_LIMIT
+        {
             core::hint::spin_loop();
         }
     });
+}
+
+/// How long the calling thread spins for helpers still at work before it waits the
+/// ordinary way: several decode steps' worth, a small part of a prefill task.
+const SPIN_LIMIT: Duration = Duration::from_micros(200);
+
+/// Counts a helper as finished when dropped, on return or unwind alike.
+struct Finished<'a>(&'a AtomicUsize);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
 }
 
 /// Split-KV: every (head, query tile, key chunk) is a task producing a partial state; the
@@ -219,5 +240,69 @@ fn run_split<T: Element, O: Element>(jobs: Vec<HeadJob<'_, T, O>>, plan: TilePla
                 l[rows].copy_from_slice(merged.lse());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a pool")
+            .install(f)
+    }
+
+    #[test]
+    fn every_index_runs_exactly_once() {
+        for threads in 1..=3 {
+            for order in [Order::Front, Order::BothEnds] {
+                for n in [0, 1, 2, 3, 7, 40] {
+                    let runs: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                    in_pool(threads, || {
+                        for_each_index(n, order, |i| {
+                            runs[i].fetch_add(1, Ordering::Relaxed);
+                        })
+                    });
+                    assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) == 1));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nested_calls_inside_a_busy_pool_finish() {
+        // Every worker is inside an outer task that itself fans out: no one may wait on a
+        // helper that cannot start.
+        let total = AtomicUsize::new(0);
+        in_pool(2, || {
+            rayon::scope(|s| {
+                for _ in 0..6 {
+                    s.spawn(|_| {
+                        for_each_index(5, Order::BothEnds, |_| {
+                            total.fetch_add(1, Ordering::Relaxed);
+                        })
+                    });
+                }
+            })
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 30);
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_instead_of_hanging() {
+        let result = std::panic::catch_unwind(|| {
+            in_pool(2, || {
+                for_each_index(8, Order::BothEnds, |i| {
+                    if i == 5 {
+                        panic!("task 5");
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                })
+            })
+        });
+        assert!(result.is_err());
     }
 }
