@@ -12,7 +12,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use attn_benches::catalog::Dtype;
 use attn_benches::protocol::median;
@@ -67,12 +67,6 @@ fn step(inputs: &Buffers, split: SplitKv) {
     out.expect("a valid decoding step");
 }
 
-fn seconds(f: impl FnOnce()) -> f64 {
-    let start = Instant::now();
-    f();
-    start.elapsed().as_secs_f64()
-}
-
 fn main() {
     let full = common::full_size();
     let s = Setup::new(full);
@@ -124,13 +118,13 @@ fn main() {
     let (mut of_roof, mut f16_speedup, mut bf16_speedup, mut split) =
         (vec![], vec![], vec![], vec![]);
     let many = |split_kv| {
-        pool.install(|| seconds(|| (0..s.split_calls).for_each(|_| step(&short, split_kv))))
+        pool.install(|| common::seconds(|| (0..s.split_calls).for_each(|_| step(&short, split_kv))))
     };
     for _ in 0..s.rounds {
         let t_roof = pool.install(|| roof.time());
         let times: Vec<f64> = steps
             .iter()
-            .map(|(_, inputs)| pool.install(|| seconds(|| step(inputs, SplitKv::Auto))))
+            .map(|(_, inputs)| pool.install(|| common::seconds(|| step(inputs, SplitKv::Auto))))
             .collect();
         // The roof reads as many bytes as the f32 step: the rate ratio is the time ratio.
         of_roof.push(t_roof / times[0]);
@@ -141,8 +135,7 @@ fn main() {
     }
     let m = |x: &[f64]| median(x).unwrap_or(f64::NAN);
     let range = |x: &[f64]| {
-        let lo = x.iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let (lo, hi) = common::range(x);
         format!("(range {lo:.2}–{hi:.2})")
     };
     println!(

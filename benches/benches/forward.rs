@@ -16,7 +16,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use attn_benches::catalog::{Dtype, Engine, attention_flops};
 use attn_benches::protocol::median;
@@ -90,12 +90,6 @@ const KERNELS: [Kernel; 7] = [
     ),
 ];
 
-fn seconds(f: impl FnOnce()) -> f64 {
-    let start = Instant::now();
-    f();
-    start.elapsed().as_secs_f64()
-}
-
 fn main() {
     let full = common::full_size();
     let s = Setup::new(full);
@@ -158,7 +152,9 @@ fn main() {
     });
     let time_kernel = |k: &Kernel| {
         let options = case_options(k.causal);
-        pool.install(|| seconds(|| run_engine(k.engine, inputs(k), &options).expect("runs")))
+        pool.install(|| {
+            common::seconds(|| run_engine(k.engine, inputs(k), &options).expect("runs"))
+        })
     };
     let mut roof_fraction: Vec<Vec<f64>> = vec![Vec::new(); available.len()];
     let mut speedup = Vec::new();
@@ -196,8 +192,7 @@ fn main() {
         s.rounds, s.heads, s.n, s.d, s.threads, s.gemm_n
     );
     for (k, fractions) in available.iter().zip(&roof_fraction) {
-        let lo = fractions.iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = fractions.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let (lo, hi) = common::range(fractions);
         println!(
             "  {:<22} GFLOP/s ÷ GEMM GFLOP/s = {:.3}  (range {lo:.3}–{hi:.3})",
             k.label,
@@ -206,7 +201,7 @@ fn main() {
     }
     for (k, ratios) in available.iter().zip(&half_ratio) {
         if let Some(x) = median(ratios) {
-            let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            let (lo, _) = common::range(ratios);
             println!(
                 "  {:<22} throughput ÷ f32's = {x:.3}  (min {lo:.3}, target ≥ 0.9)",
                 k.label

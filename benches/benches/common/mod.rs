@@ -25,3 +25,17 @@ pub fn supports_f32(engine: Engine) -> Result<(), String> {
         Err(e) => panic!("{engine} fails on a 2×2 probe: {e}"),
     }
 }
+
+/// Seconds that `f` takes, once.
+pub fn seconds(f: impl FnOnce()) -> f64 {
+    let start = std::time::Instant::now();
+    f();
+    start.elapsed().as_secs_f64()
+}
+
+/// The smallest and largest of `xs` (∞ and −∞ when empty).
+pub fn range(xs: &[f64]) -> (f64, f64) {
+    let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, hi)
+}

@@ -151,6 +151,50 @@ impl<'a, T> Tensor4Ref<'a, T> {
             self.strides[2],
         ))
     }
+
+    /// The `[heads, dim]` matrix of one position across a range of heads (one token's query
+    /// heads, say): row `i` is head `heads.start + i`, rows `strides()[1]` apart.
+    ///
+    /// ```
+    /// use attn_core::{Layout, Tensor4Ref};
+    /// let data: Vec<f32> = (0..12).map(|x| x as f32).collect();
+    /// // [B=1, H=3, S=2, D=2] in [B,H,S,D]: head h, position s starts at 4h + 2s.
+    /// let t = Tensor4Ref::from_layout(&data, [1, 3, 2, 2], Layout::Bhsd).unwrap();
+    /// let token1 = t.heads_at(0, 1..3, 1).unwrap();
+    /// assert_eq!((token1.nrows(), token1[(0, 0)], token1[(1, 1)]), (2, 6.0, 11.0));
+    /// ```
+    pub fn heads_at(
+        &self,
+        batch: usize,
+        heads: core::ops::Range<usize>,
+        position: usize,
+    ) -> Result<MatRef<'a, T>> {
+        check_index("batch", batch, self.dims[0])?;
+        check_index("position", position, self.dims[2])?;
+        if heads.start > heads.end || heads.end > self.dims[1] {
+            return Err(Error::OutOfRange {
+                what: "head range end",
+                index: heads.end.max(heads.start),
+                len: self.dims[1] + 1,
+            });
+        }
+        let d = self.dims[3];
+        if heads.is_empty() || d == 0 {
+            return Ok(MatRef::from_row_major_slice(
+                &self.data[..0],
+                heads.len(),
+                d,
+            ));
+        }
+        let offset =
+            batch * self.strides[0] + heads.start * self.strides[1] + position * self.strides[2];
+        Ok(MatRef::from_row_major_slice_with_stride(
+            &self.data[offset..],
+            heads.len(),
+            d,
+            self.strides[1],
+        ))
+    }
 }
 
 /// A writable strided view of a `[batch, heads, seq, dim]` tensor.

@@ -6,8 +6,10 @@ use core::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use attn_core::Result;
 use faer::MatMut;
 
+use crate::decode::DECODE_ROWS;
 use crate::element::Element;
 use crate::merge::PartialState;
 use crate::tile::{HeadInputs, Scratch, TilePlan};
@@ -39,6 +41,54 @@ pub(crate) struct HeadJob<'a, T, O> {
     pub keys: Range<usize>,
     pub out: MatMut<'a, O>,
     pub lse: Option<&'a mut [f32]>,
+}
+
+/// Query heads stacked into the rows of one job. With one query per head (decoding), the
+/// query heads of a grouped-query group share K and V: up to [`DECODE_ROWS`] of them (the
+/// largest divisor of the group that fits) become the rows of one tile, which reads each
+/// block of K and V from memory once for all of them instead of once per head. Anything
+/// else is one head per job.
+pub(crate) fn heads_per_job(n_q: usize, group: usize) -> usize {
+    if n_q != 1 {
+        return 1;
+    }
+    (1..=DECODE_ROWS.min(group))
+        .rev()
+        .find(|s| group.is_multiple_of(*s))
+        .unwrap_or(1)
+}
+
+/// The jobs of a batched call writing `out : [batch, h_q, n_q, d_v]` (contiguous) and, if
+/// not empty, `lse : [batch, h_q, n_q]`; query head `h` reads K/V head `h / group`.
+/// `head(b, kv, heads)` resolves one job's inputs and key range for the query heads
+/// `heads` of batch entry `b` (several only when [`heads_per_job`] stacks them; Q is then
+/// their one query each). Returns the jobs and the query rows of each.
+pub(crate) fn batch_jobs<'a, T, O>(
+    out: &'a mut [O],
+    lse: &'a mut [f32],
+    [h_q, n_q, d_v]: [usize; 3],
+    group: usize,
+    mut head: impl FnMut(usize, usize, Range<usize>) -> Result<(HeadInputs<'a, T>, Range<usize>)>,
+) -> Result<(Vec<HeadJob<'a, T, O>>, usize)> {
+    let stack = heads_per_job(n_q, group);
+    let rows = stack * n_q;
+    let mut lse_chunks = lse.chunks_mut(rows.max(1));
+    let mut jobs = Vec::with_capacity(out.len() / (rows * d_v).max(1));
+    for (idx, chunk) in out.chunks_mut((rows * d_v).max(1)).enumerate() {
+        let first = idx * stack;
+        let (b, h) = (first / h_q, first % h_q);
+        let (mut inputs, keys) = head(b, h / group.max(1), h..h + stack)?;
+        inputs.stacked = stack > 1;
+        let out =
+            MatMut::from_column_major_slice_with_stride_mut(chunk, d_v, rows, d_v).transpose_mut();
+        jobs.push(HeadJob {
+            inputs,
+            keys,
+            out,
+            lse: lse_chunks.next(),
+        });
+    }
+    Ok((jobs, rows))
 }
 
 struct TileTask<'a, T, O> {
@@ -93,8 +143,8 @@ pub(crate) fn run<T: Element, O: Element>(
             let (tile, rest) = out.split_at_row_mut(rows.len());
             out = rest;
             let lse = split_lse(&mut lse, rows.len());
-            let seen = inputs.mask.key_range(rows.end - 1).end.min(keys.end);
-            let work = seen.saturating_sub(inputs.mask.key_range(rows.start).start.max(keys.start));
+            let seen = inputs.key_range(rows.end - 1).end.min(keys.end);
+            let work = seen.saturating_sub(inputs.key_range(rows.start).start.max(keys.start));
             tasks.push(TileTask {
                 inputs,
                 keys: keys.clone(),

@@ -8,10 +8,9 @@
 //! keys into fixed chunks (flash-decoding) and merges the partial states in order.
 
 use attn_core::{Error, HeadMask, Layout, Options, Result, Tensor4, Tensor4Ref};
-use faer::MatMut;
 
-use crate::grid::{self, HeadJob, SplitKv};
-use crate::{Element, head_inputs};
+use crate::grid::{self, SplitKv};
+use crate::{Element, head_inputs, job_queries};
 
 /// What happens when an append does not fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -367,24 +366,21 @@ impl<T: Element> KvCache<T> {
         let (keys, values) = (self.keys(), self.values());
         let mut data = vec![T::from_f32(0.0); b * h_q * n_q * self.d_v];
         if n_q * self.d_v > 0 {
-            let mut jobs = Vec::with_capacity(b * h_q);
-            for (idx, chunk) in data.chunks_mut(n_q * self.d_v).enumerate() {
-                let (bi, h) = (idx / h_q, idx % h_q);
-                let len = self.lens[bi];
-                let mask = HeadMask::new(options, n_q, len, None);
-                let k = keys.head(bi, h / group)?.subrows(0, len);
-                let v = values.head(bi, h / group)?.subrows(0, len);
-                let out =
-                    MatMut::from_column_major_slice_with_stride_mut(chunk, self.d_v, n_q, self.d_v)
-                        .transpose_mut();
-                jobs.push(HeadJob {
-                    inputs: head_inputs(q.head(bi, h)?, k, v, 0, mask, scale),
-                    keys: 0..len,
-                    out,
-                    lse: None,
-                });
-            }
-            grid::run(jobs, n_q, split);
+            let (jobs, rows) = grid::batch_jobs(
+                &mut data,
+                &mut [],
+                [h_q, n_q, self.d_v],
+                group,
+                |bi, kv, heads| {
+                    let len = self.lens[bi];
+                    let q = job_queries(q, bi, heads)?;
+                    let k = keys.head(bi, kv)?.subrows(0, len);
+                    let v = values.head(bi, kv)?.subrows(0, len);
+                    let mask = HeadMask::new(options, n_q, len, None);
+                    Ok((head_inputs(q, k, v, 0, mask, scale), 0..len))
+                },
+            )?;
+            grid::run(jobs, rows, split);
         }
         Tensor4::from_vec(data, [b, h_q, n_q, self.d_v])
     }

@@ -74,6 +74,17 @@ fn head_inputs<'a, T>(
         key_base,
         mask,
         scale_log2: scale * core::f32::consts::LOG2_E,
+        stacked: false,
+    }
+}
+
+/// The queries of one job of a batched call: the head's `[n_q, d_k]` matrix, or for heads
+/// stacked by [`grid::heads_per_job`] their one query each, `[heads, d_k]`.
+fn job_queries<T>(q: Tensor4Ref<'_, T>, b: usize, heads: Range<usize>) -> Result<MatRef<'_, T>> {
+    if heads.len() == 1 {
+        q.head(b, heads.start)
+    } else {
+        q.heads_at(b, heads, 0)
     }
 }
 
@@ -316,38 +327,20 @@ fn attention_batched_impl<T: Element, O: Element>(
     let mut data = vec![O::from_f32(0.0); heads * n_q * d_v];
     let mut lse = vec![0.0f32; if with_lse { heads * n_q } else { 0 }];
     if n_q * d_v > 0 {
-        let mut lse_chunks: Vec<Option<&mut [f32]>> = if with_lse && n_q > 0 {
-            lse.chunks_mut(n_q).map(Some).collect()
-        } else {
-            (0..heads).map(|_| None).collect()
-        };
-        let mut jobs = Vec::with_capacity(heads);
-        for (idx, (chunk, lse)) in data
-            .chunks_mut(n_q * d_v)
-            .zip(lse_chunks.iter_mut())
-            .enumerate()
-        {
-            let (b, h) = (idx / shape.h_q, idx % shape.h_q);
-            let kv = shape.kv_head(h);
-            let mask = HeadMask::new(options, n_q, n_k, options.key_length(b));
-            let inputs = head_inputs(
-                q.head(b, h)?,
-                k.head(b, kv)?,
-                v.head(b, kv)?,
-                0,
-                mask,
-                scale,
-            );
-            let out = MatMut::from_column_major_slice_with_stride_mut(chunk, d_v, n_q, d_v)
-                .transpose_mut();
-            jobs.push(HeadJob {
-                inputs,
-                keys: 0..n_k,
-                out,
-                lse: lse.take(),
-            });
-        }
-        grid::run(jobs, n_q, split);
+        let group = shape.h_q / shape.h_kv.max(1);
+        let (jobs, rows) = grid::batch_jobs(
+            &mut data,
+            &mut lse,
+            [shape.h_q, n_q, d_v],
+            group,
+            |b, kv, heads| {
+                let q = job_queries(q, b, heads)?;
+                let mask = HeadMask::new(options, n_q, n_k, options.key_length(b));
+                let inputs = head_inputs(q, k.head(b, kv)?, v.head(b, kv)?, 0, mask, scale);
+                Ok((inputs, 0..n_k))
+            },
+        )?;
+        grid::run(jobs, rows, split);
     } else if with_lse {
         lse.fill(f32::NEG_INFINITY);
     }

@@ -60,6 +60,26 @@ pub(crate) struct HeadInputs<'a, T> {
     pub mask: HeadMask<'a>,
     /// `scale · log2(e)`: scores come out in the log2 domain.
     pub scale_log2: f32,
+    /// Each row is the single query of its own head (grouped-query decoding stacks the
+    /// heads that share K and V): every row uses the mask of query 0.
+    pub stacked: bool,
+}
+
+impl<T> HeadInputs<'_, T> {
+    /// The mask's query index for row `row` of this job.
+    fn mask_row(&self, row: usize) -> usize {
+        if self.stacked { 0 } else { row }
+    }
+
+    /// The mask's query indices for rows `rows` of this job.
+    fn mask_rows(&self, rows: Range<usize>) -> Range<usize> {
+        if self.stacked { 0..1 } else { rows }
+    }
+
+    /// The keys query row `row` may see (structurally).
+    pub fn key_range(&self, row: usize) -> Range<usize> {
+        self.mask.key_range(self.mask_row(row))
+    }
 }
 
 /// Per-task working memory, reused for every tile of the task (and by the next task of the
@@ -196,7 +216,7 @@ impl Scratch {
                 for (i, row) in rows.clone().enumerate() {
                     for (jj, j) in cols.clone().enumerate() {
                         let pij = p[(i, jj)];
-                        if pij != 0.0 || head.mask.sees(row, j) {
+                        if pij != 0.0 || head.mask.sees(head.mask_row(row), j) {
                             for c in 0..d_v {
                                 acc[(i, c)] += pij * v_tile[(jj, c)];
                             }
@@ -251,7 +271,7 @@ impl Scratch {
                 let s = &mut self.s[i * bc..i * bc + nc];
                 let row = rows.start + i;
                 if coverage == TileCoverage::Partial {
-                    let r = head.mask.key_range(row);
+                    let r = head.key_range(row);
                     for (j, x) in cols.clone().zip(s.iter_mut()) {
                         if !r.contains(&j) {
                             *x = f32::NEG_INFINITY;
@@ -288,7 +308,7 @@ impl Scratch {
                         *a *= self.alpha[i];
                     }
                     for ((j, &pj), vj) in cols.clone().zip(p).zip(&v[..nc]) {
-                        if pj != 0.0 || head.mask.sees(rows.start + i, j) {
+                        if pj != 0.0 || head.mask.sees(head.mask_row(rows.start + i), j) {
                             for (a, &x) in acc.iter_mut().zip(vj.iter()) {
                                 *a += pj * x;
                             }
@@ -362,13 +382,16 @@ fn key_blocks<'a, T>(
     keys: Range<usize>,
     block: usize,
 ) -> impl Iterator<Item = (Range<usize>, TileCoverage)> + 'a {
-    let first = head.mask.key_range(rows.start).start.max(keys.start);
-    let last = head.mask.key_range(rows.end - 1).end.min(keys.end);
+    let first = head.key_range(rows.start).start.max(keys.start);
+    let last = head.key_range(rows.end - 1).end.min(keys.end);
     (first..last.max(first))
         .step_by(block.max(1))
         .filter_map(move |j0| {
             let cols = j0..(j0 + block).min(last);
-            match head.mask.tile_coverage(rows.clone(), cols.clone()) {
+            match head
+                .mask
+                .tile_coverage(head.mask_rows(rows.clone()), cols.clone())
+            {
                 TileCoverage::Hidden => None,
                 coverage => Some((cols, coverage)),
             }
@@ -383,7 +406,7 @@ fn mask_structural<T>(
     cols: Range<usize>,
 ) {
     for (i, row) in rows.enumerate() {
-        let r = head.mask.key_range(row);
+        let r = head.key_range(row);
         let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
         for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
             s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
@@ -415,6 +438,7 @@ fn all_finite<T: Element>(m: MatRef<'_, T>) -> bool {
 
 /// Applies the boolean and additive masks to the score of query `row` and key `j`.
 fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
+    let row = head.mask_row(row);
     if let Some(b) = head.mask.boolean()
         && !b.allows(row, j)
     {
