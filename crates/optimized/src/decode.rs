@@ -27,32 +27,37 @@ pub(crate) fn streams<T>(m: MatRef<'_, T>) -> bool {
     false
 }
 
-/// `out[j] = q · k[j]` straight from `k` (any element type), prefetching on into `next`.
+/// `out[r·stride + j] = q_r · k[j]` straight from `k` (any element type) for the query rows
+/// `q_r`, consecutive `d_k`-float chunks of `qs` (at most [`DECODE_ROWS`]); each key is
+/// read from memory once for all of them. Prefetches on into `next`.
 ///
 /// # Panics
 /// Unless [`streams`]`(k)` and the lengths agree.
 pub(crate) fn stream_scores<T: Element>(
-    q: &[f32],
+    qs: &[f32],
     k: MatRef<'_, T>,
     next: MatRef<'_, T>,
-    out: &mut [f32],
+    (out, stride): (&mut [f32], usize),
 ) {
     assert!(streams(k), "no streaming kernel for these rows on this CPU");
+    let nr = qs.len() / k.ncols().max(1);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `streams` found AVX-512 (F, BW, VL, DQ) with AVX2 and FMA on this CPU.
     unsafe {
-        avx512::scores(q, k, next, out)
+        avx512::scores((qs, nr), k, next, (out, stride))
     }
 }
 
-/// `acc = alpha·acc + Σ_j p_j · v[j]` straight from `v`, prefetching on into `next`.
+/// `acc_r = alpha_r·acc_r + Σ_j p_r[j] · v[j]` straight from `v` for the rows `acc_r`
+/// (consecutive `d_v`-float chunks of `accs`, one per entry of `alphas`, at most
+/// [`DECODE_ROWS`]) with `p_r` at `r·stride` of `ps`; each value row is read once for all
+/// of them. Prefetches on into `next`.
 ///
 /// # Panics
 /// Unless [`streams`]`(v)` and the lengths agree.
 pub(crate) fn stream_accumulate<T: Element>(
-    acc: &mut [f32],
-    alpha: f32,
-    p: &[f32],
+    (accs, alphas): (&mut [f32], &[f32]),
+    (ps, stride): (&[f32], usize),
     v: MatRef<'_, T>,
     next: MatRef<'_, T>,
 ) {
@@ -60,12 +65,14 @@ pub(crate) fn stream_accumulate<T: Element>(
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `streams` found AVX-512 (F, BW, VL, DQ) with AVX2 and FMA on this CPU.
     unsafe {
-        avx512::accumulate(acc, alpha, p, v, next)
+        avx512::accumulate((accs, alphas), (ps, stride), v, next)
     }
 }
 
 /// Tiles with at most this many queries use the row kernels instead of GEMM tiles.
 pub const DECODE_ROWS: usize = 4;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(DECODE_ROWS <= avx512::MAX_ROWS);
 
 const LANES: usize = 16;
 
@@ -273,7 +280,7 @@ mod tests {
     }
 
     /// The in-place kernels against plain sums, for every storage type, widths of one to
-    /// seventeen vectors, key counts off the group size, and strided rows.
+    /// seventeen vectors, key counts off the group size, strided rows, one to four rows.
     fn streaming_matches_plain_sums<T: Element>() {
         if !streams(MatRef::<T>::from_row_major_slice(&[], 0, 16)) {
             return; // no streaming kernel on this CPU: the copying kernels are tested above
@@ -285,19 +292,35 @@ mod tests {
             let m = MatRef::from_row_major_slice_with_stride(&data, n, d, stride);
             let next = MatRef::from_row_major_slice(&data[..d], 1, d);
             let wide = |j: usize, c: usize| m[(j, c)].to_f32() as f64;
-            let q: Vec<f32> = (0..d).map(|c| (c % 5) as f32 * 0.3 - 0.5).collect();
-            let mut out = vec![0.0f32; n];
-            stream_scores(&q, m, next, &mut out);
-            for (j, &o) in out.iter().enumerate() {
-                let want: f64 = (0..d).map(|c| q[c] as f64 * wide(j, c)).sum();
-                assert!((o as f64 - want).abs() < 1e-4, "{} d={d} j={j}", T::NAME);
-            }
-            let p: Vec<f32> = (0..n).map(|j| (j % 3) as f32 * 0.25).collect();
-            let mut acc: Vec<f32> = (0..d).map(|c| c as f32).collect();
-            stream_accumulate(&mut acc, 0.5, &p, m, next);
-            for (c, &a) in acc.iter().enumerate() {
-                let want = 0.5 * c as f64 + (0..n).map(|j| p[j] as f64 * wide(j, c)).sum::<f64>();
-                assert!((a as f64 - want).abs() < 1e-4, "{} d={d} c={c}", T::NAME);
+            for nr in 1..=DECODE_ROWS {
+                let what = format!("{} d={d} rows={nr}", T::NAME);
+                let qs: Vec<f32> = (0..nr * d).map(|c| (c % 5) as f32 * 0.3 - 0.5).collect();
+                let out_stride = n + 3;
+                let mut out = vec![0.0f32; nr * out_stride];
+                stream_scores(&qs, m, next, (&mut out, out_stride));
+                for r in 0..nr {
+                    for j in 0..n {
+                        let q = &qs[r * d..(r + 1) * d];
+                        let want: f64 = (0..d).map(|c| q[c] as f64 * wide(j, c)).sum();
+                        let got = out[r * out_stride + j] as f64;
+                        assert!((got - want).abs() < 1e-4, "{what} r={r} j={j}");
+                    }
+                }
+                let ps: Vec<f32> = (0..nr * out_stride)
+                    .map(|j| (j % 3) as f32 * 0.25)
+                    .collect();
+                let mut accs: Vec<f32> = (0..nr * d).map(|c| c as f32).collect();
+                let alphas: Vec<f32> = (0..nr).map(|r| 0.5 + r as f32).collect();
+                stream_accumulate((&mut accs, &alphas), (&ps, out_stride), m, next);
+                for r in 0..nr {
+                    for c in 0..d {
+                        let p = |j: usize| ps[r * out_stride + j] as f64;
+                        let want = alphas[r] as f64 * (r * d + c) as f64
+                            + (0..n).map(|j| p(j) * wide(j, c)).sum::<f64>();
+                        let got = accs[r * d + c] as f64;
+                        assert!((got - want).abs() < 1e-3, "{what} r={r} c={c}");
+                    }
+                }
             }
         }
     }

@@ -257,9 +257,7 @@ impl Scratch {
             // follow at full bandwidth (interleaving K and V rows does not).
             let q_row = |i: usize| &self.q[i * d_k..(i + 1) * d_k];
             if direct {
-                for (i, s) in self.s.chunks_exact_mut(bc).take(nr).enumerate() {
-                    stream_scores(q_row(i), kb, vb, &mut s[..nc]);
-                }
+                stream_scores(&self.q[..nr * d_k], kb, vb, (&mut self.s, bc));
             } else {
                 let mut k: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
                 row_slices(head.k, local..local + nc, &mut self.k_wide, &mut k);
@@ -290,11 +288,8 @@ impl Scratch {
             if direct && !careful {
                 let rest = head.k.nrows() - (local + nc);
                 let next_k = head.k.subrows(local + nc, rest);
-                for i in 0..nr {
-                    let p = &self.s[i * bc..i * bc + nc];
-                    let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
-                    stream_accumulate(acc, self.alpha[i], p, vb, next_k);
-                }
+                let accs = (&mut self.acc_rows[..nr * d_v], &self.alpha[..nr]);
+                stream_accumulate(accs, (&self.s, bc), vb, next_k);
                 continue;
             }
             let mut v: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];

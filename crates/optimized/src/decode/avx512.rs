@@ -24,9 +24,6 @@ const PREFETCH_BYTES: usize = 4096;
 /// Keys whose dot products run side by side (independent FMA chains).
 const KEYS_AT_ONCE: usize = 8;
 
-/// Value vectors (of 16 lanes) held in registers while the rows stream past.
-const VECTORS_AT_ONCE: usize = 8;
-
 /// Whether the kernels can read `m`: rows of unit column stride, a width of whole vectors.
 pub(super) fn supports<T>(m: MatRef<'_, T>) -> bool {
     m.ncols() > 0 && m.ncols() % 16 == 0 && m.col_stride() == 1
@@ -98,60 +95,81 @@ unsafe fn load16<T: Element>(p: *const T) -> __m512 {
     }
 }
 
-/// `out[j] = q · k[j]` for every row of `k`, prefetching on into `next`.
+/// `out[r·stride + j] = q_r · k[j]` for the `nr` query rows `q_r` (consecutive `d`-float
+/// chunks of `qs`) and every row of `k`, prefetching on into `next`. Each group of eight
+/// keys is read from memory once, for the first query row; the others find it in L1.
 ///
 /// # Panics
 /// If `k` is not [`supports`]ed or the lengths disagree (the callers check both).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(super) fn scores<T: Element>(
-    q: &[f32],
+    (qs, nr): (&[f32], usize),
     k: MatRef<'_, T>,
     next: MatRef<'_, T>,
-    out: &mut [f32],
+    (out, stride): (&mut [f32], usize),
 ) {
-    assert!(supports(k) && q.len() == k.ncols() && out.len() == k.nrows());
+    let (n, d) = (k.nrows(), k.ncols());
+    assert!(supports(k) && nr > 0 && qs.len() == nr * d);
+    assert!(n <= stride && out.len() >= (nr - 1) * stride + n);
     // Q in registers (up to 16 vectors, d ≤ 256) keeps the loop at one fused load-FMA per
     // 16 elements of K: the fewer instructions per byte, the further ahead of the oldest
     // cache miss the out-of-order window reaches, and the more misses are in flight.
-    match k.ncols() / 16 {
-        1 => scores_q_in_registers::<T, 1>(q, k, next, out),
-        2 => scores_q_in_registers::<T, 2>(q, k, next, out),
-        3 => scores_q_in_registers::<T, 3>(q, k, next, out),
-        4 => scores_q_in_registers::<T, 4>(q, k, next, out),
-        5 => scores_q_in_registers::<T, 5>(q, k, next, out),
-        6 => scores_q_in_registers::<T, 6>(q, k, next, out),
-        7 => scores_q_in_registers::<T, 7>(q, k, next, out),
-        8 => scores_q_in_registers::<T, 8>(q, k, next, out),
-        9 => scores_q_in_registers::<T, 9>(q, k, next, out),
-        10 => scores_q_in_registers::<T, 10>(q, k, next, out),
-        11 => scores_q_in_registers::<T, 11>(q, k, next, out),
-        12 => scores_q_in_registers::<T, 12>(q, k, next, out),
-        13 => scores_q_in_registers::<T, 13>(q, k, next, out),
-        14 => scores_q_in_registers::<T, 14>(q, k, next, out),
-        15 => scores_q_in_registers::<T, 15>(q, k, next, out),
-        16 => scores_q_in_registers::<T, 16>(q, k, next, out),
-        _ => scores_any_width(q, k, next, out),
+    let args = ((qs, nr), k, next, (&mut *out, stride));
+    match d / 16 {
+        1 => scores_q_in_registers::<T, 1>(args),
+        2 => scores_q_in_registers::<T, 2>(args),
+        3 => scores_q_in_registers::<T, 3>(args),
+        4 => scores_q_in_registers::<T, 4>(args),
+        5 => scores_q_in_registers::<T, 5>(args),
+        6 => scores_q_in_registers::<T, 6>(args),
+        7 => scores_q_in_registers::<T, 7>(args),
+        8 => scores_q_in_registers::<T, 8>(args),
+        9 => scores_q_in_registers::<T, 9>(args),
+        10 => scores_q_in_registers::<T, 10>(args),
+        11 => scores_q_in_registers::<T, 11>(args),
+        12 => scores_q_in_registers::<T, 12>(args),
+        13 => scores_q_in_registers::<T, 13>(args),
+        14 => scores_q_in_registers::<T, 14>(args),
+        15 => scores_q_in_registers::<T, 15>(args),
+        16 => scores_q_in_registers::<T, 16>(args),
+        _ => {
+            for (r, q) in qs.chunks_exact(d).enumerate() {
+                scores_any_width(q, k, next, &mut out[r * stride..r * stride + n]);
+            }
+        }
     }
 }
 
-/// [`scores`] for a width of `NV` vectors, Q held in registers.
+/// The arguments of [`scores`]: query rows and their count, K, the rows read next, and
+/// the output rows with their stride.
+type ScoreArgs<'a, 'o, T> = (
+    (&'a [f32], usize),
+    MatRef<'a, T>,
+    MatRef<'a, T>,
+    (&'o mut [f32], usize),
+);
+
+/// [`scores`] for a width of `NV` vectors, each query row held in registers in turn (and
+/// for the whole call when there is one).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn scores_q_in_registers<T: Element, const NV: usize>(
-    q: &[f32],
-    k: MatRef<'_, T>,
-    next: MatRef<'_, T>,
-    out: &mut [f32],
+    ((qs, nr), k, next, (out, stride)): ScoreArgs<'_, '_, T>,
 ) {
     let n = k.nrows();
-    assert!(k.ncols() == 16 * NV && q.len() == 16 * NV && out.len() == n);
+    assert!(k.ncols() == 16 * NV && qs.len() == nr * 16 * NV);
+    assert!(nr > 0 && n <= stride && out.len() >= (nr - 1) * stride + n);
     let (rows, next) = (Rows::of(k), Rows::of(next));
     let ahead = PREFETCH_BYTES.div_ceil(rows.bytes);
-    let mut qv = [_mm512_setzero_ps(); NV];
-    for (c, x) in qv.iter_mut().enumerate() {
-        // SAFETY: q holds 16·NV floats.
-        *x = unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) };
-    }
+    let load_q = |r: usize| -> [__m512; NV] {
+        let mut qv = [_mm512_setzero_ps(); NV];
+        for (c, x) in qv.iter_mut().enumerate() {
+            // SAFETY: qs holds nr rows of 16·NV floats and r < nr.
+            *x = unsafe { _mm512_loadu_ps(qs.as_ptr().add((r * NV + c) * 16)) };
+        }
+        qv
+    };
+    let mut qv = load_q(0);
     // The first rows too: a task's first block was prefetched by nobody (or by another
     // core); for later blocks the previous V pass did it and these are cheap hits.
     for r in 0..ahead {
@@ -164,28 +182,36 @@ fn scores_q_in_registers<T: Element, const NV: usize>(
                 prefetch_row(&rows, &next, j + ahead + r);
             }
         }
-        // Row by row, so the loads walk the memory in address order.
-        let mut acc = [_mm512_setzero_ps(); KEYS_AT_ONCE];
-        for (r, a) in acc.iter_mut().enumerate() {
-            let row = rows.row(j + r);
-            for (c, &qc) in qv.iter().enumerate() {
-                // SAFETY: row j + r < n has 16·NV readable elements at unit stride.
-                *a = _mm512_fmadd_ps(qc, unsafe { load16(row.add(16 * c)) }, *a);
+        for r in 0..nr {
+            if nr > 1 {
+                qv = load_q(r);
             }
+            // Key by key, so the loads walk the memory in address order.
+            let mut acc = [_mm512_setzero_ps(); KEYS_AT_ONCE];
+            for (key, a) in acc.iter_mut().enumerate() {
+                let row = rows.row(j + key);
+                for (c, &qc) in qv.iter().enumerate() {
+                    // SAFETY: row j + key < n has 16·NV readable elements at unit stride.
+                    *a = _mm512_fmadd_ps(qc, unsafe { load16(row.add(16 * c)) }, *a);
+                }
+            }
+            let sums = sum_lanes_of_8(acc);
+            // SAFETY: output row r has n ≥ j + 8 elements from r·stride.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * stride + j), sums) };
         }
-        let sums = sum_lanes_of_8(acc);
-        // SAFETY: out has n ≥ j + 8 elements.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j), sums) };
         j += KEYS_AT_ONCE;
     }
-    for (j, o) in out.iter_mut().enumerate().skip(j) {
-        let row = rows.row(j);
-        let mut a = _mm512_setzero_ps();
-        for (c, &qc) in qv.iter().enumerate() {
-            // SAFETY: row j < n has 16·NV readable elements at unit stride.
-            a = _mm512_fmadd_ps(qc, unsafe { load16(row.add(16 * c)) }, a);
+    for r in 0..nr {
+        let qv = load_q(r);
+        for key in j..n {
+            let row = rows.row(key);
+            let mut a = _mm512_setzero_ps();
+            for (c, &qc) in qv.iter().enumerate() {
+                // SAFETY: row key < n has 16·NV readable elements at unit stride.
+                a = _mm512_fmadd_ps(qc, unsafe { load16(row.add(16 * c)) }, a);
+            }
+            out[r * stride + key] = _mm512_reduce_add_ps(a);
         }
-        *o = _mm512_reduce_add_ps(a);
     }
 }
 
@@ -255,74 +281,121 @@ unsafe fn dot<T: Element>(q: &[f32], row: *const T) -> __m512 {
     acc
 }
 
-/// `acc = alpha·acc + Σ_j p_j · v[j]`, prefetching on into `next`.
+/// `acc_r = alpha_r·acc_r + Σ_j p_r[j] · v[j]` for the `nr = alphas.len()` (1 to 4) rows:
+/// `acc_r` are consecutive `d`-float chunks of `accs`, `p_r` starts at `r·stride` of `ps`.
+/// Each value row is read once for all of them. Prefetches on into `next`.
 ///
 /// # Panics
 /// If `v` is not [`supports`]ed or the lengths disagree (the callers check both).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(super) fn accumulate<T: Element>(
-    acc: &mut [f32],
-    alpha: f32,
-    p: &[f32],
+    (accs, alphas): (&mut [f32], &[f32]),
+    (ps, stride): (&[f32], usize),
     v: MatRef<'_, T>,
     next: MatRef<'_, T>,
 ) {
-    let d = v.ncols();
-    assert!(supports(v) && acc.len() == d && p.len() == v.nrows());
+    let (n, d, nr) = (v.nrows(), v.ncols(), alphas.len());
+    assert!(supports(v) && (1..=MAX_ROWS).contains(&nr) && accs.len() == nr * d);
+    assert!(n <= stride && ps.len() >= (nr - 1) * stride + n);
     let mut c0 = 0;
     while c0 < d {
-        // A constant width keeps the accumulators in registers; the first pass over the
-        // rows prefetches for all of them.
-        let w = ((d - c0) / 16).min(VECTORS_AT_ONCE);
-        let block = &mut acc[c0..c0 + 16 * w];
-        let args = (alpha, p, v, next, c0);
-        match w {
-            1 => accumulate_pass::<T, 1>(block, args),
-            2 => accumulate_pass::<T, 2>(block, args),
-            3 => accumulate_pass::<T, 3>(block, args),
-            4 => accumulate_pass::<T, 4>(block, args),
-            5 => accumulate_pass::<T, 5>(block, args),
-            6 => accumulate_pass::<T, 6>(block, args),
-            7 => accumulate_pass::<T, 7>(block, args),
-            _ => accumulate_pass::<T, VECTORS_AT_ONCE>(block, args),
-        }
-        c0 += 16 * w;
+        // Constant widths keep the accumulators in registers (rows × width ≤ 18 of the 32);
+        // the first pass over the rows prefetches for all of them.
+        let left = (d - c0) / 16;
+        let pass = PassArgs {
+            alphas,
+            ps,
+            stride,
+            v,
+            next,
+            c0,
+        };
+        c0 += 16
+            * match (nr, left) {
+                (1, 1) => accumulate_pass::<T, 1, 1>(accs, pass),
+                (1, 2) => accumulate_pass::<T, 1, 2>(accs, pass),
+                (1, 3) => accumulate_pass::<T, 1, 3>(accs, pass),
+                (1, 4) => accumulate_pass::<T, 1, 4>(accs, pass),
+                (1, 5) => accumulate_pass::<T, 1, 5>(accs, pass),
+                (1, 6) => accumulate_pass::<T, 1, 6>(accs, pass),
+                (1, 7) => accumulate_pass::<T, 1, 7>(accs, pass),
+                (1, _) => accumulate_pass::<T, 1, 8>(accs, pass),
+                (2, 8..) => accumulate_pass::<T, 2, 8>(accs, pass),
+                (2, _) => accumulate_pass::<T, 2, 1>(accs, pass),
+                (3, 6..) => accumulate_pass::<T, 3, 6>(accs, pass),
+                (3, _) => accumulate_pass::<T, 3, 1>(accs, pass),
+                (_, 4..) => accumulate_pass::<T, 4, 4>(accs, pass),
+                (_, _) => accumulate_pass::<T, 4, 1>(accs, pass),
+            };
     }
 }
 
-/// `alpha`, `p`, the value rows, the rows read next, and the first column of the pass.
-type PassArgs<'a, T> = (f32, &'a [f32], MatRef<'a, T>, MatRef<'a, T>, usize);
+/// Rows the multi-row kernels take at once.
+pub(super) const MAX_ROWS: usize = 4;
 
-/// One pass of [`accumulate`] over columns `c0 .. c0 + 16·W` of every row.
+/// What one pass of [`accumulate`] reads, and the first column it covers.
+#[derive(Clone, Copy)]
+struct PassArgs<'a, T> {
+    alphas: &'a [f32],
+    ps: &'a [f32],
+    stride: usize,
+    v: MatRef<'a, T>,
+    next: MatRef<'a, T>,
+    c0: usize,
+}
+
+/// One pass of [`accumulate`] over columns `c0 .. c0 + 16·W` of every value row, for `R`
+/// accumulator rows; returns `W`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn accumulate_pass<T: Element, const W: usize>(
-    acc: &mut [f32],
-    (alpha, p, v, next, c0): PassArgs<'_, T>,
-) {
-    assert!(acc.len() == 16 * W && c0 + 16 * W <= v.ncols() && p.len() == v.nrows());
+fn accumulate_pass<T: Element, const R: usize, const W: usize>(
+    accs: &mut [f32],
+    PassArgs {
+        alphas,
+        ps,
+        stride,
+        v,
+        next,
+        c0,
+    }: PassArgs<'_, T>,
+) -> usize {
+    let (n, d) = (v.nrows(), v.ncols());
+    assert!(alphas.len() == R && accs.len() == R * d && c0 + 16 * W <= d);
+    assert!(n <= stride && ps.len() >= (R - 1) * stride + n);
     let (rows, next) = (Rows::of(v), Rows::of(next));
     let ahead = PREFETCH_BYTES.div_ceil(rows.bytes);
-    let alpha = _mm512_set1_ps(alpha);
-    let mut regs = [_mm512_setzero_ps(); W];
-    for (u, r) in regs.iter_mut().enumerate() {
-        // SAFETY: acc holds 16·W floats.
-        *r = _mm512_mul_ps(alpha, unsafe { _mm512_loadu_ps(acc.as_ptr().add(16 * u)) });
+    let mut regs = [[_mm512_setzero_ps(); W]; R];
+    for (r, row_regs) in regs.iter_mut().enumerate() {
+        let alpha = _mm512_set1_ps(alphas[r]);
+        for (u, x) in row_regs.iter_mut().enumerate() {
+            // SAFETY: accumulator row r holds d ≥ c0 + 16·W floats from r·d.
+            *x = _mm512_mul_ps(alpha, unsafe {
+                _mm512_loadu_ps(accs.as_ptr().add(r * d + c0 + 16 * u))
+            });
+        }
     }
-    for (j, &pj) in p.iter().enumerate() {
-        if c0 == 0 && j + ahead >= rows.n {
+    for j in 0..n {
+        if c0 == 0 && j + ahead >= n {
             prefetch_row(&rows, &next, j + ahead);
         }
-        let pj = _mm512_set1_ps(pj);
+        let mut p = [_mm512_setzero_ps(); R];
+        for (r, x) in p.iter_mut().enumerate() {
+            *x = _mm512_set1_ps(ps[r * stride + j]);
+        }
         let row = rows.row(j);
-        for (u, r) in regs.iter_mut().enumerate() {
+        for u in 0..W {
             // SAFETY: row j < n has columns c0 .. c0 + 16·W readable at unit stride.
             let x = unsafe { load16(row.add(c0 + 16 * u)) };
-            *r = _mm512_fmadd_ps(pj, x, *r);
+            for (row_regs, &pr) in regs.iter_mut().zip(&p) {
+                row_regs[u] = _mm512_fmadd_ps(pr, x, row_regs[u]);
+            }
         }
     }
-    for (u, r) in regs.iter().enumerate() {
-        // SAFETY: acc holds 16·W floats.
-        unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(16 * u), *r) };
+    for (r, row_regs) in regs.iter().enumerate() {
+        for (u, x) in row_regs.iter().enumerate() {
+            // SAFETY: accumulator row r holds d ≥ c0 + 16·W floats from r·d.
+            unsafe { _mm512_storeu_ps(accs.as_mut_ptr().add(r * d + c0 + 16 * u), *x) };
+        }
     }
+    W
 }
