@@ -289,11 +289,15 @@ mod tests {
             let data: Vec<T> = (0..n * stride + d)
                 .map(|x| T::from_f32(((x * 37) % 23) as f32 / 8.0 - 1.4))
                 .collect();
-            let m = MatRef::from_row_major_slice_with_stride(&data, n, d, stride);
+            let forward = MatRef::from_row_major_slice_with_stride(&data, n, d, stride);
+            let broadcast = MatRef::from_row_major_slice_with_stride(&data, n, d, 0);
             let next = MatRef::from_row_major_slice(&data[..d], 1, d);
-            let wide = |j: usize, c: usize| m[(j, c)].to_f32() as f64;
-            for nr in 1..=DECODE_ROWS {
-                let what = format!("{} d={d} rows={nr}", T::NAME);
+            for (m, nr) in [forward, forward.reverse_rows(), broadcast]
+                .into_iter()
+                .flat_map(|m| (1..=DECODE_ROWS).map(move |nr| (m, nr)))
+            {
+                let wide = |j: usize, c: usize| m[(j, c)].to_f32() as f64;
+                let what = format!("{} d={d} rows={nr} row stride {}", T::NAME, m.row_stride());
                 let qs: Vec<f32> = (0..nr * d).map(|c| (c % 5) as f32 * 0.3 - 0.5).collect();
                 let out_stride = n + 3;
                 let mut out = vec![0.0f32; nr * out_stride];

@@ -211,7 +211,8 @@ impl Scratch {
                 MatMut::from_column_major_slice_with_stride_mut(&mut self.acc, nr, d_v, br);
             let v_tile = f32_rows(head.v, local..local + nc, &mut self.v_wide);
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
-            if masked && !all_finite(v_tile) {
+            let zero_weight = |jj: usize| (0..nr).any(|i| self.s[jj * br + i] == 0.0);
+            if masked && zero_weight_meets_non_finite(v_tile, zero_weight) {
                 // A hidden key must contribute nothing, not 0·V_j (NaN for a non-finite V_j).
                 for (i, row) in rows.clone().enumerate() {
                     for (jj, j) in cols.clone().enumerate() {
@@ -284,7 +285,8 @@ impl Scratch {
                 self.alpha[i] = softmax_row(s, &mut self.m[i], &mut self.l[i]);
             }
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
-            let careful = masked && !all_finite(vb);
+            let zero_weight = |jj: usize| (0..nr).any(|i| self.s[i * bc + jj] == 0.0);
+            let careful = masked && zero_weight_meets_non_finite(vb, zero_weight);
             if direct && !careful {
                 let rest = head.k.nrows() - (local + nc);
                 let next_k = head.k.subrows(local + nc, rest);
@@ -425,10 +427,14 @@ fn mask_elementwise<T>(
     }
 }
 
-/// Whether every entry of `m` is finite.
-fn all_finite<T: Element>(m: MatRef<'_, T>) -> bool {
-    m.row_iter()
-        .all(|r| r.iter().all(|x| x.to_f32().is_finite()))
+/// Whether a key that some row gives weight 0 (every hidden key, among others) has a
+/// non-finite value: only then must hidden keys be skipped one by one. Scans only those
+/// rows of V, so a masked block with finite values is not read twice.
+fn zero_weight_meets_non_finite<T: Element>(
+    v: MatRef<'_, T>,
+    zero_weight: impl Fn(usize) -> bool,
+) -> bool {
+    (0..v.nrows()).any(|j| zero_weight(j) && v.row(j).iter().any(|x| !x.to_f32().is_finite()))
 }
 
 /// Applies the boolean and additive masks to the score of query `row` and key `j`.

@@ -593,3 +593,45 @@ fn stacked_gqa_decoding_equals_one_head_at_a_time() {
         }
     }
 }
+
+/// Stacked GQA decoding with half-precision storage and with the LSE requested: the same
+/// numbers as one head at a time.
+#[test]
+fn stacked_gqa_decoding_in_half_precision_and_with_lse() {
+    use half::f16;
+    let (b, hq, hkv, n_k, d) = (2, 8, 2, 900, 64);
+    let f = |x: &Mat<f32>| -> Vec<f16> { x.row(0).iter().map(|&v| f16::from_f32(v)).collect() };
+    let (qd, kd, vd) = (
+        f(&mat(1, b * hq * d, 4, 1.0)),
+        f(&mat(1, b * hkv * n_k * d, 5, 1.0)),
+        f(&mat(1, b * hkv * n_k * d, 6, 1.0)),
+    );
+    let q = Tensor4Ref::from_layout(&qd, [b, hq, 1, d], Layout::Bhsd).unwrap();
+    let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], Layout::Bhsd).unwrap();
+    let v = Tensor4Ref::from_layout(&vd, [b, hkv, n_k, d], Layout::Bhsd).unwrap();
+    let expand = |x: &[f16]| -> Vec<f16> {
+        (0..b * hq)
+            .flat_map(|bh| {
+                let src = (bh / hq * hkv + bh % hq / (hq / hkv)) * n_k * d;
+                x[src..src + n_k * d].to_vec()
+            })
+            .collect()
+    };
+    let (ke, ve) = (expand(&kd), expand(&vd));
+    let k1 = Tensor4Ref::from_layout(&ke, [b, hq, n_k, d], Layout::Bhsd).unwrap();
+    let v1 = Tensor4Ref::from_layout(&ve, [b, hq, n_k, d], Layout::Bhsd).unwrap();
+    let opts = Options::default().with_causal(Causal::BottomRight);
+    let never = attn_optimized::SplitKv::Never;
+    let stacked = attn_optimized::attention_batched_with(q, k, v, &opts, never).unwrap();
+    let alone = attn_optimized::attention_batched_with(q, k1, v1, &opts, never).unwrap();
+    assert_eq!(stacked.as_slice(), alone.as_slice());
+    let (o, lse) = attn_optimized::attention_batched_with_lse(q, k, v, &opts).unwrap();
+    let (o1, lse1) = attn_optimized::attention_batched_with_lse(q, k1, v1, &opts).unwrap();
+    assert_eq!(lse.len(), b * hq);
+    for (x, y) in lse.iter().zip(&lse1) {
+        assert!((x - y).abs() < 1e-5 * y.abs().max(1.0), "{x} vs {y}");
+    }
+    for (x, y) in o.as_slice().iter().zip(o1.as_slice()) {
+        assert!((x.to_f32() - y.to_f32()).abs() < 2e-3, "{x} vs {y}");
+    }
+}

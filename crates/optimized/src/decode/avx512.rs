@@ -29,6 +29,14 @@ pub(super) fn supports<T>(m: MatRef<'_, T>) -> bool {
     m.ncols() > 0 && m.ncols() % 16 == 0 && m.col_stride() == 1
 }
 
+/// Whether `rows` rows of `n` floats, `stride` apart, fit in `len` (without overflow).
+fn fits(len: usize, rows: usize, stride: usize, n: usize) -> bool {
+    rows.checked_sub(1)
+        .and_then(|r| r.checked_mul(stride))
+        .and_then(|x| x.checked_add(n))
+        .is_some_and(|end| end <= len)
+}
+
 /// Rows of a matrix as a base pointer and a stride, for loads and prefetches.
 #[derive(Clone, Copy)]
 struct Rows<T> {
@@ -110,7 +118,7 @@ pub(super) fn scores<T: Element>(
 ) {
     let (n, d) = (k.nrows(), k.ncols());
     assert!(supports(k) && nr > 0 && qs.len() == nr * d);
-    assert!(n <= stride && out.len() >= (nr - 1) * stride + n);
+    assert!(n <= stride && fits(out.len(), nr, stride, n));
     // Q in registers (up to 16 vectors, d ≤ 256) keeps the loop at one fused load-FMA per
     // 16 elements of K: the fewer instructions per byte, the further ahead of the oldest
     // cache miss the out-of-order window reaches, and the more misses are in flight.
@@ -158,7 +166,7 @@ fn scores_q_in_registers<T: Element, const NV: usize>(
 ) {
     let n = k.nrows();
     assert!(k.ncols() == 16 * NV && qs.len() == nr * 16 * NV);
-    assert!(nr > 0 && n <= stride && out.len() >= (nr - 1) * stride + n);
+    assert!(nr > 0 && n <= stride && fits(out.len(), nr, stride, n));
     let (rows, next) = (Rows::of(k), Rows::of(next));
     let ahead = PREFETCH_BYTES.div_ceil(rows.bytes);
     let load_q = |r: usize| -> [__m512; NV] {
@@ -296,7 +304,7 @@ pub(super) fn accumulate<T: Element>(
 ) {
     let (n, d, nr) = (v.nrows(), v.ncols(), alphas.len());
     assert!(supports(v) && (1..=MAX_ROWS).contains(&nr) && accs.len() == nr * d);
-    assert!(n <= stride && ps.len() >= (nr - 1) * stride + n);
+    assert!(n <= stride && fits(ps.len(), nr, stride, n));
     let mut c0 = 0;
     while c0 < d {
         // Constant widths keep the accumulators in registers (rows × width ≤ 18 of the 32);
@@ -321,10 +329,15 @@ pub(super) fn accumulate<T: Element>(
                 (1, 7) => accumulate_pass::<T, 1, 7>(accs, pass),
                 (1, _) => accumulate_pass::<T, 1, 8>(accs, pass),
                 (2, 8..) => accumulate_pass::<T, 2, 8>(accs, pass),
+                (2, 4..) => accumulate_pass::<T, 2, 4>(accs, pass),
+                (2, 2..) => accumulate_pass::<T, 2, 2>(accs, pass),
                 (2, _) => accumulate_pass::<T, 2, 1>(accs, pass),
                 (3, 6..) => accumulate_pass::<T, 3, 6>(accs, pass),
+                (3, 4..) => accumulate_pass::<T, 3, 4>(accs, pass),
+                (3, 2..) => accumulate_pass::<T, 3, 2>(accs, pass),
                 (3, _) => accumulate_pass::<T, 3, 1>(accs, pass),
                 (_, 4..) => accumulate_pass::<T, 4, 4>(accs, pass),
+                (_, 2..) => accumulate_pass::<T, 4, 2>(accs, pass),
                 (_, _) => accumulate_pass::<T, 4, 1>(accs, pass),
             };
     }
@@ -361,7 +374,7 @@ fn accumulate_pass<T: Element, const R: usize, const W: usize>(
 ) -> usize {
     let (n, d) = (v.nrows(), v.ncols());
     assert!(alphas.len() == R && accs.len() == R * d && c0 + 16 * W <= d);
-    assert!(n <= stride && ps.len() >= (R - 1) * stride + n);
+    assert!(n <= stride && fits(ps.len(), R, stride, n));
     let (rows, next) = (Rows::of(v), Rows::of(next));
     let ahead = PREFETCH_BYTES.div_ceil(rows.bytes);
     let mut regs = [[_mm512_setzero_ps(); W]; R];
