@@ -117,5 +117,5 @@ pub enum Error {
     },
 }
 
-/// `Result` with the workspace [`Error`].
+/// `Result` with the workspace [`enum@Error`].
 pub type Result<T, E = Error> = core::result::Result<T, E>;

@@ -4,7 +4,7 @@
 //! `e^x`: range reduction `x = k + f` with `k = round(x)`, `|f| ≤ ½`, then `2^k` built in
 //! the exponent bits and `2^f` by Cephes' degree-6 minimax polynomial (≤ 2 ulp). The code
 //! is branch-free scalar Rust that LLVM turns into AVX-512 or AVX2 vectors inside the
-//! `#[target_feature]` copies that [`multiversion!`] generates.
+//! `#[target_feature]` copies that `multiversion!` generates.
 
 /// Generates `$name`, which runs `$body::<FMA>` compiled for AVX-512, AVX2+FMA or baseline
 /// x86-64 (or the target's baseline elsewhere), chosen at run time.
