@@ -306,7 +306,33 @@ impl<T: Element> KvCache<T> {
     /// and key padding are rejected (the cache's lengths are the padding, and a mask's
     /// width would differ per entry).
     pub fn attend(&self, q: Tensor4Ref<'_, T>, options: &Options<'_>) -> Result<Tensor4<T>> {
-        self.attend_impl(q, options, SplitKv::Auto)
+        self.attend_impl(q, options, SplitKv::Auto, false)
+            .map(|(o, _)| o)
+    }
+
+    /// [`KvCache::attend`] and the natural-log LSE of every row, `[batch][h_q][n_q]`
+    /// flattened (`-inf` for a row that sees no key): what a caller needs to merge this
+    /// step with attention over keys held elsewhere ([`crate::PartialState`]).
+    ///
+    /// ```
+    /// use attn_optimized::{Causal, KvCache, Layout, Options, Tensor4Ref};
+    /// let mut cache = KvCache::<f32>::new(1, 1, 4, 2, 2)?;
+    /// let kv = vec![0.0f32; 3 * 2]; // three tokens whose keys are all 0
+    /// let kv = Tensor4Ref::from_layout(&kv, [1, 1, 3, 2], Layout::Bhsd)?;
+    /// cache.append(kv, kv)?;
+    /// let q = vec![1.0f32, 1.0];
+    /// let q = Tensor4Ref::from_layout(&q, [1, 1, 1, 2], Layout::Bhsd)?;
+    /// let opts = Options::default().with_causal(Causal::BottomRight);
+    /// let (_, lse) = cache.attend_with_lse(q, &opts)?;
+    /// assert!((lse[0] - 3f32.ln()).abs() < 1e-6); // three equal scores of 0
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn attend_with_lse(
+        &self,
+        q: Tensor4Ref<'_, T>,
+        options: &Options<'_>,
+    ) -> Result<(Tensor4<T>, Vec<f32>)> {
+        self.attend_impl(q, options, SplitKv::Auto, true)
     }
 
     /// [`KvCache::attend`] with an explicit split-KV policy.
@@ -316,7 +342,7 @@ impl<T: Element> KvCache<T> {
         options: &Options<'_>,
         split: SplitKv,
     ) -> Result<Tensor4<T>> {
-        self.attend_impl(q, options, split)
+        self.attend_impl(q, options, split, false).map(|(o, _)| o)
     }
 
     fn attend_impl(
@@ -324,7 +350,8 @@ impl<T: Element> KvCache<T> {
         q: Tensor4Ref<'_, T>,
         options: &Options<'_>,
         split: SplitKv,
-    ) -> Result<Tensor4<T>> {
+        with_lse: bool,
+    ) -> Result<(Tensor4<T>, Vec<f32>)> {
         if options.bool_mask.is_some()
             || options.additive_mask.is_some()
             || options.key_padding.is_some()
@@ -365,10 +392,11 @@ impl<T: Element> KvCache<T> {
         let group = h_q / self.kv_heads;
         let (keys, values) = (self.keys(), self.values());
         let mut data = vec![T::from_f32(0.0); b * h_q * n_q * self.d_v];
+        let mut lse = vec![f32::NEG_INFINITY; if with_lse { b * h_q * n_q } else { 0 }];
         if n_q * self.d_v > 0 {
             let (jobs, rows) = grid::batch_jobs(
                 &mut data,
-                &mut [],
+                &mut lse,
                 [h_q, n_q, self.d_v],
                 group,
                 |bi, kv, heads| {
@@ -382,7 +410,7 @@ impl<T: Element> KvCache<T> {
             )?;
             grid::run(jobs, rows, split);
         }
-        Tensor4::from_vec(data, [b, h_q, n_q, self.d_v])
+        Ok((Tensor4::from_vec(data, [b, h_q, n_q, self.d_v])?, lse))
     }
 }
 

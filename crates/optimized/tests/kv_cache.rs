@@ -257,3 +257,51 @@ fn split_kv_decode_is_deterministic_across_thread_counts() {
         assert!((a - b).abs() < 1e-6);
     }
 }
+
+/// The LSE of a cache step is that of attention over each entry's cached keys: ragged
+/// lengths, grouped heads (stacked for one query), f32 and f16 storage.
+fn lse_matches_attention_over_the_cached_keys<T: Element>() {
+    let (b, h_q, h_kv, cap, d) = (2, 8, 2, 700, 64);
+    let lens = [700, 333];
+    let mut cache = KvCache::<T>::new(b, h_kv, cap, d, d).unwrap();
+    let (kd, vd) = (data::<T>(h_kv * cap * d, 5), data::<T>(h_kv * cap * d, 6));
+    for (bi, &len) in lens.iter().enumerate() {
+        let k = Tensor4Ref::from_layout(&kd[..h_kv * len * d], [1, h_kv, len, d], Layout::Bhsd);
+        let v = Tensor4Ref::from_layout(&vd[..h_kv * len * d], [1, h_kv, len, d], Layout::Bhsd);
+        cache.append_to(bi, k.unwrap(), v.unwrap()).unwrap();
+    }
+    let qd = data::<T>(b * h_q * d, 7);
+    let q = Tensor4Ref::from_layout(&qd, [b, h_q, 1, d], Layout::Bhsd).unwrap();
+    let opts = Options::default().with_causal(Causal::BottomRight);
+    let (out, lse) = cache.attend_with_lse(q, &opts).unwrap();
+    let plain = cache.attend(q, &opts).unwrap();
+    let bits = |t: &Tensor4<T>| {
+        t.as_slice()
+            .iter()
+            .map(|x| x.to_f32().to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&out), bits(&plain));
+    assert_eq!(lse.len(), b * h_q);
+    for (bi, &len) in lens.iter().enumerate() {
+        for h in 0..h_q {
+            let kv = h / (h_q / h_kv);
+            let k = cache.keys().head(bi, kv).unwrap().subrows(0, len);
+            let v = cache.values().head(bi, kv).unwrap().subrows(0, len);
+            let qh = q.head(bi, h).unwrap();
+            let (_, want) = attn_optimized::attention_with_lse(qh, k, v, &opts).unwrap();
+            let got = lse[bi * h_q + h];
+            assert!(
+                (got - want[0]).abs() < 1e-5 * want[0].abs().max(1.0),
+                "{got} vs {}",
+                want[0]
+            );
+        }
+    }
+}
+
+#[test]
+fn attend_with_lse_matches_attention_over_the_cached_keys() {
+    lse_matches_attention_over_the_cached_keys::<f32>();
+    lse_matches_attention_over_the_cached_keys::<f16>();
+}
