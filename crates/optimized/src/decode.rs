@@ -13,66 +13,128 @@ use crate::exp::{exp2_approx, multiversion};
 use crate::online_softmax::LAZY_RESCALE_LOG2;
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod rows;
 
-/// Whether [`stream_scores`] and [`stream_accumulate`] read `m` in place on this CPU
-/// (AVX-512, rows of unit column stride and a width of whole 16-lane vectors). Elsewhere
-/// the row kernels copy each block first ([`scores`], [`accumulate`]).
-pub(crate) fn streams<T>(m: MatRef<'_, T>) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if crate::exp::isa() == crate::exp::Isa::Avx512 {
-        return avx512::supports(m);
-    }
-    let _ = m;
-    false
+/// An instruction set with in-place row kernels: they read K and V where they live,
+/// widening half types in registers. Without one (other CPUs), the row kernels copy each
+/// block first ([`scores`], [`accumulate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Streamer {
+    /// AVX-512 (F, BW, VL, DQ) with AVX2 and FMA: 16 lanes.
+    Avx512,
+    /// AVX2 with FMA and F16C: 8 lanes.
+    Avx2,
 }
 
-/// `out[r·stride + j] = q_r · k[j]` straight from `k` (any element type) for the query rows
-/// `q_r`, consecutive `d_k`-float chunks of `qs` (at most [`DECODE_ROWS`]); each key is
-/// read from memory once for all of them. Prefetches on into `next`.
-///
-/// # Panics
-/// Unless [`streams`]`(k)` and the lengths agree.
-pub(crate) fn stream_scores<T: Element>(
-    qs: &[f32],
-    k: MatRef<'_, T>,
-    next: MatRef<'_, T>,
-    (out, stride): (&mut [f32], usize),
-) {
-    assert!(streams(k), "no streaming kernel for these rows on this CPU");
-    let nr = qs.len() / k.ncols().max(1);
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `streams` found AVX-512 (F, BW, VL, DQ) with AVX2 and FMA on this CPU.
-    unsafe {
-        avx512::scores((qs, nr), k, next, (out, stride))
+impl Streamer {
+    /// The best one this CPU has.
+    pub(crate) fn detect() -> Option<Self> {
+        [Self::Avx512, Self::Avx2]
+            .into_iter()
+            .find(|s| s.on_this_cpu())
+    }
+
+    /// Every one this CPU has (for tests that compare them).
+    #[cfg(test)]
+    fn all() -> Vec<Self> {
+        [Self::Avx512, Self::Avx2]
+            .into_iter()
+            .filter(|s| s.on_this_cpu())
+            .collect()
+    }
+
+    /// Whether this CPU has the instructions the kernels are compiled with.
+    fn on_this_cpu(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            match self {
+                Self::Avx512 => crate::exp::isa() == crate::exp::Isa::Avx512,
+                Self::Avx2 => has!("avx2") && has!("fma") && has!("f16c"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// Whether the kernels read `m` in place: rows of unit column stride and a width of
+    /// whole vectors.
+    pub(crate) fn reads<T>(self, m: MatRef<'_, T>) -> bool {
+        let lanes = match self {
+            Self::Avx512 => 16,
+            Self::Avx2 => 8,
+        };
+        m.ncols() > 0 && m.ncols().is_multiple_of(lanes) && m.col_stride() == 1
+    }
+
+    /// `out[r·stride + j] = q_r · k[j]` straight from `k` (any element type) for the query
+    /// rows `q_r`, consecutive `d_k`-float chunks of `qs` (at most [`DECODE_ROWS`]); each key
+    /// is read from memory once for all of them. Prefetches on into `next`.
+    ///
+    /// # Panics
+    /// Unless the CPU has the instructions, [`Streamer::reads`]`(k)`, and the lengths agree.
+    pub(crate) fn scores<T: Element>(
+        self,
+        qs: &[f32],
+        k: MatRef<'_, T>,
+        next: MatRef<'_, T>,
+        out: (&mut [f32], usize),
+    ) {
+        assert!(self.on_this_cpu() && self.reads(k));
+        let q = (qs, qs.len() / k.ncols().max(1));
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX-512 F/BW/VL with AVX2 and FMA (checked above).
+            Self::Avx512 => unsafe { avx512::scores(q, k, next, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+            Self::Avx2 => unsafe { avx2::scores(q, k, next, out) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("no streamer exists off x86-64"),
+        }
+    }
+
+    /// `acc_r = alpha_r·acc_r + Σ_j p_r[j] · v[j]` straight from `v` for the rows `acc_r`
+    /// (consecutive `d_v`-float chunks of `accs`, one per entry of `alphas`, at most
+    /// [`DECODE_ROWS`]) with `p_r` at `r·stride` of `ps`; each value row is read once for
+    /// all of them. Prefetches on into `next`.
+    ///
+    /// # Panics
+    /// Unless the CPU has the instructions, [`Streamer::reads`]`(v)`, and the lengths agree.
+    pub(crate) fn accumulate<T: Element>(
+        self,
+        accs: (&mut [f32], &[f32]),
+        ps: (&[f32], usize),
+        v: MatRef<'_, T>,
+        next: MatRef<'_, T>,
+    ) {
+        assert!(self.on_this_cpu() && self.reads(v));
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX-512 F/BW/VL with AVX2 and FMA (checked above).
+            Self::Avx512 => unsafe { avx512::accumulate(accs, ps, v, next) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+            Self::Avx2 => unsafe { avx2::accumulate(accs, ps, v, next) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("no streamer exists off x86-64"),
+        }
     }
 }
 
-/// `acc_r = alpha_r·acc_r + Σ_j p_r[j] · v[j]` straight from `v` for the rows `acc_r`
-/// (consecutive `d_v`-float chunks of `accs`, one per entry of `alphas`, at most
-/// [`DECODE_ROWS`]) with `p_r` at `r·stride` of `ps`; each value row is read once for all
-/// of them. Prefetches on into `next`.
-///
-/// # Panics
-/// Unless [`streams`]`(v)` and the lengths agree.
-pub(crate) fn stream_accumulate<T: Element>(
-    (accs, alphas): (&mut [f32], &[f32]),
-    (ps, stride): (&[f32], usize),
-    v: MatRef<'_, T>,
-    next: MatRef<'_, T>,
-) {
-    assert!(streams(v), "no streaming kernel for these rows on this CPU");
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `streams` found AVX-512 (F, BW, VL, DQ) with AVX2 and FMA on this CPU.
-    unsafe {
-        avx512::accumulate((accs, alphas), (ps, stride), v, next)
-    }
+/// The streamer that reads both `k` and `v` in place on this CPU, if any.
+pub(crate) fn streamer_for<T>(k: MatRef<'_, T>, v: MatRef<'_, T>) -> Option<Streamer> {
+    Streamer::detect().filter(|s| s.reads(k) && s.reads(v))
 }
 
 /// Tiles with at most this many queries use the row kernels instead of GEMM tiles.
 pub const DECODE_ROWS: usize = 4;
 #[cfg(target_arch = "x86_64")]
-const _: () = assert!(DECODE_ROWS <= avx512::MAX_ROWS);
+const _: () = assert!(DECODE_ROWS <= rows::MAX_ROWS);
 
 const LANES: usize = 16;
 
@@ -279,17 +341,32 @@ mod tests {
         assert!((acc[0] as f64 / l as f64 - want).abs() < 1e-4);
     }
 
-    /// The in-place kernels against plain sums, for every storage type, widths of one to
-    /// seventeen vectors, key counts off the group size, strided rows, one to four rows.
+    /// The in-place kernels of every instruction set this CPU has against plain sums, for
+    /// every storage type, widths of one to seventeen 16-lane vectors (and odd numbers of
+    /// 8-lane ones), key counts off the group size, strided rows, one to four rows.
     fn streaming_matches_plain_sums<T: Element>() {
-        if !streams(MatRef::<T>::from_row_major_slice(&[], 0, 16)) {
-            return; // no streaming kernel on this CPU: the copying kernels are tested above
+        // Without a streamer the copying kernels run (tested above).
+        for streamer in Streamer::all() {
+            streaming_matches_plain_sums_with::<T>(streamer);
         }
-        for (n, d, stride) in [(1, 16, 16), (13, 48, 48), (29, 128, 160), (8, 272, 272)] {
+    }
+
+    fn streaming_matches_plain_sums_with<T: Element>(streamer: Streamer) {
+        let shapes = [
+            (1, 16, 16),
+            (13, 48, 48),
+            (29, 128, 160),
+            (8, 272, 272),
+            (11, 40, 40),
+        ];
+        for (n, d, stride) in shapes {
             let data: Vec<T> = (0..n * stride + d)
                 .map(|x| T::from_f32(((x * 37) % 23) as f32 / 8.0 - 1.4))
                 .collect();
             let forward = MatRef::from_row_major_slice_with_stride(&data, n, d, stride);
+            if !streamer.reads(forward) {
+                continue;
+            }
             let broadcast = MatRef::from_row_major_slice_with_stride(&data, n, d, 0);
             let next = MatRef::from_row_major_slice(&data[..d], 1, d);
             for (m, nr) in [forward, forward.reverse_rows(), broadcast]
@@ -297,11 +374,15 @@ mod tests {
                 .flat_map(|m| (1..=DECODE_ROWS).map(move |nr| (m, nr)))
             {
                 let wide = |j: usize, c: usize| m[(j, c)].to_f32() as f64;
-                let what = format!("{} d={d} rows={nr} row stride {}", T::NAME, m.row_stride());
+                let what = format!(
+                    "{streamer:?} {} d={d} rows={nr} row stride {}",
+                    T::NAME,
+                    m.row_stride()
+                );
                 let qs: Vec<f32> = (0..nr * d).map(|c| (c % 5) as f32 * 0.3 - 0.5).collect();
                 let out_stride = n + 3;
                 let mut out = vec![0.0f32; nr * out_stride];
-                stream_scores(&qs, m, next, (&mut out, out_stride));
+                streamer.scores(&qs, m, next, (&mut out, out_stride));
                 for r in 0..nr {
                     for j in 0..n {
                         let q = &qs[r * d..(r + 1) * d];
@@ -315,7 +396,7 @@ mod tests {
                     .collect();
                 let mut accs: Vec<f32> = (0..nr * d).map(|c| c as f32).collect();
                 let alphas: Vec<f32> = (0..nr).map(|r| 0.5 + r as f32).collect();
-                stream_accumulate((&mut accs, &alphas), (&ps, out_stride), m, next);
+                streamer.accumulate((&mut accs, &alphas), (&ps, out_stride), m, next);
                 for r in 0..nr {
                     for c in 0..d {
                         let p = |j: usize| ps[r * out_stride + j] as f64;

@@ -8,9 +8,7 @@ use attn_core::{HeadMask, TileCoverage};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatMut, MatRef, Par};
 
-use crate::decode::{
-    DECODE_ROWS, accumulate, scores, softmax_row, stream_accumulate, stream_scores, streams,
-};
+use crate::decode::{DECODE_ROWS, accumulate, scores, softmax_row, streamer_for};
 use crate::element::{Element, f32_rows, row_slices};
 use crate::merge::PartialState;
 use crate::online_softmax::{RowState, scale_rows, softmax_update};
@@ -253,12 +251,12 @@ impl Scratch {
             let (nc, local) = (cols.len(), cols.start - head.key_base);
             let (kb, vb) = (head.k.subrows(local, nc), head.v.subrows(local, nc));
             // Read in place where a streaming kernel exists, else copied block by block.
-            let direct = streams(kb) && streams(vb);
+            let streamer = streamer_for(kb, vb);
             // K pass, then V pass: each is one long sequential stream, which the prefetchers
             // follow at full bandwidth (interleaving K and V rows does not).
             let q_row = |i: usize| &self.q[i * d_k..(i + 1) * d_k];
-            if direct {
-                stream_scores(&self.q[..nr * d_k], kb, vb, (&mut self.s, bc));
+            if let Some(streamer) = streamer {
+                streamer.scores(&self.q[..nr * d_k], kb, vb, (&mut self.s, bc));
             } else {
                 let mut k: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
                 row_slices(head.k, local..local + nc, &mut self.k_wide, &mut k);
@@ -287,11 +285,11 @@ impl Scratch {
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
             let zero_weight = |jj: usize| (0..nr).any(|i| self.s[i * bc + jj] == 0.0);
             let careful = masked && zero_weight_meets_non_finite(vb, zero_weight);
-            if direct && !careful {
+            if let Some(streamer) = streamer.filter(|_| !careful) {
                 let rest = head.k.nrows() - (local + nc);
                 let next_k = head.k.subrows(local + nc, rest);
                 let accs = (&mut self.acc_rows[..nr * d_v], &self.alpha[..nr]);
-                stream_accumulate(accs, (&self.s, bc), vb, next_k);
+                streamer.accumulate(accs, (&self.s, bc), vb, next_k);
                 continue;
             }
             let mut v: [&[f32]; ROW_BLOCK] = [&[]; ROW_BLOCK];
