@@ -128,7 +128,11 @@ impl Streamer {
 
 /// The streamer that reads both `k` and `v` in place on this CPU, if any.
 pub(crate) fn streamer_for<T>(k: MatRef<'_, T>, v: MatRef<'_, T>) -> Option<Streamer> {
-    Streamer::detect().filter(|s| s.reads(k) && s.reads(v))
+    #[cfg(test)]
+    let best = tests::forced().unwrap_or_else(Streamer::detect);
+    #[cfg(not(test))]
+    let best = Streamer::detect();
+    best.filter(|s| s.reads(k) && s.reads(v))
 }
 
 /// Tiles with at most this many queries use the row kernels instead of GEMM tiles.
@@ -305,7 +309,89 @@ pub(crate) fn accumulate(acc: &mut [f32], alpha: f32, p: &[f32], v: &[&[f32]]) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
     use super::*;
+
+    /// The streamer the engine uses instead of the best one, while a test holds it (every
+    /// choice computes the same attention, so other tests running meanwhile still pass).
+    static FORCED: Mutex<Option<Option<Streamer>>> = Mutex::new(None);
+
+    pub(super) fn forced() -> Option<Option<Streamer>> {
+        *FORCED.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whole decoding calls (masks, non-finite values at hidden keys, split-KV, stacked GQA
+    /// heads, every storage type) through each streamer this CPU has and through the
+    /// copying kernels: the same attention within f32 rounding.
+    #[test]
+    fn every_streamer_computes_the_same_attention() {
+        use crate::{BoolMask, Causal, Layout, Options, Tensor4Ref, attention_batched};
+        use half::{bf16, f16};
+        fn run<T: Element>(choice: Option<Streamer>) -> Vec<Vec<f32>> {
+            let (b, hq, hkv, n_k) = (2, 4, 2, 2500);
+            let mut out = Vec::new();
+            for (n_q, d) in [(1, 64), (3, 128), (1, 40), (2, 48)] {
+                let data = |len: usize, seed: usize| -> Vec<T> {
+                    (0..len)
+                        .map(|x| {
+                            T::from_f32((((x * 7 + seed) * 2654435761) % 1000) as f32 / 500.0 - 1.0)
+                        })
+                        .collect()
+                };
+                let (qd, kd) = (data(b * hq * n_q * d, 1), data(b * hkv * n_k * d, 2));
+                let mut vd = data(b * hkv * n_k * d, 3);
+                vd[5 * d] = T::from_f32(f32::NAN); // key 5 of the first head (hidden by the bool mask)
+                let q = Tensor4Ref::from_layout(&qd, [b, hq, n_q, d], Layout::Bshd).unwrap();
+                let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], Layout::Bhsd).unwrap();
+                let v = Tensor4Ref::from_layout(&vd, [b, hkv, n_k, d], Layout::Bhsd).unwrap();
+                let hide = faer::Mat::<bool>::from_fn(n_q, n_k, |_, j| j % 5 == 0);
+                let lens = [n_k, 1700];
+                let cases = [
+                    Options::default(),
+                    Options::default()
+                        .with_causal(Causal::BottomRight)
+                        .with_key_lengths(&lens),
+                    Options::default().with_bool_mask(BoolMask::block(hide.as_ref())),
+                ];
+                for opts in &cases {
+                    *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = Some(choice);
+                    let o = attention_batched(q, k, v, opts);
+                    *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                    out.push(o.unwrap().as_slice().iter().map(|x| x.to_f32()).collect());
+                }
+            }
+            out
+        }
+        fn compare<T: Element>() {
+            let copying = run::<T>(None);
+            for (case, o) in copying.iter().enumerate() {
+                // The NaN is seen without a mask and hidden by the boolean mask.
+                let nan = o.iter().any(|x| x.is_nan());
+                assert!(nan == (case % 3 == 0) || case % 3 == 1, "case {case}");
+            }
+            for streamer in Streamer::all() {
+                for (case, (a, b)) in run::<T>(Some(streamer)).iter().zip(&copying).enumerate() {
+                    for (x, y) in a.iter().zip(b) {
+                        // The NaN at key 5 reaches the rows that see key 5, in every kernel.
+                        assert_eq!(x.is_nan(), y.is_nan(), "{streamer:?} case {case}");
+                        if x.is_nan() {
+                            continue;
+                        }
+                        let tol = if T::WIDENS { 1e-2 } else { 1e-5 };
+                        assert!(
+                            (x - y).abs() <= tol,
+                            "{streamer:?} {} case {case}: {x} vs {y}",
+                            T::NAME
+                        );
+                    }
+                }
+            }
+        }
+        compare::<f32>();
+        compare::<f16>();
+        compare::<bf16>();
+    }
 
     #[test]
     fn scores_are_dot_products() {
