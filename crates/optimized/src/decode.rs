@@ -64,11 +64,19 @@ impl Streamer {
     /// Whether the kernels read `m` in place: rows of unit column stride and a width of
     /// whole vectors.
     pub(crate) fn reads<T>(self, m: MatRef<'_, T>) -> bool {
-        let lanes = match self {
-            Self::Avx512 => 16,
-            Self::Avx2 => 8,
-        };
-        m.ncols() > 0 && m.ncols().is_multiple_of(lanes) && m.col_stride() == 1
+        #[cfg(target_arch = "x86_64")]
+        return rows::supports(
+            m,
+            match self {
+                Self::Avx512 => 16,
+                Self::Avx2 => 8,
+            },
+        );
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = m;
+            false
+        }
     }
 
     /// `out[r·stride + j] = q_r · k[j]` straight from `k` (any element type) for the query
@@ -126,13 +134,14 @@ impl Streamer {
     }
 }
 
-/// The streamer that reads both `k` and `v` in place on this CPU, if any.
-pub(crate) fn streamer_for<T>(k: MatRef<'_, T>, v: MatRef<'_, T>) -> Option<Streamer> {
+/// The streamer the row kernels use on this CPU, if any (looked up once per task; each
+/// block then asks [`Streamer::reads`] of its K and V).
+pub(crate) fn best_streamer() -> Option<Streamer> {
     #[cfg(test)]
-    let best = tests::forced().unwrap_or_else(Streamer::detect);
-    #[cfg(not(test))]
-    let best = Streamer::detect();
-    best.filter(|s| s.reads(k) && s.reads(v))
+    if let Some(forced) = tests::forced() {
+        return forced;
+    }
+    Streamer::detect()
 }
 
 /// Tiles with at most this many queries use the row kernels instead of GEMM tiles.

@@ -8,7 +8,7 @@ use attn_core::{HeadMask, TileCoverage};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatMut, MatRef, Par};
 
-use crate::decode::{DECODE_ROWS, accumulate, scores, softmax_row, streamer_for};
+use crate::decode::{DECODE_ROWS, accumulate, best_streamer, scores, softmax_row};
 use crate::element::{Element, f32_rows, row_slices};
 use crate::merge::PartialState;
 use crate::online_softmax::{RowState, scale_rows, softmax_update};
@@ -247,11 +247,12 @@ impl Scratch {
         self.acc_rows.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
+        let best = best_streamer();
         for (cols, coverage) in key_blocks(head, rows.clone(), keys, ROW_BLOCK) {
             let (nc, local) = (cols.len(), cols.start - head.key_base);
             let (kb, vb) = (head.k.subrows(local, nc), head.v.subrows(local, nc));
             // Read in place where a streaming kernel exists, else copied block by block.
-            let streamer = streamer_for(kb, vb);
+            let streamer = best.filter(|s| s.reads(kb) && s.reads(vb));
             // K pass, then V pass: each is one long sequential stream, which the prefetchers
             // follow at full bandwidth (interleaving K and V rows does not).
             let q_row = |i: usize| &self.q[i * d_k..(i + 1) * d_k];
