@@ -230,6 +230,27 @@ pub struct BuiltMasks {
     pub additive: Option<Mat<f32>>,
 }
 
+impl BuiltMasks {
+    /// The options of a call: the recipe's scale, causal flag and window, `key_padding`,
+    /// and these masks, borrowed.
+    fn options<'a>(&'a self, r: &MaskRecipe, key_padding: Option<KeyPadding<'a>>) -> Options<'a> {
+        Options {
+            scale: r.scale,
+            causal: r.causal,
+            window: r.window,
+            key_padding,
+            bool_mask: self.bool_mask.as_ref().map(|(allow, m)| {
+                if *allow {
+                    BoolMask::allow(m.as_ref())
+                } else {
+                    BoolMask::block(m.as_ref())
+                }
+            }),
+            additive_mask: self.additive.as_ref().map(|m| m.as_ref()),
+        }
+    }
+}
+
 impl MaskRecipe {
     fn build(&self, n_q: usize, n_k: usize, seed: u64) -> BuiltMasks {
         let bool_mask = self.bool_mask.map(|b| {
@@ -306,21 +327,8 @@ pub struct HeadInputs {
 impl HeadInputs {
     /// The options of the call, borrowing the masks.
     pub fn options(&self) -> Options<'_> {
-        let r = &self.recipe;
-        Options {
-            scale: r.scale,
-            causal: r.causal,
-            window: r.window,
-            key_padding: self.key_len.map(KeyPadding::Uniform),
-            bool_mask: self.masks.bool_mask.as_ref().map(|(allow, m)| {
-                if *allow {
-                    BoolMask::allow(m.as_ref())
-                } else {
-                    BoolMask::block(m.as_ref())
-                }
-            }),
-            additive_mask: self.masks.additive.as_ref().map(|m| m.as_ref()),
-        }
+        self.masks
+            .options(&self.recipe, self.key_len.map(KeyPadding::Uniform))
     }
 
     /// `n_q, n_k, d_k, d_v`.
@@ -494,21 +502,10 @@ pub struct BatchInputs {
 impl BatchInputs {
     /// The options of the call, borrowing the masks.
     pub fn options(&self) -> Options<'_> {
-        let r = &self.recipe;
-        Options {
-            scale: r.scale,
-            causal: r.causal,
-            window: r.window,
-            key_padding: self.key_lens.as_deref().map(KeyPadding::PerBatch),
-            bool_mask: self.masks.bool_mask.as_ref().map(|(allow, m)| {
-                if *allow {
-                    BoolMask::allow(m.as_ref())
-                } else {
-                    BoolMask::block(m.as_ref())
-                }
-            }),
-            additive_mask: self.masks.additive.as_ref().map(|m| m.as_ref()),
-        }
+        self.masks.options(
+            &self.recipe,
+            self.key_lens.as_deref().map(KeyPadding::PerBatch),
+        )
     }
 }
 
