@@ -117,5 +117,109 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// [`Error::DimensionMismatch`]: `operand` has `found` along `axis` where `other` has
+    /// `expected`, breaking `rule`.
+    ///
+    /// ```
+    /// use attn_core::Error;
+    /// let e = Error::mismatch("V", "rows", 3, "K", 4, "n_k must match");
+    /// assert_eq!(e.to_string(), "V has 3 rows but K has 4 (n_k must match)");
+    /// ```
+    pub fn mismatch(
+        operand: &'static str,
+        axis: &'static str,
+        found: usize,
+        other: &'static str,
+        expected: usize,
+        rule: &'static str,
+    ) -> Self {
+        Error::DimensionMismatch {
+            operand,
+            axis,
+            found,
+            other,
+            expected,
+            rule,
+        }
+    }
+
+    /// [`Error::OutOfRange`]: `index` into `len` items of `what`.
+    ///
+    /// ```
+    /// use attn_core::Error;
+    /// assert_eq!(Error::out_of_range("batch", 3, 2).to_string(), "batch index 3 is out of range (there are 2)");
+    /// ```
+    pub fn out_of_range(what: &'static str, index: usize, len: usize) -> Self {
+        Error::OutOfRange { what, index, len }
+    }
+
+    /// [`Error::Capacity`]: `requested` of `what` where only `capacity` fit.
+    ///
+    /// ```
+    /// use attn_core::Error;
+    /// assert_eq!(Error::capacity("tokens", 9, 8).to_string(), "tokens: 9 exceeds the capacity of 8");
+    /// ```
+    pub fn capacity(what: &'static str, requested: usize, capacity: usize) -> Self {
+        Error::Capacity {
+            what,
+            requested,
+            capacity,
+        }
+    }
+
+    /// [`Error::Layout`]: what is wrong with a tensor's dims, strides or buffer.
+    ///
+    /// ```
+    /// use attn_core::Error;
+    /// assert_eq!(Error::layout("output tensor", "too short").to_string(), "output tensor: too short");
+    /// ```
+    pub fn layout(operand: &'static str, reason: impl Into<String>) -> Self {
+        Error::Layout {
+            operand,
+            reason: reason.into(),
+        }
+    }
+
+    /// [`Error::DimensionMismatch`] for a per-row LSE buffer of the wrong length.
+    ///
+    /// ```
+    /// use attn_core::Error;
+    /// assert_eq!(Error::lse_length(3, 4).to_string(), "LSE has 3 entries but Q has 4 (one LSE per query row)");
+    /// ```
+    pub fn lse_length(found: usize, expected: usize) -> Self {
+        Error::mismatch(
+            "LSE",
+            "entries",
+            found,
+            "Q",
+            expected,
+            "one LSE per query row",
+        )
+    }
+}
+
+/// `Ok(())` when `found == expected`, else [`Error::mismatch`] with the same arguments.
+///
+/// ```
+/// use attn_core::check_dim;
+/// assert!(check_dim("K", "columns", 64, "Q", 64, "d_k must match").is_ok());
+/// assert!(check_dim("K", "columns", 63, "Q", 64, "d_k must match").is_err());
+/// ```
+pub fn check_dim(
+    operand: &'static str,
+    axis: &'static str,
+    found: usize,
+    other: &'static str,
+    expected: usize,
+    rule: &'static str,
+) -> Result<()> {
+    if found == expected {
+        Ok(())
+    } else {
+        Err(Error::mismatch(operand, axis, found, other, expected, rule))
+    }
+}
+
 /// `Result` with the workspace [`enum@Error`].
 pub type Result<T, E = Error> = core::result::Result<T, E>;

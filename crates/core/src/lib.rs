@@ -18,13 +18,15 @@
 
 mod error;
 mod mask;
+mod merge;
 mod multi_head;
 mod options;
 mod shape;
 mod tensor;
 
-pub use error::{Error, Result};
+pub use error::{Error, Result, check_dim};
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
+pub use merge::PartialState;
 pub use multi_head::MultiHeadWeights;
 pub use options::{Options, check_shape};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};

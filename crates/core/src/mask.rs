@@ -140,8 +140,6 @@ pub enum TileCoverage {
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct HeadMask<'a> {
-    n_q: usize,
-    n_k: usize,
     causal_offset: Option<i64>,
     window: Option<(i64, Option<usize>, Option<usize>)>,
     key_len: usize,
@@ -159,8 +157,6 @@ impl<'a> HeadMask<'a> {
         key_len: Option<usize>,
     ) -> Self {
         Self {
-            n_q,
-            n_k,
             causal_offset: options.causal.map(|c| c.offset(n_q, n_k)),
             window: options
                 .window
@@ -169,16 +165,6 @@ impl<'a> HeadMask<'a> {
             boolean: options.bool_mask,
             additive: options.additive_mask,
         }
-    }
-
-    /// Number of queries.
-    pub fn n_q(&self) -> usize {
-        self.n_q
-    }
-
-    /// Number of keys.
-    pub fn n_k(&self) -> usize {
-        self.n_k
     }
 
     /// The keys that the structural constraints (causal, window, padding) leave visible to

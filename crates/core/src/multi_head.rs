@@ -2,7 +2,7 @@
 
 use faer::{Mat, MatRef};
 
-use crate::{Error, Result, options::check_shape};
+use crate::{Error, Result, check_dim, options::check_shape};
 
 /// `W_Q`, `W_K`, `W_V`, `W_O` of a multi-head (optionally grouped-query) attention layer.
 ///
@@ -57,14 +57,14 @@ impl MultiHeadWeights {
             if cols.is_multiple_of(h) && cols > 0 {
                 Ok(cols / h)
             } else {
-                Err(Error::DimensionMismatch {
+                Err(Error::mismatch(
                     operand,
-                    axis: "columns",
-                    found: cols,
-                    other: "the head count",
-                    expected: h,
-                    rule: "the columns must split into equal non-empty heads",
-                })
+                    "columns",
+                    cols,
+                    "the head count",
+                    h,
+                    "the columns must split into equal non-empty heads",
+                ))
             }
         };
         let d_k = split("W_Q", w_q.ncols(), heads)?;
@@ -153,26 +153,21 @@ impl MultiHeadWeights {
 
     /// Checks the inputs of a forward pass: `x_q : [n_q, d_model]`, `x_kv : [n_k, d_kv]`.
     pub fn check_inputs(&self, x_q: MatRef<'_, f32>, x_kv: MatRef<'_, f32>) -> Result<()> {
-        if x_q.ncols() != self.d_model() {
-            return Err(Error::DimensionMismatch {
-                operand: "x_q",
-                axis: "columns",
-                found: x_q.ncols(),
-                other: "W_Q",
-                expected: self.d_model(),
-                rule: "the query input width is d_model",
-            });
-        }
-        if x_kv.ncols() != self.d_kv() {
-            return Err(Error::DimensionMismatch {
-                operand: "x_kv",
-                axis: "columns",
-                found: x_kv.ncols(),
-                other: "W_K",
-                expected: self.d_kv(),
-                rule: "the key/value input width is d_kv",
-            });
-        }
-        Ok(())
+        check_dim(
+            "x_q",
+            "columns",
+            x_q.ncols(),
+            "W_Q",
+            self.d_model(),
+            "the query input width is d_model",
+        )?;
+        check_dim(
+            "x_kv",
+            "columns",
+            x_kv.ncols(),
+            "W_K",
+            self.d_kv(),
+            "the key/value input width is d_kv",
+        )
     }
 }

@@ -2,7 +2,7 @@
 
 use faer::MatRef;
 
-use crate::{BoolMask, Causal, Error, KeyPadding, Result, SlidingWindow};
+use crate::{BoolMask, Causal, Error, KeyPadding, Result, SlidingWindow, check_dim};
 
 /// The knobs of an attention call. All constraints combine: a key is visible only if
 /// every one of them allows it.
@@ -101,9 +101,16 @@ impl<'a> Options<'a> {
     }
 
     /// Checks the masks and key lengths against a problem of `batch` entries with `n_q`
-    /// queries and `n_k` keys, and the scale against `d_k`.
-    pub fn validate(&self, batch: usize, n_q: usize, n_k: usize, d_k: usize) -> Result<()> {
-        self.scale_for(d_k)?;
+    /// queries and `n_k` keys, and the scale against `d_k`; returns the scale
+    /// ([`Options::scale_for`]), so that a call validates its options once.
+    ///
+    /// ```
+    /// use attn_core::Options;
+    /// assert_eq!(Options::default().validate(1, 3, 5, 64).unwrap(), 0.125);
+    /// assert!(Options::default().with_key_length(6).validate(1, 3, 5, 64).is_err());
+    /// ```
+    pub fn validate(&self, batch: usize, n_q: usize, n_k: usize, d_k: usize) -> Result<f32> {
+        let scale = self.scale_for(d_k)?;
         let rule = "n_q × n_k, the shape of the scores";
         if let Some(m) = self.bool_mask {
             check_shape(
@@ -125,22 +132,20 @@ impl<'a> Options<'a> {
             }
             Some(KeyPadding::Uniform(_)) => {}
             Some(KeyPadding::PerBatch(lens)) => {
-                if lens.len() != batch {
-                    return Err(Error::DimensionMismatch {
-                        operand: "key lengths",
-                        axis: "entries",
-                        found: lens.len(),
-                        other: "Q",
-                        expected: batch,
-                        rule: "one valid length per batch entry",
-                    });
-                }
+                check_dim(
+                    "key lengths",
+                    "entries",
+                    lens.len(),
+                    "Q",
+                    batch,
+                    "one valid length per batch entry",
+                )?;
                 if let Some((b, &len)) = lens.iter().enumerate().find(|(_, l)| **l > n_k) {
                     return Err(Error::KeyLength { len, batch: b, n_k });
                 }
             }
         }
-        Ok(())
+        Ok(scale)
     }
 }
 

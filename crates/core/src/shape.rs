@@ -2,7 +2,7 @@
 
 use faer::MatRef;
 
-use crate::{Error, Options, Result, Tensor4Ref};
+use crate::{Error, Options, Result, Tensor4Ref, check_dim};
 
 /// The dimensions of one attention head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -22,27 +22,23 @@ impl HeadShape {
     pub fn flops(&self) -> f64 {
         2.0 * self.n_q as f64 * self.n_k as f64 * (self.d_k + self.d_v) as f64
     }
-}
 
-fn mismatch(
-    operand: &'static str,
-    axis: &'static str,
-    found: usize,
-    other: &'static str,
-    expected: usize,
-    rule: &'static str,
-) -> Result<()> {
-    if found == expected {
-        Ok(())
-    } else {
-        Err(Error::DimensionMismatch {
-            operand,
-            axis,
-            found,
-            other,
-            expected,
-            rule,
-        })
+    /// The shape of one head's operands, checked against each other (not against any
+    /// options: [`Options::validate`] does that, [`validate_head`] does both).
+    ///
+    /// ```
+    /// use attn_core::HeadShape;
+    /// use faer::Mat;
+    /// let (q, kv) = (Mat::<f32>::zeros(2, 8), Mat::<f32>::zeros(5, 8));
+    /// let shape = HeadShape::of(q.as_ref(), kv.as_ref(), kv.as_ref()).unwrap();
+    /// assert_eq!((shape.n_q, shape.n_k), (2, 5));
+    /// ```
+    pub fn of<T>(q: MatRef<'_, T>, k: MatRef<'_, T>, v: MatRef<'_, T>) -> Result<Self> {
+        check_operands(
+            [q.nrows(), q.ncols()],
+            [k.nrows(), k.ncols()],
+            [v.nrows(), v.ncols()],
+        )
     }
 }
 
@@ -63,18 +59,14 @@ pub fn validate_head<T>(
     v: MatRef<'_, T>,
     options: &Options<'_>,
 ) -> Result<HeadShape> {
-    let shape = check_operands(
-        [q.nrows(), q.ncols()],
-        [k.nrows(), k.ncols()],
-        [v.nrows(), v.ncols()],
-    )?;
+    let shape = HeadShape::of(q, k, v)?;
     options.validate(1, shape.n_q, shape.n_k, shape.d_k)?;
     Ok(shape)
 }
 
 fn check_operands(q: [usize; 2], k: [usize; 2], v: [usize; 2]) -> Result<HeadShape> {
-    mismatch("K", "columns", k[1], "Q", q[1], "d_k must match")?;
-    mismatch("V", "rows", v[0], "K", k[0], "n_k must match")?;
+    check_dim("K", "columns", k[1], "Q", q[1], "d_k must match")?;
+    check_dim("V", "rows", v[0], "K", k[0], "n_k must match")?;
     if q[1] == 0 {
         return Err(Error::EmptyKeyWidth);
     }
@@ -109,6 +101,27 @@ impl BatchShape {
     pub fn flops(&self) -> f64 {
         (self.batch * self.h_q) as f64 * self.head.flops()
     }
+
+    /// The shape of batched operands, checked against each other and for head grouping
+    /// (not against any options: [`validate_batch`] does both).
+    pub fn of<T>(q: Tensor4Ref<'_, T>, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>) -> Result<Self> {
+        let [bq, hq, sq, dq] = q.dims();
+        let [bk, hk, sk, dk] = k.dims();
+        let [bv, hv, sv, dv] = v.dims();
+        check_dim("K", "batch entries", bk, "Q", bq, "batch must match")?;
+        check_dim("V", "batch entries", bv, "Q", bq, "batch must match")?;
+        check_dim("V", "heads", hv, "K", hk, "K and V share their heads")?;
+        let head = check_operands([sq, dq], [sk, dk], [sv, dv])?;
+        if hk == 0 && hq != 0 || hk != 0 && !hq.is_multiple_of(hk) {
+            return Err(Error::HeadGrouping { h_q: hq, h_kv: hk });
+        }
+        Ok(BatchShape {
+            batch: bq,
+            h_q: hq,
+            h_kv: hk,
+            head,
+        })
+    }
 }
 
 /// Checks batched operands `[batch, heads, seq, dim]` and options; returns the shape.
@@ -129,21 +142,8 @@ pub fn validate_batch<T>(
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<BatchShape> {
-    let [bq, hq, sq, dq] = q.dims();
-    let [bk, hk, sk, dk] = k.dims();
-    let [bv, hv, sv, dv] = v.dims();
-    mismatch("K", "batch entries", bk, "Q", bq, "batch must match")?;
-    mismatch("V", "batch entries", bv, "Q", bq, "batch must match")?;
-    mismatch("V", "heads", hv, "K", hk, "K and V share their heads")?;
-    let head = check_operands([sq, dq], [sk, dk], [sv, dv])?;
-    if hk == 0 && hq != 0 || hk != 0 && !hq.is_multiple_of(hk) {
-        return Err(Error::HeadGrouping { h_q: hq, h_kv: hk });
-    }
-    options.validate(bq, sq, sk, dq)?;
-    Ok(BatchShape {
-        batch: bq,
-        h_q: hq,
-        h_kv: hk,
-        head,
-    })
+    let shape = BatchShape::of(q, k, v)?;
+    let head = shape.head;
+    options.validate(shape.batch, head.n_q, head.n_k, head.d_k)?;
+    Ok(shape)
 }

@@ -47,16 +47,16 @@ fn check_fits(
 ) -> Result<()> {
     match required_len(dims, strides) {
         Some(need) if need <= len => Ok(()),
-        Some(need) => Err(Error::Layout {
+        Some(need) => Err(Error::layout(
             operand,
-            reason: format!(
+            format!(
                 "dims {dims:?} with strides {strides:?} need {need} elements but the buffer has {len}"
             ),
-        }),
-        None => Err(Error::Layout {
+        )),
+        None => Err(Error::layout(
             operand,
-            reason: format!("dims {dims:?} with strides {strides:?} overflow usize"),
-        }),
+            format!("dims {dims:?} with strides {strides:?} overflow usize"),
+        )),
     }
 }
 
@@ -74,12 +74,12 @@ fn check_no_overlap(operand: &'static str, dims: [usize; 4], strides: [usize; 3]
     let mut span = dims[3];
     for (stride, n) in axes {
         if stride < span {
-            return Err(Error::Layout {
+            return Err(Error::layout(
                 operand,
-                reason: format!(
+                format!(
                     "strides {strides:?} make a writable view with dims {dims:?} overlap itself"
                 ),
-            });
+            ));
         }
         span += stride * (n - 1);
     }
@@ -96,12 +96,21 @@ fn check_no_overlap(operand: &'static str, dims: [usize; 4], strides: [usize; 3]
 /// let head1 = t.head(0, 1).unwrap();
 /// assert_eq!(head1[(1, 0)], 6.0); // position 1, head 1: offset 1·4 + 1·2
 /// ```
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct Tensor4Ref<'a, T> {
     data: &'a [T],
     dims: [usize; 4],
     strides: [usize; 3],
 }
+
+// A view is a borrow: copyable whatever `T` is (a derive would ask for `T: Copy`).
+impl<T> Clone for Tensor4Ref<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Tensor4Ref<'_, T> {}
 
 impl<'a, T> Tensor4Ref<'a, T> {
     /// A view with explicit element strides for (batch, head, seq); the feature axis is
@@ -172,11 +181,11 @@ impl<'a, T> Tensor4Ref<'a, T> {
         check_index("batch", batch, self.dims[0])?;
         check_index("position", position, self.dims[2])?;
         if heads.start > heads.end || heads.end > self.dims[1] {
-            return Err(Error::OutOfRange {
-                what: "head range end",
-                index: heads.end.max(heads.start),
-                len: self.dims[1] + 1,
-            });
+            return Err(Error::out_of_range(
+                "head range end",
+                heads.end.max(heads.start),
+                self.dims[1] + 1,
+            ));
         }
         let d = self.dims[3];
         if heads.is_empty() || d == 0 {
@@ -234,7 +243,15 @@ impl<'a, T> Tensor4Mut<'a, T> {
         self.dims
     }
 
-    /// A read-only view of the same data.
+    /// A read-only view of the same data (to read back what was written).
+    ///
+    /// ```
+    /// use attn_core::{Layout, Tensor4Mut};
+    /// let mut data = vec![0.0f32; 4];
+    /// let mut t = Tensor4Mut::from_layout(&mut data, [1, 1, 2, 2], Layout::Bhsd).unwrap();
+    /// t.head_mut(0, 0).unwrap()[(1, 0)] = 3.0;
+    /// assert_eq!(t.rb().head(0, 0).unwrap()[(1, 0)], 3.0);
+    /// ```
     pub fn rb(&self) -> Tensor4Ref<'_, T> {
         Tensor4Ref {
             data: self.data,
@@ -260,6 +277,49 @@ impl<'a, T> Tensor4Mut<'a, T> {
             MatMut::from_column_major_slice_with_stride_mut(data, d, s, self.strides[2].max(d))
                 .transpose_mut(),
         )
+    }
+}
+
+impl<'a, T> Tensor4Mut<'a, T> {
+    /// Every row of every head as its own slice of `dim` elements, in (batch, head, seq)
+    /// order: disjoint borrows of the view, so that the heads can be written in parallel
+    /// whatever the layout (in `[B,S,H,D]` the heads' rows interleave in memory).
+    ///
+    /// ```
+    /// use attn_core::{Layout, Tensor4Mut};
+    /// let mut data = vec![0.0f32; 2 * 3 * 2]; // [B=1, S=3, H=2, D=2]
+    /// let t = Tensor4Mut::from_layout(&mut data, [1, 2, 3, 2], Layout::Bshd).unwrap();
+    /// let mut rows = t.into_rows();
+    /// assert_eq!(rows.len(), 6);
+    /// rows[1][0] = 7.0; // head 0, position 1
+    /// rows[3][1] = 9.0; // head 1, position 0
+    /// assert_eq!(data, [0.0, 0.0, 0.0, 9.0, 7.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    /// ```
+    pub fn into_rows(self) -> Vec<&'a mut [T]> {
+        let [b, h, s, d] = self.dims;
+        let [sb, sh, ss] = self.strides;
+        let n = b * h * s;
+        let offset = |r: usize| (r / (h * s)) * sb + (r / s % h) * sh + (r % s) * ss;
+        let mut rows: Vec<Option<&'a mut [T]>> = (0..n).map(|_| None).collect();
+        let mut order: Vec<usize> = (0..n).collect();
+        if d > 0 && !order.windows(2).all(|w| offset(w[0]) < offset(w[1])) {
+            order.sort_unstable_by_key(|&r| offset(r));
+        }
+        // Rows never overlap (checked when the view was made), so in address order each
+        // starts at or after the end of the previous one.
+        let (mut rest, mut at) = (self.data, 0);
+        for r in order.into_iter().filter(|_| d > 0) {
+            let Some((_, tail)) = rest.split_at_mut_checked(offset(r) - at) else {
+                break;
+            };
+            let Some((row, tail)) = tail.split_at_mut_checked(d) else {
+                break;
+            };
+            rows[r] = Some(row);
+            at = offset(r) + d;
+            rest = tail;
+        }
+        rows.into_iter().map(Option::unwrap_or_default).collect()
     }
 }
 
@@ -292,13 +352,13 @@ impl<T> Tensor4<T> {
     pub fn from_vec(data: Vec<T>, dims: [usize; 4]) -> Result<Self> {
         let need: usize = dims.iter().product();
         if data.len() != need {
-            return Err(Error::Layout {
-                operand: "tensor",
-                reason: format!(
+            return Err(Error::layout(
+                "tensor",
+                format!(
                     "dims {dims:?} need {need} elements but the buffer has {}",
                     data.len()
                 ),
-            });
+            ));
         }
         Ok(Self { data, dims })
     }
@@ -342,6 +402,6 @@ fn check_index(what: &'static str, index: usize, len: usize) -> Result<()> {
     if index < len {
         Ok(())
     } else {
-        Err(Error::OutOfRange { what, index, len })
+        Err(Error::out_of_range(what, index, len))
     }
 }

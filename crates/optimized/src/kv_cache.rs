@@ -7,10 +7,12 @@
 //! streaming engine on the cached prefix of each entry; with few heads the grid splits the
 //! keys into fixed chunks (flash-decoding) and merges the partial states in order.
 
-use attn_core::{Error, HeadMask, Layout, Options, Result, Tensor4, Tensor4Ref};
+use attn_core::{Error, Layout, Options, Result, Tensor4, Tensor4Ref};
 
-use crate::grid::{self, SplitKv};
-use crate::{Element, head_inputs, job_queries};
+use crate::forward;
+use crate::kernel::element::Element;
+use crate::problem::{Batched, zeroed};
+use crate::schedule::SplitKv;
 
 /// What happens when an append does not fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -72,8 +74,8 @@ impl<T: Element> KvCache<T> {
             capacity,
             d_k,
             d_v,
-            k: zeroed(&[batch, kv_heads, capacity, d_k])?,
-            v: zeroed(&[batch, kv_heads, capacity, d_v])?,
+            k: zeroed("KV cache elements", &[batch, kv_heads, capacity, d_k])?,
+            v: zeroed("KV cache elements", &[batch, kv_heads, capacity, d_v])?,
             lens: vec![0; batch],
             growth: Growth::Fixed,
         })
@@ -113,11 +115,10 @@ impl<T: Element> KvCache<T> {
     /// Forgets the tokens of batch entry `b` (its storage is kept).
     pub fn clear(&mut self, b: usize) -> Result<()> {
         let len = self.batch;
-        *self.lens.get_mut(b).ok_or(Error::OutOfRange {
-            what: "batch",
-            index: b,
-            len,
-        })? = 0;
+        *self
+            .lens
+            .get_mut(b)
+            .ok_or(Error::out_of_range("batch", b, len))? = 0;
         Ok(())
     }
 
@@ -164,11 +165,7 @@ impl<T: Element> KvCache<T> {
         v: Tensor4Ref<'_, T>,
     ) -> Result<()> {
         if b >= self.batch {
-            return Err(Error::OutOfRange {
-                what: "batch",
-                index: b,
-                len: self.batch,
-            });
+            return Err(Error::out_of_range("batch", b, self.batch));
         }
         self.check_tokens(k, v, 1)?;
         self.reserve(self.lens[b] + k.dims()[2])?;
@@ -176,13 +173,8 @@ impl<T: Element> KvCache<T> {
     }
 
     fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>, batch: usize) -> Result<()> {
-        let mismatch = |operand, axis, found, expected, rule| Error::DimensionMismatch {
-            operand,
-            axis,
-            found,
-            other: "the cache",
-            expected,
-            rule,
+        let mismatch = |operand, axis, found, expected, rule| {
+            Error::mismatch(operand, axis, found, "the cache", expected, rule)
         };
         let ([bk, hk, tk, dk], [bv, hv, tv, dv]) = (k.dims(), v.dims());
         let checks = [
@@ -224,14 +216,14 @@ impl<T: Element> KvCache<T> {
             ),
             (
                 tv == tk,
-                Error::DimensionMismatch {
-                    operand: "new V",
-                    axis: "tokens",
-                    found: tv,
-                    other: "new K",
-                    expected: tk,
-                    rule: "K and V carry the same tokens",
-                },
+                Error::mismatch(
+                    "new V",
+                    "tokens",
+                    tv,
+                    "new K",
+                    tk,
+                    "K and V carry the same tokens",
+                ),
             ),
         ];
         match checks.into_iter().find(|(ok, _)| !ok) {
@@ -246,11 +238,11 @@ impl<T: Element> KvCache<T> {
             return Ok(());
         }
         if self.growth == Growth::Fixed {
-            return Err(Error::Capacity {
-                what: "KV cache tokens per batch entry",
-                requested: need,
-                capacity: self.capacity,
-            });
+            return Err(Error::capacity(
+                "KV cache tokens per batch entry",
+                need,
+                self.capacity,
+            ));
         }
         let new_cap = need.max(self.capacity * 2);
         let zero = T::from_f32(0.0);
@@ -361,14 +353,9 @@ impl<T: Element> KvCache<T> {
                 reason: "masks and key padding are not accepted; use causal alignment and windows (the cache lengths pad each entry)",
             });
         }
-        let [b, h_q, n_q, d_k] = q.dims();
-        let mismatch = |operand, axis, found, expected, rule| Error::DimensionMismatch {
-            operand,
-            axis,
-            found,
-            other: "the cache",
-            expected,
-            rule,
+        let [b, h_q, _, d_k] = q.dims();
+        let mismatch = |operand, axis, found, expected, rule| {
+            Error::mismatch(operand, axis, found, "the cache", expected, rule)
         };
         if b != self.batch {
             return Err(mismatch(
@@ -389,49 +376,12 @@ impl<T: Element> KvCache<T> {
             });
         }
         let scale = options.scale_for(d_k)?;
-        let group = h_q / self.kv_heads;
         let (keys, values) = (self.keys(), self.values());
-        let mut data = vec![T::from_f32(0.0); b * h_q * n_q * self.d_v];
-        let mut lse = vec![f32::NEG_INFINITY; if with_lse { b * h_q * n_q } else { 0 }];
-        if n_q * self.d_v > 0 {
-            let (jobs, rows) = grid::batch_jobs(
-                &mut data,
-                &mut lse,
-                [h_q, n_q, self.d_v],
-                group,
-                |bi, kv, heads| {
-                    let len = self.lens[bi];
-                    let q = job_queries(q, bi, heads)?;
-                    let k = keys.head(bi, kv)?.subrows(0, len);
-                    let v = values.head(bi, kv)?.subrows(0, len);
-                    let mask = HeadMask::new(options, n_q, len, None);
-                    Ok((head_inputs(q, k, v, 0, mask, scale), 0..len))
-                },
-            )?;
-            grid::run(jobs, rows, split);
-        }
-        Ok((Tensor4::from_vec(data, [b, h_q, n_q, self.d_v])?, lse))
+        let batch = Batched::cached(q, keys, values, &self.lens, options, scale);
+        let dims = batch.out_dims();
+        let mut out = Tensor4::from_vec(zeroed("attention output", &dims)?, dims)?;
+        let mut lse = vec![f32::NEG_INFINITY; if with_lse { batch.out_rows() } else { 0 }];
+        forward::batched(&batch, out.as_mut(), Some(&mut lse), split)?;
+        Ok((out, lse))
     }
-}
-
-/// A zeroed buffer of `dims.product()` elements, or an error when that does not fit in
-/// memory (never an abort on a size a caller passed in).
-fn zeroed<T: Element>(dims: &[usize]) -> Result<Vec<T>> {
-    let too_big = || Error::Capacity {
-        what: "KV cache elements",
-        requested: usize::MAX,
-        capacity: isize::MAX as usize,
-    };
-    let n = dims
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .ok_or_else(too_big)?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| Error::Capacity {
-        what: "KV cache elements",
-        requested: n,
-        capacity: isize::MAX as usize / core::mem::size_of::<T>().max(1),
-    })?;
-    v.resize(n, T::from_f32(0.0));
-    Ok(v)
 }

@@ -29,62 +29,45 @@
 //! in a fixed rank order; the result is full attention, and it is bit-for-bit reproducible
 //! because the merge order is fixed.
 
-mod decode;
-mod element;
-mod grid;
-mod kv_cache;
-mod merge;
-mod multi_head;
-mod online_softmax;
-mod tile;
+#![deny(unsafe_code)]
 
-pub mod exp;
+mod forward;
+#[allow(unsafe_code)]
+mod kernel;
+mod kv_cache;
+mod mask;
+mod multi_head;
+mod problem;
+mod schedule;
 
 use core::ops::Range;
 
 pub use attn_core::{
-    BoolMask, Causal, Error, KeyPadding, Layout, Options, Result, SlidingWindow, Tensor4,
-    Tensor4Mut, Tensor4Ref,
+    BoolMask, Causal, Error, KeyPadding, Layout, Options, PartialState, Result, SlidingWindow,
+    Tensor4, Tensor4Mut, Tensor4Ref,
 };
-use attn_core::{HeadMask, check_shape, validate_batch, validate_head};
-pub use element::Element;
 use faer::{Mat, MatMut, MatRef};
+pub use kernel::Isa;
+pub use kernel::element::Element;
+pub use kernel::online_softmax::LAZY_RESCALE_LOG2;
 pub use kv_cache::{Growth, KvCache};
-pub use merge::PartialState;
 pub use multi_head::MultiHeadAttention;
-pub use online_softmax::LAZY_RESCALE_LOG2;
-pub use tile::{KEY_TILE, QUERY_TILE, TilePlan};
+use problem::{Batched, Problem, zeroed};
+pub use schedule::{KEY_TILE, QUERY_TILE, SPLIT_KEYS, SplitKv, TilePlan};
 
-use grid::HeadJob;
-pub use grid::{SPLIT_KEYS, SplitKv};
-use tile::HeadInputs;
+/// The vectorised `2^x` of the softmax and the instruction set it runs with.
+pub mod exp {
+    pub use crate::kernel::Isa;
+    pub use crate::kernel::exp2::exp2_in_place;
 
-fn head_inputs<'a, T>(
-    q: MatRef<'a, T>,
-    k: MatRef<'a, T>,
-    v: MatRef<'a, T>,
-    key_base: usize,
-    mask: HeadMask<'a>,
-    scale: f32,
-) -> HeadInputs<'a, T> {
-    HeadInputs {
-        q,
-        k,
-        v,
-        key_base,
-        mask,
-        scale_log2: scale * core::f32::consts::LOG2_E,
-        stacked: false,
-    }
-}
-
-/// The queries of one job of a batched call: the head's `[n_q, d_k]` matrix, or for heads
-/// stacked by [`grid::heads_per_job`] their one query each, `[heads, d_k]`.
-fn job_queries<T>(q: Tensor4Ref<'_, T>, b: usize, heads: Range<usize>) -> Result<MatRef<'_, T>> {
-    if heads.len() == 1 {
-        q.head(b, heads.start)
-    } else {
-        q.heads_at(b, heads, 0)
+    /// The instruction set the kernels run with on this CPU ([`Isa::current`]).
+    ///
+    /// ```
+    /// let isa = attn_optimized::exp::isa();
+    /// println!("kernels run with {isa:?}");
+    /// ```
+    pub fn isa() -> Isa {
+        Isa::current()
     }
 }
 
@@ -109,36 +92,9 @@ pub fn attention_into<T: Element, O: Element>(
     v: MatRef<'_, T>,
     options: &Options<'_>,
 ) -> Result<()> {
-    let shape = validate_head(q, k, v, options)?;
-    check_shape(
-        "output",
-        out.nrows(),
-        out.ncols(),
-        shape.n_q,
-        shape.d_v,
-        "n_q × d_v",
-    )?;
-    if let Some(l) = &lse
-        && l.len() != shape.n_q
-    {
-        return Err(Error::DimensionMismatch {
-            operand: "LSE",
-            axis: "entries",
-            found: l.len(),
-            other: "Q",
-            expected: shape.n_q,
-            rule: "one LSE per query row",
-        });
-    }
-    let scale = options.scale_for(shape.d_k)?;
-    let mask = HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0));
-    let job = HeadJob {
-        inputs: head_inputs(q, k, v, 0, mask, scale),
-        keys: 0..shape.n_k,
-        out,
-        lse,
-    };
-    grid::run(vec![job], shape.n_q, SplitKv::Auto);
+    let (problem, head) = Problem::head(q, k, v, options)?;
+    problem.check_output(&out, lse.as_deref())?;
+    forward::head(&problem, head, out, lse);
     Ok(())
 }
 
@@ -159,8 +115,9 @@ pub fn attention<T: Element>(
     v: MatRef<'_, T>,
     options: &Options<'_>,
 ) -> Result<Mat<T>> {
-    let mut out = zeros(q.nrows(), v.ncols());
-    attention_into(out.as_mut(), None, q, k, v, options)?;
+    let (problem, head) = Problem::head(q, k, v, options)?;
+    let mut out = Mat::from_fn(problem.rows, problem.d_v, |_, _| T::from_f32(0.0));
+    forward::head(&problem, head, out.as_mut(), None);
     Ok(out)
 }
 
@@ -182,9 +139,10 @@ pub fn attention_with_lse<T: Element>(
     v: MatRef<'_, T>,
     options: &Options<'_>,
 ) -> Result<(Mat<T>, Vec<f32>)> {
-    let mut out = zeros(q.nrows(), v.ncols());
-    let mut lse = vec![0.0; q.nrows()];
-    attention_into(out.as_mut(), Some(&mut lse), q, k, v, options)?;
+    let (problem, head) = Problem::head(q, k, v, options)?;
+    let mut out = Mat::from_fn(problem.rows, problem.d_v, |_, _| T::from_f32(0.0));
+    let mut lse = vec![0.0; problem.rows];
+    forward::head(&problem, head, out.as_mut(), Some(&mut lse));
     Ok((out, lse))
 }
 
@@ -213,40 +171,10 @@ pub fn partial_attention<T: Element>(
     n_k_total: usize,
     options: &Options<'_>,
 ) -> Result<PartialState> {
-    let shape = validate_head(
-        q,
-        k,
-        v,
-        &Options {
-            key_padding: None,
-            bool_mask: None,
-            additive_mask: None,
-            ..*options
-        },
-    )?;
-    if keys.end > n_k_total || keys.len() != shape.n_k || keys.start > keys.end {
-        return Err(Error::DimensionMismatch {
-            operand: "K shard",
-            axis: "rows",
-            found: shape.n_k,
-            other: "the key range",
-            expected: keys.end.saturating_sub(keys.start),
-            rule: "a shard holds exactly its key range, inside n_k_total",
-        });
-    }
-    options.validate(1, shape.n_q, n_k_total, shape.d_k)?;
-    let scale = options.scale_for(shape.d_k)?;
-    let mask = HeadMask::new(options, shape.n_q, n_k_total, options.key_length(0));
-    let inputs = head_inputs(q, k, v, keys.start, mask, scale);
-    let mut out = Mat::<f32>::zeros(shape.n_q, shape.d_v);
-    let mut lse = vec![f32::NEG_INFINITY; shape.n_q];
-    let job = HeadJob {
-        inputs,
-        keys,
-        out: out.as_mut(),
-        lse: Some(&mut lse),
-    };
-    grid::run(vec![job], shape.n_q, SplitKv::Auto);
+    let (problem, head) = Problem::shard(q, k, v, &keys, n_k_total, options)?;
+    let mut out = Mat::<f32>::zeros(problem.rows, problem.d_v);
+    let mut lse = vec![f32::NEG_INFINITY; problem.rows];
+    forward::head(&problem, head, out.as_mut(), Some(&mut lse));
     PartialState::new(out, lse)
 }
 
@@ -270,7 +198,7 @@ pub fn attention_batched<T: Element>(
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<Tensor4<T>> {
-    attention_batched_impl(q, k, v, options, false, SplitKv::Auto).map(|(o, _)| o)
+    batched(q, k, v, options, false, SplitKv::Auto).map(|(o, _)| o)
 }
 
 /// [`attention_batched`] with an explicit key-splitting policy (for measuring what
@@ -294,7 +222,7 @@ pub fn attention_batched_with<T: Element>(
     options: &Options<'_>,
     split: SplitKv,
 ) -> Result<Tensor4<T>> {
-    attention_batched_impl(q, k, v, options, false, split).map(|(o, _)| o)
+    batched(q, k, v, options, false, split).map(|(o, _)| o)
 }
 
 /// [`attention_batched`] and the natural-log LSE of every row, `[batch][h_q][n_q]` flattened.
@@ -304,89 +232,50 @@ pub fn attention_batched_with_lse<T: Element>(
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<(Tensor4<T>, Vec<f32>)> {
-    attention_batched_impl(q, k, v, options, true, SplitKv::Auto)
+    batched(q, k, v, options, true, SplitKv::Auto)
 }
 
-fn attention_batched_impl<T: Element, O: Element>(
+/// The owned-output batched entry points: validated, then allocated, then computed.
+fn batched<T: Element>(
     q: Tensor4Ref<'_, T>,
     k: Tensor4Ref<'_, T>,
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
     with_lse: bool,
     split: SplitKv,
-) -> Result<(Tensor4<O>, Vec<f32>)> {
-    let shape = validate_batch(q, k, v, options)?;
-    let (n_q, n_k, d_k, d_v) = (
-        shape.head.n_q,
-        shape.head.n_k,
-        shape.head.d_k,
-        shape.head.d_v,
-    );
-    let scale = options.scale_for(d_k)?;
-    let heads = shape.batch * shape.h_q;
-    let mut data = vec![O::from_f32(0.0); heads * n_q * d_v];
-    let mut lse = vec![0.0f32; if with_lse { heads * n_q } else { 0 }];
-    if n_q * d_v > 0 {
-        let group = shape.h_q / shape.h_kv.max(1);
-        let (jobs, rows) = grid::batch_jobs(
-            &mut data,
-            &mut lse,
-            [shape.h_q, n_q, d_v],
-            group,
-            |b, kv, heads| {
-                let q = job_queries(q, b, heads)?;
-                let mask = HeadMask::new(options, n_q, n_k, options.key_length(b));
-                let inputs = head_inputs(q, k.head(b, kv)?, v.head(b, kv)?, 0, mask, scale);
-                Ok((inputs, 0..n_k))
-            },
-        )?;
-        grid::run(jobs, rows, split);
-    } else if with_lse {
-        lse.fill(f32::NEG_INFINITY);
-    }
-    Ok((
-        Tensor4::from_vec(data, [shape.batch, shape.h_q, n_q, d_v])?,
-        lse,
-    ))
+) -> Result<(Tensor4<T>, Vec<f32>)> {
+    let batch = Batched::new(q, k, v, options)?;
+    let dims = batch.out_dims();
+    let mut out = Tensor4::from_vec(zeroed("attention output", &dims)?, dims)?;
+    let mut lse = vec![0.0f32; if with_lse { batch.out_rows() } else { 0 }];
+    forward::batched(&batch, out.as_mut(), Some(&mut lse), split)?;
+    Ok((out, lse))
 }
 
-/// [`attention_batched`] written into a caller's view (any strides that do not overlap).
-/// The result is computed into a `[B,H,S,D]` buffer first and then copied, so the call
-/// holds one extra output's worth of memory.
+/// [`attention_batched`] written in place into a caller's view (any layout and strides
+/// that do not overlap).
+///
+/// ```
+/// use attn_optimized::{attention_batched, attention_batched_into, Layout, Options, Tensor4Mut, Tensor4Ref};
+/// let q: Vec<f32> = (0..2 * 3 * 8).map(|i| (i % 5) as f32 * 0.1).collect();
+/// let q = Tensor4Ref::from_layout(&q, [1, 2, 3, 8], Layout::Bhsd)?;
+/// let mut out = vec![0.0f32; 2 * 3 * 8];
+/// // The result in the [B,S,H,D] layout, written where the caller wants it.
+/// attention_batched_into(Tensor4Mut::from_layout(&mut out, [1, 2, 3, 8], Layout::Bshd)?, q, q, q, &Options::default())?;
+/// let want = attention_batched(q, q, q, &Options::default())?;
+/// assert_eq!(out[8], want.as_ref().head(0, 1)?[(0, 0)]); // position 0, head 1
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
 pub fn attention_batched_into<T: Element, O: Element>(
-    mut out: Tensor4Mut<'_, O>,
+    out: Tensor4Mut<'_, O>,
     q: Tensor4Ref<'_, T>,
     k: Tensor4Ref<'_, T>,
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<()> {
-    let shape = validate_batch(q, k, v, options)?;
-    let want = [shape.batch, shape.h_q, shape.head.n_q, shape.head.d_v];
-    if out.dims() != want {
-        return Err(Error::Layout {
-            operand: "output tensor",
-            reason: format!(
-                "dims {:?} but the result is {want:?} ([batch, h_q, n_q, d_v])",
-                out.dims()
-            ),
-        });
-    }
-    let (result, _) = attention_batched_impl::<T, O>(q, k, v, options, false, SplitKv::Auto)?;
-    for b in 0..shape.batch {
-        for h in 0..shape.h_q {
-            let (mut dst, src) = (out.head_mut(b, h)?, result.as_ref().head(b, h)?);
-            for c in 0..src.ncols() {
-                for i in 0..src.nrows() {
-                    dst[(i, c)] = src[(i, c)];
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-fn zeros<T: Element>(rows: usize, cols: usize) -> Mat<T> {
-    Mat::from_fn(rows, cols, |_, _| T::from_f32(0.0))
+    let batch = Batched::new(q, k, v, options)?;
+    batch.check_output(&out)?;
+    forward::batched(&batch, out, None, SplitKv::Auto)
 }
 
 /// The README's library example, compiled and run as a doctest.

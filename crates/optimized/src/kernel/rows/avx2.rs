@@ -5,12 +5,12 @@ use core::arch::x86_64::*;
 
 use faer::MatRef;
 
-use super::rows::{
-    KEYS_AT_ONCE, MAX_ROWS, PREFETCH_BYTES, PassArgs, Rows, ScoreArgs, fits, prefetch_row,
-    row_kernels, supports,
+use super::kernels::{
+    PREFETCH_BYTES, PassArgs, Rows, ScoreArgs, fits, prefetch_row, row_kernels, supports,
 };
-use crate::element::Element;
-use crate::element::sealed::Storage;
+use super::{KEYS_AT_ONCE, MAX_ROWS};
+use crate::kernel::element::Element;
+use crate::kernel::element::sealed::Storage;
 
 /// Eight elements at `p`, as f32.
 ///

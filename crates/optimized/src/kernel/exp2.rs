@@ -1,78 +1,12 @@
-//! A vectorisable `2^x`, and the runtime CPU dispatch that vectorises it.
+//! A vectorisable `2^x`.
 //!
 //! The engine folds `log2(e)` into the query scale, so the softmax needs `2^x` instead of
 //! `e^x`: range reduction `x = k + f` with `k = round(x)`, `|f| ≤ ½`, then `2^k` built in
 //! the exponent bits and `2^f` by Cephes' degree-6 minimax polynomial (≤ 2 ulp). The code
 //! is branch-free scalar Rust that LLVM turns into AVX-512 or AVX2 vectors inside the
-//! `#[target_feature]` copies that `multiversion!` generates.
+//! `#[target_feature]` copies that [`multiversion!`](super::multiversion) generates.
 
-/// Generates `$name`, which runs `$body::<FMA>` compiled for AVX-512, AVX2+FMA or baseline
-/// x86-64 (or the target's baseline elsewhere), chosen at run time.
-macro_rules! multiversion {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident) => {
-        $(#[$meta])*
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,bmi1,bmi2,lzcnt")]
-                fn v4($($arg: $ty),*) $(-> $ret)? {
-                    $body::<true>($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt")]
-                fn v3($($arg: $ty),*) $(-> $ret)? {
-                    $body::<true>($($arg),*)
-                }
-                match $crate::exp::isa() {
-                    // SAFETY: `isa()` detected every feature `v4` enables on this CPU.
-                    $crate::exp::Isa::Avx512 => return unsafe { v4($($arg),*) },
-                    // SAFETY: `isa()` detected every feature `v3` enables on this CPU.
-                    $crate::exp::Isa::Avx2 => return unsafe { v3($($arg),*) },
-                    $crate::exp::Isa::Baseline => {}
-                }
-            }
-            $body::<false>($($arg),*)
-        }
-    };
-}
-pub(crate) use multiversion;
-
-/// The instruction set the kernels run with on this CPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    /// AVX-512 (F, VL, DQ, BW) with FMA: 16 lanes.
-    Avx512,
-    /// AVX2 with FMA: 8 lanes.
-    Avx2,
-    /// Whatever the compilation target guarantees (SSE2 on x86-64).
-    Baseline,
-}
-
-/// Detects (once, cached by `std`) the best instruction set of this CPU.
-///
-/// ```
-/// let isa = attn_optimized::exp::isa();
-/// println!("kernels run with {isa:?}");
-/// ```
-pub fn isa() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::is_x86_feature_detected as has;
-        let v3 = has!("avx2") && has!("fma") && has!("bmi1") && has!("bmi2") && has!("lzcnt");
-        if v3 && has!("avx512f") && has!("avx512vl") && has!("avx512dq") && has!("avx512bw") {
-            return Isa::Avx512;
-        }
-        if v3 {
-            return Isa::Avx2;
-        }
-    }
-    Isa::Baseline
-}
-
-/// `a·b + c`, fused where the instruction set has FMA (a libm call otherwise would be slow).
-#[inline(always)]
-pub(crate) fn mul_add<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA { a.mul_add(b, c) } else { a * b + c }
-}
+use super::{mul_add, multiversion};
 
 /// `2^x` to within 2 ulp for normal results; exactly 0 below −126 (and at −∞), +∞ from
 /// 128 on, NaN for NaN.

@@ -1,71 +1,85 @@
-//! Kernels for tiles of very few queries (decoding: one new token per head).
+//! The row kernels: tiles of very few queries (decoding: one new token per head).
 //!
 //! With one query the score "tile" is a single row and a GEMM degenerates into a
 //! matrix-vector product that is bound by reading K and V from memory. These kernels keep
-//! that loop streaming: one dot product per key, the online softmax along the row
-//! (vectorised across keys), and `acc += p_j · v_j` across the value width.
+//! that loop streaming: one dot product per key ([`RowKernels::scores`]), and
+//! `acc += p_j · v_j` across the value width ([`RowKernels::accumulate`]); the softmax
+//! along the row between them is [`super::online_softmax::softmax_row`].
+//!
+//! Two families: the in-place kernels of an instruction set ([`RowKernels`], written once
+//! in [`kernels`] and compiled in `avx512.rs` and `avx2.rs`) read K and V where they live,
+//! widening half types in registers; the portable copying kernels ([`scores`],
+//! [`accumulate`]) read rows that the caller copied (or widened) into f32 first, for CPUs
+//! and layouts the in-place ones do not take.
 
 use faer::MatRef;
-use pulp::{Arch, Simd, WithSimd};
+use pulp::{Simd, WithSimd};
 
-use crate::element::Element;
-use crate::exp::{exp2_approx, multiversion};
-use crate::online_softmax::LAZY_RESCALE_LOG2;
+use super::Isa;
+use super::element::Element;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
-mod rows;
+mod kernels;
 
-/// An instruction set with in-place row kernels: they read K and V where they live,
-/// widening half types in registers. Without one (other CPUs), the row kernels copy each
-/// block first ([`scores`], [`accumulate`]).
+/// Rows the multi-row kernels take at once.
+pub(crate) const MAX_ROWS: usize = 4;
+
+/// Keys whose dot products run side by side: independent FMA chains hide the FMA
+/// latency that a single running sum would wait on (both families).
+pub(crate) const KEYS_AT_ONCE: usize = 8;
+
+/// The in-place row kernels of an instruction set: they read K and V where they live,
+/// widening half types in registers. Without them (other CPUs), the row tiles copy each
+/// block first and use the portable [`scores`] and [`accumulate`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Streamer {
+pub(crate) enum RowKernels {
     /// AVX-512 (F, BW, VL, DQ) with AVX2 and FMA: 16 lanes.
     Avx512,
     /// AVX2 with FMA and F16C: 8 lanes.
     Avx2,
 }
 
-impl Streamer {
-    /// The best one this CPU has.
-    pub(crate) fn detect() -> Option<Self> {
-        [Self::Avx512, Self::Avx2]
-            .into_iter()
-            .find(|s| s.on_this_cpu())
+impl RowKernels {
+    /// The kernels of [`Isa::current`], if it has any.
+    pub(crate) fn for_this_cpu() -> Option<Self> {
+        Self::of(Isa::current())
     }
 
-    /// Every one this CPU has (for tests that compare them).
+    fn of(isa: Isa) -> Option<Self> {
+        match isa {
+            Isa::Avx512 => Some(Self::Avx512),
+            Isa::Avx2 => Some(Self::Avx2),
+            Isa::Baseline => None,
+        }
+    }
+
+    /// Every kernel family this CPU can run (for tests that compare them).
     #[cfg(test)]
-    fn all() -> Vec<Self> {
-        [Self::Avx512, Self::Avx2]
+    pub(crate) fn all() -> Vec<Self> {
+        Isa::all_available()
             .into_iter()
-            .filter(|s| s.on_this_cpu())
+            .filter_map(Self::of)
             .collect()
     }
 
     /// Whether this CPU has the instructions the kernels are compiled with.
     fn on_this_cpu(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            match self {
-                Self::Avx512 => crate::exp::isa() == crate::exp::Isa::Avx512,
-                Self::Avx2 => has!("avx2") && has!("fma") && has!("f16c"),
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        false
+        let needs = match self {
+            Self::Avx512 => Isa::Avx512,
+            Self::Avx2 => Isa::Avx2,
+        };
+        cfg!(target_arch = "x86_64") && Isa::current() >= needs
     }
 
     /// Whether the kernels read `m` in place: rows of unit column stride and a width of
     /// whole vectors.
     pub(crate) fn reads<T>(self, m: MatRef<'_, T>) -> bool {
         #[cfg(target_arch = "x86_64")]
-        return rows::supports(
+        return kernels::supports(
             m,
             match self {
                 Self::Avx512 => 16,
@@ -80,11 +94,11 @@ impl Streamer {
     }
 
     /// `out[r·stride + j] = q_r · k[j]` straight from `k` (any element type) for the query
-    /// rows `q_r`, consecutive `d_k`-float chunks of `qs` (at most [`DECODE_ROWS`]); each key
+    /// rows `q_r`, consecutive `d_k`-float chunks of `qs` (at most [`MAX_ROWS`]); each key
     /// is read from memory once for all of them. Prefetches on into `next`.
     ///
     /// # Panics
-    /// Unless the CPU has the instructions, [`Streamer::reads`]`(k)`, and the lengths agree.
+    /// Unless the CPU has the instructions, [`RowKernels::reads`]`(k)`, and the lengths agree.
     pub(crate) fn scores<T: Element>(
         self,
         qs: &[f32],
@@ -102,17 +116,17 @@ impl Streamer {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
             Self::Avx2 => unsafe { avx2::scores(q, k, next, out) },
             #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!("no streamer exists off x86-64"),
+            _ => unreachable!("no in-place row kernels exist off x86-64"),
         }
     }
 
     /// `acc_r = alpha_r·acc_r + Σ_j p_r[j] · v[j]` straight from `v` for the rows `acc_r`
     /// (consecutive `d_v`-float chunks of `accs`, one per entry of `alphas`, at most
-    /// [`DECODE_ROWS`]) with `p_r` at `r·stride` of `ps`; each value row is read once for
+    /// [`MAX_ROWS`]) with `p_r` at `r·stride` of `ps`; each value row is read once for
     /// all of them. Prefetches on into `next`.
     ///
     /// # Panics
-    /// Unless the CPU has the instructions, [`Streamer::reads`]`(v)`, and the lengths agree.
+    /// Unless the CPU has the instructions, [`RowKernels::reads`]`(v)`, and the lengths agree.
     pub(crate) fn accumulate<T: Element>(
         self,
         accs: (&mut [f32], &[f32]),
@@ -129,31 +143,10 @@ impl Streamer {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
             Self::Avx2 => unsafe { avx2::accumulate(accs, ps, v, next) },
             #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!("no streamer exists off x86-64"),
+            _ => unreachable!("no in-place row kernels exist off x86-64"),
         }
     }
 }
-
-/// The streamer the row kernels use on this CPU, if any (looked up once per task; each
-/// block then asks [`Streamer::reads`] of its K and V).
-pub(crate) fn best_streamer() -> Option<Streamer> {
-    #[cfg(test)]
-    if let Some(forced) = tests::forced() {
-        return forced;
-    }
-    Streamer::detect()
-}
-
-/// Tiles with at most this many queries use the row kernels instead of GEMM tiles.
-pub const DECODE_ROWS: usize = 4;
-#[cfg(target_arch = "x86_64")]
-const _: () = assert!(DECODE_ROWS <= rows::MAX_ROWS);
-
-const LANES: usize = 16;
-
-/// Keys whose dot products run side by side: independent FMA chains hide the FMA
-/// latency that a single running sum would wait on.
-const KEYS_AT_ONCE: usize = 8;
 
 struct Scores<'a> {
     q: &'a [f32],
@@ -203,51 +196,7 @@ impl WithSimd for Scores<'_> {
 
 /// `out[j] = q · k[j]` for a block of key rows (read in place, wherever they live).
 pub(crate) fn scores(q: &[f32], k: &[&[f32]], out: &mut [f32]) {
-    Arch::new().dispatch(Scores { q, k, out });
-}
-
-#[inline(always)]
-fn softmax_row_body<const FMA: bool>(s: &mut [f32], m: &mut f32, l: &mut f32) -> f32 {
-    let mut block = [f32::NEG_INFINITY; LANES];
-    let chunks = s.chunks_exact(LANES);
-    for x in chunks.remainder() {
-        block[0] = if *x > block[0] { *x } else { block[0] };
-    }
-    for c in chunks {
-        for t in 0..LANES {
-            block[t] = if c[t] > block[t] { c[t] } else { block[t] };
-        }
-    }
-    let block = block
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
-    let mut alpha = 1.0;
-    if block > *m + LAZY_RESCALE_LOG2 {
-        alpha = exp2_approx::<FMA>(*m - block);
-        *m = block;
-    }
-    let m_safe = if *m == f32::NEG_INFINITY { 0.0 } else { *m };
-    let mut sums = [0.0f32; LANES];
-    let mut chunks = s.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for t in 0..LANES {
-            c[t] = exp2_approx::<FMA>(c[t] - m_safe);
-            sums[t] += c[t];
-        }
-    }
-    for (t, x) in chunks.into_remainder().iter_mut().enumerate() {
-        *x = exp2_approx::<FMA>(*x - m_safe);
-        sums[t] += *x;
-    }
-    *l = *l * alpha + sums.iter().sum::<f32>();
-    alpha
-}
-
-multiversion! {
-    /// The online-softmax step along one row of scores (log2 domain): updates the
-    /// reference maximum `m` lazily and the sum `l`, replaces the scores by `2^(s − m)`,
-    /// and returns the factor the row's accumulator must be scaled by.
-    pub(crate) fn softmax_row(s: &mut [f32], m: &mut f32, l: &mut f32) -> f32 = softmax_row_body
+    super::vectorize(Scores { q, k, out });
 }
 
 /// Value vectors held in registers while the rows of a block stream past.
@@ -313,94 +262,13 @@ impl WithSimd for Accumulate<'_> {
 
 /// `acc = alpha·acc + Σ_j p_j · v[j]` over a block of value rows.
 pub(crate) fn accumulate(acc: &mut [f32], alpha: f32, p: &[f32], v: &[&[f32]]) {
-    Arch::new().dispatch(Accumulate { acc, alpha, p, v });
+    super::vectorize(Accumulate { acc, alpha, p, v });
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
+    use super::super::online_softmax::softmax_row;
     use super::*;
-
-    /// The streamer the engine uses instead of the best one, while a test holds it (every
-    /// choice computes the same attention, so other tests running meanwhile still pass).
-    static FORCED: Mutex<Option<Option<Streamer>>> = Mutex::new(None);
-
-    pub(super) fn forced() -> Option<Option<Streamer>> {
-        *FORCED.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Whole decoding calls (masks, non-finite values at hidden keys, split-KV, stacked GQA
-    /// heads, every storage type) through each streamer this CPU has and through the
-    /// copying kernels: the same attention within f32 rounding.
-    #[test]
-    fn every_streamer_computes_the_same_attention() {
-        use crate::{BoolMask, Causal, Layout, Options, Tensor4Ref, attention_batched};
-        use half::{bf16, f16};
-        fn run<T: Element>(choice: Option<Streamer>) -> Vec<Vec<f32>> {
-            let (b, hq, hkv, n_k) = (2, 4, 2, 2500);
-            let mut out = Vec::new();
-            for (n_q, d) in [(1, 64), (3, 128), (1, 40), (2, 48)] {
-                let data = |len: usize, seed: usize| -> Vec<T> {
-                    (0..len)
-                        .map(|x| {
-                            T::from_f32((((x * 7 + seed) * 2654435761) % 1000) as f32 / 500.0 - 1.0)
-                        })
-                        .collect()
-                };
-                let (qd, kd) = (data(b * hq * n_q * d, 1), data(b * hkv * n_k * d, 2));
-                let mut vd = data(b * hkv * n_k * d, 3);
-                vd[5 * d] = T::from_f32(f32::NAN); // key 5 of the first head (hidden by the bool mask)
-                let q = Tensor4Ref::from_layout(&qd, [b, hq, n_q, d], Layout::Bshd).unwrap();
-                let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], Layout::Bhsd).unwrap();
-                let v = Tensor4Ref::from_layout(&vd, [b, hkv, n_k, d], Layout::Bhsd).unwrap();
-                let hide = faer::Mat::<bool>::from_fn(n_q, n_k, |_, j| j % 5 == 0);
-                let lens = [n_k, 1700];
-                let cases = [
-                    Options::default(),
-                    Options::default()
-                        .with_causal(Causal::BottomRight)
-                        .with_key_lengths(&lens),
-                    Options::default().with_bool_mask(BoolMask::block(hide.as_ref())),
-                ];
-                for opts in &cases {
-                    *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = Some(choice);
-                    let o = attention_batched(q, k, v, opts);
-                    *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                    out.push(o.unwrap().as_slice().iter().map(|x| x.to_f32()).collect());
-                }
-            }
-            out
-        }
-        fn compare<T: Element>() {
-            let copying = run::<T>(None);
-            for (case, o) in copying.iter().enumerate() {
-                // The NaN is seen without a mask and hidden by the boolean mask.
-                let nan = o.iter().any(|x| x.is_nan());
-                assert!(nan == (case % 3 == 0) || case % 3 == 1, "case {case}");
-            }
-            for streamer in Streamer::all() {
-                for (case, (a, b)) in run::<T>(Some(streamer)).iter().zip(&copying).enumerate() {
-                    for (x, y) in a.iter().zip(b) {
-                        // The NaN at key 5 reaches the rows that see key 5, in every kernel.
-                        assert_eq!(x.is_nan(), y.is_nan(), "{streamer:?} case {case}");
-                        if x.is_nan() {
-                            continue;
-                        }
-                        let tol = if T::WIDENS { 1e-2 } else { 1e-5 };
-                        assert!(
-                            (x - y).abs() <= tol,
-                            "{streamer:?} {} case {case}: {x} vs {y}",
-                            T::NAME
-                        );
-                    }
-                }
-            }
-        }
-        compare::<f32>();
-        compare::<f16>();
-        compare::<bf16>();
-    }
 
     #[test]
     fn scores_are_dot_products() {
@@ -440,13 +308,13 @@ mod tests {
     /// every storage type, widths of one to seventeen 16-lane vectors (and odd numbers of
     /// 8-lane ones), key counts off the group size, strided rows, one to four rows.
     fn streaming_matches_plain_sums<T: Element>() {
-        // Without a streamer the copying kernels run (tested above).
-        for streamer in Streamer::all() {
-            streaming_matches_plain_sums_with::<T>(streamer);
+        // Without in-place kernels the copying ones run (tested above).
+        for kernels in RowKernels::all() {
+            streaming_matches_plain_sums_with::<T>(kernels);
         }
     }
 
-    fn streaming_matches_plain_sums_with<T: Element>(streamer: Streamer) {
+    fn streaming_matches_plain_sums_with<T: Element>(kernels: RowKernels) {
         let shapes = [
             (1, 16, 16),
             (13, 48, 48),
@@ -459,25 +327,25 @@ mod tests {
                 .map(|x| T::from_f32(((x * 37) % 23) as f32 / 8.0 - 1.4))
                 .collect();
             let forward = MatRef::from_row_major_slice_with_stride(&data, n, d, stride);
-            if !streamer.reads(forward) {
+            if !kernels.reads(forward) {
                 continue;
             }
             let broadcast = MatRef::from_row_major_slice_with_stride(&data, n, d, 0);
             let next = MatRef::from_row_major_slice(&data[..d], 1, d);
             for (m, nr) in [forward, forward.reverse_rows(), broadcast]
                 .into_iter()
-                .flat_map(|m| (1..=DECODE_ROWS).map(move |nr| (m, nr)))
+                .flat_map(|m| (1..=MAX_ROWS).map(move |nr| (m, nr)))
             {
                 let wide = |j: usize, c: usize| m[(j, c)].to_f32() as f64;
                 let what = format!(
-                    "{streamer:?} {} d={d} rows={nr} row stride {}",
+                    "{kernels:?} {} d={d} rows={nr} row stride {}",
                     T::NAME,
                     m.row_stride()
                 );
                 let qs: Vec<f32> = (0..nr * d).map(|c| (c % 5) as f32 * 0.3 - 0.5).collect();
                 let out_stride = n + 3;
                 let mut out = vec![0.0f32; nr * out_stride];
-                streamer.scores(&qs, m, next, (&mut out, out_stride));
+                kernels.scores(&qs, m, next, (&mut out, out_stride));
                 for r in 0..nr {
                     for j in 0..n {
                         let q = &qs[r * d..(r + 1) * d];
@@ -491,7 +359,7 @@ mod tests {
                     .collect();
                 let mut accs: Vec<f32> = (0..nr * d).map(|c| c as f32).collect();
                 let alphas: Vec<f32> = (0..nr).map(|r| 0.5 + r as f32).collect();
-                streamer.accumulate((&mut accs, &alphas), (&ps, out_stride), m, next);
+                kernels.accumulate((&mut accs, &alphas), (&ps, out_stride), m, next);
                 for r in 0..nr {
                     for c in 0..d {
                         let p = |j: usize| ps[r * out_stride + j] as f64;
@@ -510,14 +378,5 @@ mod tests {
         streaming_matches_plain_sums::<f32>();
         streaming_matches_plain_sums::<half::f16>();
         streaming_matches_plain_sums::<half::bf16>();
-    }
-
-    #[test]
-    fn hidden_row_stays_empty() {
-        let mut p = vec![f32::NEG_INFINITY; 20];
-        let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);
-        softmax_row(&mut p, &mut m, &mut l);
-        assert_eq!(l, 0.0);
-        assert!(p.iter().all(|&x| x == 0.0));
     }
 }

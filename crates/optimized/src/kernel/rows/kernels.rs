@@ -1,4 +1,4 @@
-//! The in-place row kernels, written once as [`row_kernels!`] and compiled per instruction
+//! The in-place row kernels, written once as `row_kernels!` and compiled per instruction
 //! set (`avx512.rs`, `avx2.rs`): K and V are read straight from where they live (no copy),
 //! widened in registers (f16 by `vcvtph2ps`, bf16 by a 16-bit shift).
 //!
@@ -18,9 +18,6 @@ use faer::MatRef;
 
 /// Bytes of rows prefetched ahead of the loads where the stream jumps.
 pub(super) const PREFETCH_BYTES: usize = 4096;
-
-/// Keys whose dot products run side by side (independent FMA chains).
-pub(super) const KEYS_AT_ONCE: usize = 8;
 
 /// Whether the kernels with `lanes` f32 lanes can read `m`: rows of unit column stride, a
 /// width of whole vectors.
@@ -81,9 +78,6 @@ pub(super) fn prefetch_row<T>(rows: &Rows<T>, next: &Rows<T>, j: usize) {
         off += 64;
     }
 }
-
-/// Rows the multi-row kernels take at once.
-pub(super) const MAX_ROWS: usize = 4;
 
 /// What one pass of [`accumulate`] reads, and the first column it covers.
 #[derive(Clone, Copy)]

@@ -10,7 +10,7 @@ use core::ops::Range;
 use faer::MatRef;
 use half::{bf16, f16};
 
-use crate::exp::multiversion;
+use super::{Isa, multiversion};
 
 pub(crate) mod sealed {
     /// How an element is stored, for kernels that load it straight from memory.
@@ -139,12 +139,9 @@ multiversion! {
 /// f16 rows → f32 with one CPU dispatch for the block.
 fn widen_f16_rows(src: &[&[f16]], d: usize, dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") {
-            // SAFETY: AVX-512F was detected on this CPU.
-            return unsafe { x86::widen_f16_rows_avx512(src, d, dst) };
-        }
+    if Isa::current() == Isa::Avx512 {
+        // SAFETY: AVX-512F is part of `Isa::Avx512`, detected on this CPU.
+        return unsafe { x86::widen_f16_rows_avx512(src, d, dst) };
     }
     for (row, out) in src.iter().zip(dst.chunks_exact_mut(d.max(1))) {
         widen_f16(row, out);
@@ -157,15 +154,12 @@ fn widen_f16(src: &[f16], dst: &mut [f32]) {
     #[allow(unused_mut)]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") {
-            // SAFETY: AVX-512F was detected on this CPU.
-            done = unsafe { x86::widen_f16_avx512(&src[..n], &mut dst[..n]) };
-        } else if has!("f16c") && has!("avx") {
-            // SAFETY: F16C and AVX were detected on this CPU.
-            done = unsafe { x86::widen_f16_f16c(&src[..n], &mut dst[..n]) };
-        }
+    match Isa::current() {
+        // SAFETY: AVX-512F is part of `Isa::Avx512`, detected on this CPU.
+        Isa::Avx512 => done = unsafe { x86::widen_f16_avx512(&src[..n], &mut dst[..n]) },
+        // SAFETY: AVX and F16C are part of `Isa::Avx2`, detected on this CPU.
+        Isa::Avx2 => done = unsafe { x86::widen_f16_f16c(&src[..n], &mut dst[..n]) },
+        Isa::Baseline => {}
     }
     for (d, s) in dst[done..n].iter_mut().zip(&src[done..n]) {
         *d = s.to_f32();

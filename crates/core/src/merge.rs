@@ -6,7 +6,7 @@
 //! This is what split-KV (flash-decoding) and sequence sharding (ring attention) are made
 //! of: each shard computes its state and the states are merged in a fixed order.
 
-use attn_core::{Error, Result, check_shape};
+use crate::{Error, Result, check_shape};
 use faer::{Mat, MatRef};
 
 /// Normalised attention output and log-sum-exp of each query row over a subset of keys.
@@ -15,7 +15,7 @@ use faer::{Mat, MatRef};
 /// the identity of [`PartialState::merge`], bit for bit.
 ///
 /// ```
-/// use attn_optimized::PartialState;
+/// use attn_core::PartialState;
 /// use faer::mat;
 /// let a = PartialState::new(mat![[1.0f32, 2.0]], vec![0.0]).unwrap();
 /// let b = PartialState::new(mat![[3.0f32, 4.0]], vec![0.0]).unwrap();
@@ -43,14 +43,14 @@ impl PartialState {
     /// A state from a normalised output `[n_q, d_v]` and its `n_q` natural-log LSEs.
     pub fn new(output: Mat<f32>, lse: Vec<f32>) -> Result<Self> {
         if lse.len() != output.nrows() {
-            return Err(Error::DimensionMismatch {
-                operand: "LSE",
-                axis: "rows",
-                found: lse.len(),
-                other: "output",
-                expected: output.nrows(),
-                rule: "one LSE per query row",
-            });
+            return Err(Error::mismatch(
+                "LSE",
+                "rows",
+                lse.len(),
+                "output",
+                output.nrows(),
+                "one LSE per query row",
+            ));
         }
         Ok(Self { output, lse })
     }

@@ -11,7 +11,8 @@
 //! at most `2^LAZY_RESCALE_LOG2`, far from overflow, and the final division by `l` makes
 //! the result independent of when `m` moved.
 
-use crate::exp::{exp2_approx, multiversion};
+use super::exp2::exp2_approx;
+use super::multiversion;
 
 /// How far (in log2 units) a block maximum may exceed the reference maximum before the
 /// accumulator is rescaled.
@@ -115,6 +116,53 @@ multiversion! {
     pub(crate) fn scale_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, alpha: &[f32]) = scale_rows_body
 }
 
+/// Lanes of the row pass's running maxima and sums (one AVX-512 vector).
+const LANES: usize = 16;
+
+#[inline(always)]
+fn softmax_row_body<const FMA: bool>(s: &mut [f32], m: &mut f32, l: &mut f32) -> f32 {
+    let mut block = [f32::NEG_INFINITY; LANES];
+    let chunks = s.chunks_exact(LANES);
+    for x in chunks.remainder() {
+        block[0] = if *x > block[0] { *x } else { block[0] };
+    }
+    for c in chunks {
+        for t in 0..LANES {
+            block[t] = if c[t] > block[t] { c[t] } else { block[t] };
+        }
+    }
+    let block = block
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    let mut alpha = 1.0;
+    if block > *m + LAZY_RESCALE_LOG2 {
+        alpha = exp2_approx::<FMA>(*m - block);
+        *m = block;
+    }
+    let m_safe = if *m == f32::NEG_INFINITY { 0.0 } else { *m };
+    let mut sums = [0.0f32; LANES];
+    let mut chunks = s.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for t in 0..LANES {
+            c[t] = exp2_approx::<FMA>(c[t] - m_safe);
+            sums[t] += c[t];
+        }
+    }
+    for (t, x) in chunks.into_remainder().iter_mut().enumerate() {
+        *x = exp2_approx::<FMA>(*x - m_safe);
+        sums[t] += *x;
+    }
+    *l = *l * alpha + sums.iter().sum::<f32>();
+    alpha
+}
+
+multiversion! {
+    /// The online-softmax step along one row of scores (log2 domain), for the row kernels:
+    /// updates the reference maximum `m` lazily and the sum `l`, replaces the scores by
+    /// `2^(s − m)`, and returns the factor the row's accumulator must be scaled by.
+    pub(crate) fn softmax_row(s: &mut [f32], m: &mut f32, l: &mut f32) -> f32 = softmax_row_body
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,5 +256,14 @@ mod tests {
             "growth of 3 < threshold"
         );
         assert_eq!(s2[0], 8.0); // 2^(5 − 2): probabilities may exceed 1 under lazy rescale
+    }
+
+    #[test]
+    fn hidden_row_stays_empty() {
+        let mut p = vec![f32::NEG_INFINITY; 20];
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);
+        softmax_row(&mut p, &mut m, &mut l);
+        assert_eq!(l, 0.0);
+        assert!(p.iter().all(|&x| x == 0.0));
     }
 }

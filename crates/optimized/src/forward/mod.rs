@@ -1,0 +1,300 @@
+//! The forward pass: `O = softmax(scale · Q Kᵀ + M) V` and its LSE, streamed tile by tile.
+//!
+//! [`run`] cuts every job of a [`Problem`] into (head, query tile) tasks, heaviest first,
+//! and runs them on the calling thread and the rayon pool ([`for_each_index`]); each task
+//! keeps one [`Scratch`] and runs one of two tile loops:
+//!
+//! - [`gemm_tile`]: more than [`DECODE_ROWS`] queries, faer GEMMs on the tile (prefill);
+//! - [`row_tile`]: at most [`DECODE_ROWS`] queries, the row kernels (decoding).
+//!
+//! When the grid is too small to keep the cores busy, [`split_kv`] splits each head's keys
+//! into fixed chunks as well and merges their partial states in chunk order.
+
+mod gemm_tile;
+mod row_tile;
+mod split_kv;
+
+use core::cell::RefCell;
+use core::ops::Range;
+use std::sync::Mutex;
+
+use attn_core::{PartialState, Result, Tensor4Mut};
+use faer::{Mat, MatMut, RowMut};
+
+use crate::kernel::element::Element;
+use crate::problem::{Batched, HeadInputs, HeadJob, Problem};
+use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
+
+/// One head into `out : [n_q, d_v]` (and its LSE), with the problem's shape already checked.
+pub(crate) fn head<T: Element, O: Element>(
+    problem: &Problem,
+    inputs: HeadInputs<'_, T>,
+    out: MatMut<'_, O>,
+    lse: Option<&mut [f32]>,
+) {
+    let mut rows: Vec<RowMut<'_, O>> = out.row_iter_mut().collect();
+    let job = HeadJob {
+        keys: inputs.key_base..inputs.key_base + inputs.k.nrows(),
+        inputs,
+        out: &mut rows,
+        lse,
+    };
+    run(problem, vec![job], SplitKv::Auto);
+}
+
+/// A batched call into `out : [batch, h_q, n_q, d_v]` (any layout, written in place) and,
+/// if given, `lse : [batch][h_q][n_q]`; the output's dims already checked.
+pub(crate) fn batched<T: Element, O: Element>(
+    batch: &Batched<'_, T>,
+    out: Tensor4Mut<'_, O>,
+    lse: Option<&mut [f32]>,
+    split: SplitKv,
+) -> Result<()> {
+    let mut rows: Vec<RowMut<'_, O>> = out
+        .into_rows()
+        .into_iter()
+        .map(RowMut::from_slice_mut)
+        .collect();
+    let lse = lse.unwrap_or_default();
+    if batch.problem.rows * batch.problem.d_v == 0 {
+        lse.fill(f32::NEG_INFINITY);
+        return Ok(());
+    }
+    let jobs = batch.jobs(&mut rows, lse)?;
+    run(&batch.problem, jobs, split);
+    Ok(())
+}
+
+/// One (head, query tile) task.
+struct TileTask<'s, 'o, T, O> {
+    inputs: HeadInputs<'s, T>,
+    keys: Range<usize>,
+    rows: Range<usize>,
+    out: &'s mut [RowMut<'o, O>],
+    lse: Option<&'s mut [f32]>,
+    work: usize,
+}
+
+/// Splits the first `n` entries off `lse`.
+fn split_lse<'a>(lse: &mut Option<&'a mut [f32]>, n: usize) -> Option<&'a mut [f32]> {
+    let l = lse.take()?;
+    let (a, b) = l.split_at_mut(n);
+    *lse = Some(b);
+    Some(a)
+}
+
+/// Runs every job of `problem`.
+pub(crate) fn run<T: Element, O: Element>(
+    problem: &Problem,
+    jobs: Vec<HeadJob<'_, '_, T, O>>,
+    split: SplitKv,
+) {
+    let Problem {
+        rows: n_q,
+        d_k,
+        d_v,
+        plan,
+        ..
+    } = *problem;
+    if jobs.is_empty() {
+        return;
+    }
+    let tiles_per_head = plan.query_tiles(n_q);
+    let n_k = jobs.iter().map(|j| j.keys.len()).max().unwrap_or(0);
+    if splits(split, jobs.len(), tiles_per_head, n_k) {
+        return split_kv::run(problem, jobs);
+    }
+
+    let mut tasks = Vec::with_capacity(jobs.len() * tiles_per_head);
+    for job in jobs {
+        let HeadJob {
+            inputs,
+            keys,
+            mut out,
+            mut lse,
+        } = job;
+        for t in 0..tiles_per_head {
+            let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
+            let (tile, rest) = core::mem::take(&mut out).split_at_mut(rows.len());
+            out = rest;
+            let lse = split_lse(&mut lse, rows.len());
+            let seen = inputs.key_range(rows.end - 1).end.min(keys.end);
+            let work = seen.saturating_sub(inputs.key_range(rows.start).start.max(keys.start));
+            tasks.push(TileTask {
+                inputs,
+                keys: keys.clone(),
+                rows,
+                out: tile,
+                lse,
+                work,
+            });
+        }
+    }
+    // Heaviest first (causal: the last query tiles), so no core idles at the end.
+    tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
+    let tasks: Vec<Mutex<Option<TileTask<'_, '_, T, O>>>> =
+        tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
+    for_each_index(tasks.len(), Order::Front, |i| {
+        let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
+            return;
+        };
+        Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
+            scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone());
+            scratch.write_normalised(task.rows.len(), task.out, task.lse);
+        })
+    });
+}
+
+/// What a thread's cached [`Scratch`] was sized for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ScratchShape {
+    plan: TilePlan,
+    d_k: usize,
+    d_v: usize,
+    widens: bool,
+}
+
+/// Per-task working memory, reused for every tile of the task (and by the next task of the
+/// same shape on the same thread, see [`Scratch::with`]).
+#[derive(Debug)]
+pub(crate) struct Scratch {
+    shape: ScratchShape,
+    plan: TilePlan,
+    q: Vec<f32>,
+    s: Vec<f32>,
+    /// Column-major accumulator of the GEMM tiles, `br` rows apart.
+    acc: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    alpha: Vec<f32>,
+    m_safe: Vec<f32>,
+    /// K and V tiles widened to f32 (empty for f32 inputs, which are read in place,
+    /// unless the tile is small enough for the row kernels, which may stream a copy).
+    k_wide: Vec<f32>,
+    v_wide: Vec<f32>,
+    /// Row-major accumulators of the row tiles, `d_v` apart.
+    acc_rows: Vec<f32>,
+    /// Whether the last tile ran the row loop (its result is in `acc_rows`, not `acc`).
+    row_tile: bool,
+}
+
+impl Scratch {
+    fn new<T: Element>(plan: TilePlan, d_k: usize, d_v: usize) -> Self {
+        let br = plan.br;
+        let rows_kernel = br <= DECODE_ROWS.next_multiple_of(8);
+        let wide = if T::WIDENS || rows_kernel { plan.bc } else { 0 };
+        Self {
+            shape: ScratchShape {
+                plan,
+                d_k,
+                d_v,
+                widens: T::WIDENS,
+            },
+            plan,
+            q: vec![0.0; br * d_k],
+            s: vec![0.0; br * plan.bc],
+            acc: vec![0.0; br * d_v],
+            m: vec![0.0; br],
+            l: vec![0.0; br],
+            alpha: vec![0.0; br],
+            m_safe: vec![0.0; br],
+            k_wide: vec![0.0; wide * d_k],
+            v_wide: vec![0.0; wide * d_v],
+            acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
+            row_tile: false,
+        }
+    }
+
+    /// Runs `f` with a scratch for these sizes: the one the previous task of the same
+    /// shape left on this thread, or a new one. Fresh scratch costs page faults (hundreds
+    /// of KiB per task), which matter when tasks are short (decoding); a thread keeps at
+    /// most one scratch alive between calls.
+    fn with<T: Element, R>(
+        plan: TilePlan,
+        d_k: usize,
+        d_v: usize,
+        f: impl FnOnce(&mut Scratch) -> R,
+    ) -> R {
+        thread_local! {
+            static CACHE: RefCell<Option<Scratch>> = const { RefCell::new(None) };
+        }
+        let shape = ScratchShape {
+            plan,
+            d_k,
+            d_v,
+            widens: T::WIDENS,
+        };
+        let cached = CACHE
+            .with(|c| c.borrow_mut().take())
+            .filter(|s| s.shape == shape);
+        let mut scratch = cached.unwrap_or_else(|| Scratch::new::<T>(plan, d_k, d_v));
+        let result = f(&mut scratch);
+        CACHE.with(|c| *c.borrow_mut() = Some(scratch));
+        result
+    }
+
+    /// Runs the online softmax of query rows `rows` over the keys `keys` (global indices),
+    /// leaving the unnormalised accumulator, maxima and sums in the scratch.
+    fn attend<T: Element>(
+        &mut self,
+        head: &HeadInputs<'_, T>,
+        rows: Range<usize>,
+        keys: Range<usize>,
+    ) {
+        debug_assert!(rows.len() <= self.plan.br);
+        self.row_tile = rows.len() <= DECODE_ROWS && !self.acc_rows.is_empty();
+        if self.row_tile {
+            self.attend_rows(head, rows, keys);
+        } else {
+            self.attend_gemm(head, rows, keys);
+        }
+    }
+
+    /// Writes `acc / l` for the tile's `rows` rows into `out`, and the natural-log LSE.
+    fn write_normalised<O: Element>(
+        &self,
+        rows: usize,
+        out: &mut [RowMut<'_, O>],
+        lse: Option<&mut [f32]>,
+    ) {
+        for (i, row) in out.iter_mut().enumerate().take(rows) {
+            for c in 0..row.ncols() {
+                row[c] = O::from_f32(self.normalised(i, c));
+            }
+        }
+        if let Some(lse) = lse {
+            for (i, x) in lse[..rows].iter_mut().enumerate() {
+                *x = self.lse_row(i);
+            }
+        }
+    }
+
+    /// The tile's `rows` rows as a partial state (output and LSE), built in one pass.
+    fn partial_state(&self, rows: usize) -> PartialState {
+        let d_v = self.shape.d_v;
+        let out = Mat::from_fn(rows, d_v, |i, c| self.normalised(i, c));
+        let lse = (0..rows).map(|i| self.lse_row(i)).collect();
+        PartialState::new(out, lse).expect("one LSE per row by construction")
+    }
+
+    /// Row `i`, column `c` of `acc / l`.
+    fn normalised(&self, i: usize, c: usize) -> f32 {
+        let a = if self.row_tile {
+            self.acc_rows[i * self.shape.d_v + c]
+        } else {
+            self.acc[c * self.plan.br + i]
+        };
+        let l = self.l[i];
+        // l = 0 only when nothing was visible (acc is 0 too); a NaN l stays NaN.
+        if l == 0.0 { 0.0 } else { a / l }
+    }
+
+    fn lse_row(&self, i: usize) -> f32 {
+        let l = self.l[i];
+        if l == 0.0 {
+            f32::NEG_INFINITY
+        } else {
+            (self.m[i] + l.log2()) * core::f32::consts::LN_2
+        }
+    }
+}

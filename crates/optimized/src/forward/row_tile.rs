@@ -1,0 +1,205 @@
+//! The row-tile loop of one task: tiles of at most [`DECODE_ROWS`](crate::schedule::DECODE_ROWS) queries (decoding, one
+//! new token per head) against a long stream of keys.
+//!
+//! With so few queries a GEMM degenerates into a matrix-vector product bound by reading K
+//! and V from memory; this loop keeps the stream going: the row kernels' dot product per
+//! key, the online softmax along each row, then `acc += p_j · v_j` over the value rows.
+//! K and V are read in place by this CPU's kernels where the layout allows, else copied
+//! (widened) block by block for the portable kernels.
+
+use core::ops::Range;
+
+use attn_core::TileCoverage;
+
+use super::Scratch;
+use crate::kernel::element::{Element, row_slices};
+use crate::kernel::online_softmax::softmax_row;
+use crate::kernel::rows::{RowKernels, accumulate, scores};
+use crate::mask::{
+    key_blocks, mask_elementwise_row, mask_structural_row, zero_weight_meets_non_finite,
+};
+use crate::problem::HeadInputs;
+use crate::schedule::{KEY_TILE, TilePlan};
+
+/// The in-place row kernels this CPU has, if any (looked up once per task; each block
+/// then asks [`RowKernels::reads`] of its K and V).
+fn row_kernels() -> Option<RowKernels> {
+    #[cfg(test)]
+    if let Some(forced) = tests::forced() {
+        return forced;
+    }
+    RowKernels::for_this_cpu()
+}
+
+impl Scratch {
+    /// [`Scratch::attend`] for a tile of at most [`DECODE_ROWS`](crate::schedule::DECODE_ROWS) queries: a dot product per
+    /// key instead of a GEMM, so the loop streams K and V at memory speed. The
+    /// accumulators stay row-major (`acc_rows`), where [`Scratch::normalised`] reads them.
+    pub(super) fn attend_rows<T: Element>(
+        &mut self,
+        head: &HeadInputs<'_, T>,
+        rows: Range<usize>,
+        keys: Range<usize>,
+    ) {
+        let TilePlan { bc, .. } = self.plan;
+        let nr = rows.len();
+        let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
+        for (i, q) in self.q.chunks_exact_mut(d_k).take(nr).enumerate() {
+            for (c, x) in q.iter_mut().enumerate() {
+                *x = head.q[(rows.start + i, c)].to_f32() * head.scale_log2;
+            }
+        }
+        self.acc_rows.fill(0.0);
+        self.m[..nr].fill(f32::NEG_INFINITY);
+        self.l[..nr].fill(0.0);
+        let best = row_kernels();
+        for (cols, coverage) in key_blocks(head, rows.clone(), keys, KEY_TILE) {
+            let (nc, local) = (cols.len(), cols.start - head.key_base);
+            let (kb, vb) = (head.k.subrows(local, nc), head.v.subrows(local, nc));
+            // Read in place where this CPU has in-place kernels for the layout, else copied
+            // block by block.
+            let in_place = best.filter(|s| s.reads(kb) && s.reads(vb));
+            // K pass, then V pass: each is one long sequential stream, which the prefetchers
+            // follow at full bandwidth (interleaving K and V rows does not).
+            let q_row = |i: usize| &self.q[i * d_k..(i + 1) * d_k];
+            if let Some(kernels) = in_place {
+                kernels.scores(&self.q[..nr * d_k], kb, vb, (&mut self.s, bc));
+            } else {
+                let mut k: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
+                row_slices(head.k, local..local + nc, &mut self.k_wide, &mut k);
+                for (i, s) in self.s.chunks_exact_mut(bc).take(nr).enumerate() {
+                    scores(q_row(i), &k[..nc], &mut s[..nc]);
+                }
+            }
+            for i in 0..nr {
+                let s = &mut self.s[i * bc..i * bc + nc];
+                let row = rows.start + i;
+                if coverage == TileCoverage::Partial {
+                    mask_structural_row(s, head, row, cols.clone());
+                }
+                if head.mask.has_elementwise() {
+                    mask_elementwise_row(s, head, row, cols.clone());
+                }
+                self.alpha[i] = softmax_row(s, &mut self.m[i], &mut self.l[i]);
+            }
+            let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
+            let zero_weight = |jj: usize| (0..nr).any(|i| self.s[i * bc + jj] == 0.0);
+            let careful = masked && zero_weight_meets_non_finite(vb, zero_weight);
+            if let Some(kernels) = in_place.filter(|_| !careful) {
+                let rest = head.k.nrows() - (local + nc);
+                let next_k = head.k.subrows(local + nc, rest);
+                let accs = (&mut self.acc_rows[..nr * d_v], &self.alpha[..nr]);
+                kernels.accumulate(accs, (&self.s, bc), vb, next_k);
+                continue;
+            }
+            let mut v: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
+            row_slices(head.v, local..local + nc, &mut self.v_wide, &mut v);
+            for i in 0..nr {
+                let p = &self.s[i * bc..i * bc + nc];
+                let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
+                if careful {
+                    // A hidden key must contribute nothing, not 0·V_j (see the GEMM path).
+                    for a in acc.iter_mut() {
+                        *a *= self.alpha[i];
+                    }
+                    for ((j, &pj), vj) in cols.clone().zip(p).zip(&v[..nc]) {
+                        if pj != 0.0 || head.mask.sees(head.mask_row(rows.start + i), j) {
+                            for (a, &x) in acc.iter_mut().zip(vj.iter()) {
+                                *a += pj * x;
+                            }
+                        }
+                    }
+                } else {
+                    accumulate(acc, self.alpha[i], p, &v[..nc]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// The row kernels the engine uses instead of the best ones, while a test holds it (every
+    /// choice computes the same attention, so other tests running meanwhile still pass).
+    static FORCED: Mutex<Option<Option<RowKernels>>> = Mutex::new(None);
+
+    pub(super) fn forced() -> Option<Option<RowKernels>> {
+        *FORCED.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whole decoding calls (masks, non-finite values at hidden keys, split-KV, stacked GQA
+    /// heads, every storage type) through each kernels this CPU has and through the
+    /// copying kernels: the same attention within f32 rounding.
+    #[test]
+    fn every_kernels_computes_the_same_attention() {
+        use crate::{BoolMask, Causal, Layout, Options, Tensor4Ref, attention_batched};
+        use half::{bf16, f16};
+        fn run<T: Element>(choice: Option<RowKernels>) -> Vec<Vec<f32>> {
+            let (b, hq, hkv, n_k) = (2, 4, 2, 2500);
+            let mut out = Vec::new();
+            for (n_q, d) in [(1, 64), (3, 128), (1, 40), (2, 48)] {
+                let data = |len: usize, seed: usize| -> Vec<T> {
+                    (0..len)
+                        .map(|x| {
+                            T::from_f32((((x * 7 + seed) * 2654435761) % 1000) as f32 / 500.0 - 1.0)
+                        })
+                        .collect()
+                };
+                let (qd, kd) = (data(b * hq * n_q * d, 1), data(b * hkv * n_k * d, 2));
+                let mut vd = data(b * hkv * n_k * d, 3);
+                vd[5 * d] = T::from_f32(f32::NAN); // key 5 of the first head (hidden by the bool mask)
+                let q = Tensor4Ref::from_layout(&qd, [b, hq, n_q, d], Layout::Bshd).unwrap();
+                let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], Layout::Bhsd).unwrap();
+                let v = Tensor4Ref::from_layout(&vd, [b, hkv, n_k, d], Layout::Bhsd).unwrap();
+                let hide = faer::Mat::<bool>::from_fn(n_q, n_k, |_, j| j % 5 == 0);
+                let lens = [n_k, 1700];
+                let cases = [
+                    Options::default(),
+                    Options::default()
+                        .with_causal(Causal::BottomRight)
+                        .with_key_lengths(&lens),
+                    Options::default().with_bool_mask(BoolMask::block(hide.as_ref())),
+                ];
+                for opts in &cases {
+                    *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = Some(choice);
+                    let o = attention_batched(q, k, v, opts);
+                    *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                    out.push(o.unwrap().as_slice().iter().map(|x| x.to_f32()).collect());
+                }
+            }
+            out
+        }
+        fn compare<T: Element>() {
+            let copying = run::<T>(None);
+            for (case, o) in copying.iter().enumerate() {
+                // The NaN is seen without a mask and hidden by the boolean mask.
+                let nan = o.iter().any(|x| x.is_nan());
+                assert!(nan == (case % 3 == 0) || case % 3 == 1, "case {case}");
+            }
+            for kernels in RowKernels::all() {
+                for (case, (a, b)) in run::<T>(Some(kernels)).iter().zip(&copying).enumerate() {
+                    for (x, y) in a.iter().zip(b) {
+                        // The NaN at key 5 reaches the rows that see key 5, in every kernel.
+                        assert_eq!(x.is_nan(), y.is_nan(), "{kernels:?} case {case}");
+                        if x.is_nan() {
+                            continue;
+                        }
+                        let tol = if T::WIDENS { 1e-2 } else { 1e-5 };
+                        assert!(
+                            (x - y).abs() <= tol,
+                            "{kernels:?} {} case {case}: {x} vs {y}",
+                            T::NAME
+                        );
+                    }
+                }
+            }
+        }
+        compare::<f32>();
+        compare::<f16>();
+        compare::<bf16>();
+    }
+}

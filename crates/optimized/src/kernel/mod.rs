@@ -1,0 +1,134 @@
+//! Everything that is `unsafe` or specific to an instruction set, and nothing else.
+//!
+//! One detection ([`Isa::current`]) decides which instructions the kernels use, and one
+//! macro ([`multiversion!`]) compiles a body once per instruction set and picks the copy at
+//! run time; the few bodies written with pulp's explicit vectors run on the token of the
+//! same [`Isa`] ([`vectorize`]), and the hand-written row kernels ([`rows`]) are chosen by
+//! it too. The rest of the crate is safe code (`#![deny(unsafe_code)]` at the crate root,
+//! allowed only on this module).
+//!
+//! - [`exp2`]: the vectorisable `2^x` of the softmax.
+//! - [`online_softmax`]: the fused softmax pass over a score tile (and along one row).
+//! - [`element`]: the storage types and their widening to f32.
+//! - [`rows`]: the row kernels of tiles with very few queries (decoding).
+
+pub mod element;
+pub mod exp2;
+pub mod online_softmax;
+pub mod rows;
+
+use pulp::{Scalar, Simd, WithSimd};
+
+/// The instruction set the kernels run with on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Whatever the compilation target guarantees (SSE2 on x86-64).
+    Baseline,
+    /// AVX2 with FMA and F16C (x86-64-v3): 8 f32 lanes.
+    Avx2,
+    /// AVX-512 (F, VL, DQ, BW, CD) on top of AVX2: 16 f32 lanes.
+    Avx512,
+}
+
+impl Isa {
+    /// The best instruction set of this CPU (detected by `std`, which caches the answer).
+    ///
+    /// ```
+    /// let isa = attn_optimized::Isa::current();
+    /// println!("kernels run with {isa:?}");
+    /// ```
+    pub fn current() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let v3 = has!("avx2")
+                && has!("fma")
+                && has!("f16c")
+                && has!("bmi1")
+                && has!("bmi2")
+                && has!("lzcnt");
+            if v3
+                && has!("avx512f")
+                && has!("avx512vl")
+                && has!("avx512dq")
+                && has!("avx512bw")
+                && has!("avx512cd")
+            {
+                return Isa::Avx512;
+            }
+            if v3 {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Baseline
+    }
+
+    /// Every instruction set this CPU can run, best first (for tests that compare them).
+    pub fn all_available() -> Vec<Isa> {
+        let best = Isa::current();
+        [Isa::Avx512, Isa::Avx2, Isa::Baseline]
+            .into_iter()
+            .filter(|isa| *isa <= best)
+            .collect()
+    }
+}
+
+/// Generates `$name`, which runs `$body::<FMA>` compiled for AVX-512, AVX2+FMA or baseline
+/// x86-64 (or the target's baseline elsewhere), chosen by [`Isa::current`] at run time.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,bmi1,bmi2,lzcnt")]
+                fn v4($($arg: $ty),*) $(-> $ret)? {
+                    $body::<true>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt")]
+                fn v3($($arg: $ty),*) $(-> $ret)? {
+                    $body::<true>($($arg),*)
+                }
+                match $crate::kernel::Isa::current() {
+                    // SAFETY: `Isa::current()` detected every feature `v4` enables on this CPU.
+                    $crate::kernel::Isa::Avx512 => return unsafe { v4($($arg),*) },
+                    // SAFETY: `Isa::current()` detected every feature `v3` enables on this CPU.
+                    $crate::kernel::Isa::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::kernel::Isa::Baseline => {}
+                }
+            }
+            $body::<false>($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion;
+
+/// Runs a body written with pulp's explicit vectors on the token of [`Isa::current`]
+/// (16 lanes on AVX-512, 8 on AVX2, scalar otherwise).
+#[inline]
+pub(crate) fn vectorize<Op: WithSimd>(op: Op) -> Op::Output {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use pulp::x86::{V3, V4};
+        match Isa::current() {
+            Isa::Avx512 => {
+                if let Some(simd) = V4::try_new() {
+                    return Simd::vectorize(simd, op);
+                }
+            }
+            Isa::Avx2 => {
+                if let Some(simd) = V3::try_new() {
+                    return Simd::vectorize(simd, op);
+                }
+            }
+            Isa::Baseline => {}
+        }
+    }
+    Simd::vectorize(Scalar::new(), op)
+}
+
+/// `a·b + c`, fused where the instruction set has FMA (a libm call otherwise would be slow).
+#[inline(always)]
+pub(crate) fn mul_add<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA { a.mul_add(b, c) } else { a * b + c }
+}

@@ -1,0 +1,123 @@
+//! The masks applied to score tiles: which key blocks a tile visits, and how the visible
+//! scores of the blocks that straddle a boundary (or carry an element-wise mask) are hidden
+//! or biased. Shared by the GEMM tiles and the row tiles (and, later, the backward pass).
+//!
+//! Hidden means `-inf` in the log2-domain score, so the softmax gives it weight exactly 0;
+//! an additive bias is added in the log2 domain (`bias · log2(e)`).
+
+use core::ops::Range;
+
+use attn_core::TileCoverage;
+use faer::MatRef;
+
+use crate::kernel::element::Element;
+use crate::problem::HeadInputs;
+
+/// The blocks of at most `block` keys of `keys` that query rows `rows` must visit, with
+/// their coverage. Blocks start at the first key some row can see and the last one stops
+/// at the last such key (on the causal diagonal that halves the work of the boundary
+/// tile); fully hidden blocks are left out. Both ends depend on the shape alone.
+pub(crate) fn key_blocks<'a, T>(
+    head: &'a HeadInputs<'_, T>,
+    rows: Range<usize>,
+    keys: Range<usize>,
+    block: usize,
+) -> impl Iterator<Item = (Range<usize>, TileCoverage)> + 'a {
+    let first = head.key_range(rows.start).start.max(keys.start);
+    let last = head.key_range(rows.end - 1).end.min(keys.end);
+    (first..last.max(first))
+        .step_by(block.max(1))
+        .filter_map(move |j0| {
+            let cols = j0..(j0 + block).min(last);
+            match head
+                .mask
+                .tile_coverage(head.mask_rows(rows.clone()), cols.clone())
+            {
+                TileCoverage::Hidden => None,
+                coverage => Some((cols, coverage)),
+            }
+        })
+}
+
+/// Hides the keys outside each row's structural range (diagonal and boundary tiles) in a
+/// column-major score tile with leading dimension `br`.
+pub(crate) fn mask_structural<T>(
+    s: &mut [f32],
+    br: usize,
+    head: &HeadInputs<'_, T>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) {
+    for (i, row) in rows.enumerate() {
+        let r = head.key_range(row);
+        let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
+        for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
+            s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Applies boolean and additive masks entry by entry to a column-major score tile.
+pub(crate) fn mask_elementwise<T>(
+    s: &mut [f32],
+    br: usize,
+    head: &HeadInputs<'_, T>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) {
+    for j in cols.clone() {
+        let col = &mut s[(j - cols.start) * br..];
+        for (i, row) in rows.clone().enumerate() {
+            mask_entry(&mut col[i], head, row, j);
+        }
+    }
+}
+
+/// Whether a key that some row gives weight 0 (every hidden key, among others) has a
+/// non-finite value: only then must hidden keys be skipped one by one. Scans only those
+/// rows of V, so a masked block with finite values is not read twice.
+pub(crate) fn zero_weight_meets_non_finite<T: Element>(
+    v: MatRef<'_, T>,
+    zero_weight: impl Fn(usize) -> bool,
+) -> bool {
+    (0..v.nrows()).any(|j| zero_weight(j) && v.row(j).iter().any(|x| !x.to_f32().is_finite()))
+}
+
+/// Applies the boolean and additive masks to the score of query `row` and key `j`.
+pub(crate) fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
+    let row = head.mask_row(row);
+    if let Some(b) = head.mask.boolean()
+        && !b.allows(row, j)
+    {
+        *x = f32::NEG_INFINITY;
+    } else if let Some(a) = head.mask.additive() {
+        *x += a[(row, j)] * core::f32::consts::LOG2_E;
+    }
+}
+
+/// Hides the keys of `cols` outside row `row`'s structural range in one row of scores.
+pub(crate) fn mask_structural_row<T>(
+    s: &mut [f32],
+    head: &HeadInputs<'_, T>,
+    row: usize,
+    cols: Range<usize>,
+) {
+    let r = head.key_range(row);
+    for (j, x) in cols.zip(s.iter_mut()) {
+        if !r.contains(&j) {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Applies boolean and additive masks to one row of scores, keys `cols`.
+pub(crate) fn mask_elementwise_row<T>(
+    s: &mut [f32],
+    head: &HeadInputs<'_, T>,
+    row: usize,
+    cols: Range<usize>,
+) {
+    for (j, x) in cols.zip(s.iter_mut()) {
+        mask_entry(x, head, row, j);
+    }
+}

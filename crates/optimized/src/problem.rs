@@ -1,0 +1,342 @@
+//! One call, validated once: the problem (dimensions every job shares, the tile plan, the
+//! scale) and the jobs it resolves into, one per head or stack of heads.
+//!
+//! Every public entry point builds its problem here before it allocates anything; the
+//! forward pass consumes the problem and its jobs and never re-derives a shape.
+
+use core::ops::Range;
+
+use attn_core::{
+    BatchShape, Error, HeadMask, HeadShape, Options, Result, Tensor4Mut, Tensor4Ref, check_shape,
+};
+use faer::{MatMut, MatRef, RowMut};
+
+use crate::kernel::element::Element;
+use crate::schedule::{TilePlan, heads_per_job};
+
+/// What every job of one call shares.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Problem {
+    /// Query rows of each job: `n_q`, or the stacked heads of grouped-query decoding.
+    pub rows: usize,
+    /// Key width.
+    pub d_k: usize,
+    /// Value width.
+    pub d_v: usize,
+    /// Tiles for `rows` queries against the longest job's keys.
+    pub plan: TilePlan,
+    /// `scale · log2(e)`: scores come out in the log2 domain.
+    pub scale_log2: f32,
+}
+
+impl Problem {
+    fn new(rows: usize, n_k: usize, d_k: usize, d_v: usize, scale: f32) -> Self {
+        Self {
+            rows,
+            d_k,
+            d_v,
+            plan: TilePlan::for_shape(rows, n_k),
+            scale_log2: scale * core::f32::consts::LOG2_E,
+        }
+    }
+
+    /// One head, `q : [n_q, d_k]` against `k : [n_k, d_k]`, `v : [n_k, d_v]`.
+    pub fn head<'a, T>(
+        q: MatRef<'a, T>,
+        k: MatRef<'a, T>,
+        v: MatRef<'a, T>,
+        options: &Options<'a>,
+    ) -> Result<(Self, HeadInputs<'a, T>)> {
+        let HeadShape { n_q, n_k, d_k, d_v } = HeadShape::of(q, k, v)?;
+        let scale = options.validate(1, n_q, n_k, d_k)?;
+        let mask = HeadMask::new(options, n_q, n_k, options.key_length(0));
+        let problem = Self::new(n_q, n_k, d_k, d_v, scale);
+        Ok((problem, problem.inputs(q, k, v, 0, mask)))
+    }
+
+    /// One head over the shard `keys` of a problem with `n_k_total` keys, in which the
+    /// options are expressed; `k` and `v` hold the shard's rows.
+    pub fn shard<'a, T>(
+        q: MatRef<'a, T>,
+        k: MatRef<'a, T>,
+        v: MatRef<'a, T>,
+        keys: &Range<usize>,
+        n_k_total: usize,
+        options: &Options<'a>,
+    ) -> Result<(Self, HeadInputs<'a, T>)> {
+        let HeadShape { n_q, n_k, d_k, d_v } = HeadShape::of(q, k, v)?;
+        if keys.end > n_k_total || keys.len() != n_k || keys.start > keys.end {
+            return Err(Error::mismatch(
+                "K shard",
+                "rows",
+                n_k,
+                "the key range",
+                keys.end.saturating_sub(keys.start),
+                "a shard holds exactly its key range, inside n_k_total",
+            ));
+        }
+        let scale = options.validate(1, n_q, n_k_total, d_k)?;
+        let mask = HeadMask::new(options, n_q, n_k_total, options.key_length(0));
+        let problem = Self::new(n_q, n_k, d_k, d_v, scale);
+        Ok((problem, problem.inputs(q, k, v, keys.start, mask)))
+    }
+
+    /// Checks a caller's output `[n_q, d_v]` and LSE (`n_q` entries) for one head.
+    pub fn check_output<O>(&self, out: &MatMut<'_, O>, lse: Option<&[f32]>) -> Result<()> {
+        let (n_q, d_v) = (self.rows, self.d_v);
+        check_shape("output", out.nrows(), out.ncols(), n_q, d_v, "n_q × d_v")?;
+        match lse {
+            Some(l) if l.len() != n_q => Err(Error::lse_length(l.len(), n_q)),
+            _ => Ok(()),
+        }
+    }
+
+    fn inputs<'a, T>(
+        &self,
+        q: MatRef<'a, T>,
+        k: MatRef<'a, T>,
+        v: MatRef<'a, T>,
+        key_base: usize,
+        mask: HeadMask<'a>,
+    ) -> HeadInputs<'a, T> {
+        HeadInputs {
+            q,
+            k,
+            v,
+            key_base,
+            mask,
+            scale_log2: self.scale_log2,
+            stacked: false,
+        }
+    }
+}
+
+/// One head's operands, resolved: Q, and the K/V rows it may read.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HeadInputs<'a, T> {
+    pub q: MatRef<'a, T>,
+    /// Rows of K (and V) are keys `key_base ..` of the full problem.
+    pub k: MatRef<'a, T>,
+    pub v: MatRef<'a, T>,
+    pub key_base: usize,
+    pub mask: HeadMask<'a>,
+    /// `scale · log2(e)`.
+    pub scale_log2: f32,
+    /// Each row is the single query of its own head (grouped-query decoding stacks the
+    /// heads that share K and V): every row uses the mask of query 0.
+    pub stacked: bool,
+}
+
+impl<T> HeadInputs<'_, T> {
+    /// The mask's query index for row `row` of this job.
+    pub fn mask_row(&self, row: usize) -> usize {
+        if self.stacked { 0 } else { row }
+    }
+
+    /// The mask's query indices for rows `rows` of this job.
+    pub fn mask_rows(&self, rows: Range<usize>) -> Range<usize> {
+        if self.stacked { 0..1 } else { rows }
+    }
+
+    /// The keys query row `row` may see (structurally).
+    pub fn key_range(&self, row: usize) -> Range<usize> {
+        self.mask.key_range(self.mask_row(row))
+    }
+}
+
+/// One head (or stack of heads) to compute: its inputs, the keys it attends (global
+/// indices; its K/V rows start at `keys.start`), and where its output rows (and LSE) go.
+pub(crate) struct HeadJob<'s, 'o, T, O> {
+    pub inputs: HeadInputs<'s, T>,
+    pub keys: Range<usize>,
+    pub out: &'s mut [RowMut<'o, O>],
+    pub lse: Option<&'s mut [f32]>,
+}
+
+/// Where the keys of each batch entry come from.
+#[derive(Debug, Clone, Copy)]
+enum EntryKeys<'a> {
+    /// All `n_k` rows, with the options' key padding as each entry's valid length.
+    Padded,
+    /// The first `lens[b]` rows of entry `b` (a KV cache), with nothing padded.
+    Cached(&'a [usize]),
+}
+
+/// A batched call, validated: Q `[batch, h_q, n_q, d_k]` against K/V heads
+/// `[batch, h_kv, n_k, d]`, query head `h` reading K/V head `h / (h_q / h_kv)`.
+#[derive(Debug)]
+pub(crate) struct Batched<'a, T> {
+    pub problem: Problem,
+    q: Tensor4Ref<'a, T>,
+    k: Tensor4Ref<'a, T>,
+    v: Tensor4Ref<'a, T>,
+    options: Options<'a>,
+    entry_keys: EntryKeys<'a>,
+    /// `[batch, h_q, n_q, d_v]`.
+    out_dims: [usize; 4],
+    group: usize,
+    /// Query heads per job ([`heads_per_job`]).
+    stack: usize,
+}
+
+impl<'a, T> Batched<'a, T> {
+    /// Batched attention: validates the operands and the options.
+    pub fn new(
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let shape = BatchShape::of(q, k, v)?;
+        let HeadShape { n_q, n_k, d_k, .. } = shape.head;
+        let scale = options.validate(shape.batch, n_q, n_k, d_k)?;
+        Ok(Self::build(
+            shape,
+            n_k,
+            scale,
+            q,
+            k,
+            v,
+            options,
+            EntryKeys::Padded,
+        ))
+    }
+
+    /// Attention of `q` against the first `lens[b]` cached keys of each entry `b`. The
+    /// cache has checked `q` against its own dims, the grouping and the options; `scale`
+    /// is the options' scale for its `d_k`.
+    pub fn cached(
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        lens: &'a [usize],
+        options: &Options<'a>,
+        scale: f32,
+    ) -> Self {
+        let ([batch, h_q, n_q, d_k], [_, h_kv, _, d_v]) = (q.dims(), v.dims());
+        let head = HeadShape {
+            n_q,
+            n_k: 0,
+            d_k,
+            d_v,
+        };
+        let shape = BatchShape {
+            batch,
+            h_q,
+            h_kv,
+            head,
+        };
+        let n_k = lens.iter().copied().max().unwrap_or(0);
+        Self::build(shape, n_k, scale, q, k, v, options, EntryKeys::Cached(lens))
+    }
+
+    #[expect(clippy::too_many_arguments, reason = "the private constructor of both")]
+    fn build(
+        shape: BatchShape,
+        n_k: usize,
+        scale: f32,
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        options: &Options<'a>,
+        entry_keys: EntryKeys<'a>,
+    ) -> Self {
+        let HeadShape { n_q, d_k, d_v, .. } = shape.head;
+        let group = shape.h_q / shape.h_kv.max(1);
+        let stack = heads_per_job(n_q, group);
+        Self {
+            problem: Problem::new(stack * n_q, n_k, d_k, d_v, scale),
+            q,
+            k,
+            v,
+            options: *options,
+            entry_keys,
+            out_dims: [shape.batch, shape.h_q, n_q, d_v],
+            group,
+            stack,
+        }
+    }
+
+    /// `[batch, h_q, n_q, d_v]`.
+    pub fn out_dims(&self) -> [usize; 4] {
+        self.out_dims
+    }
+
+    /// Query rows over all heads (`batch · h_q · n_q`, the LSE's length).
+    pub fn out_rows(&self) -> usize {
+        self.out_dims[..3].iter().product()
+    }
+
+    /// Checks a caller's output view.
+    pub fn check_output<O>(&self, out: &Tensor4Mut<'_, O>) -> Result<()> {
+        let want = self.out_dims;
+        if out.dims() != want {
+            return Err(Error::layout(
+                "output tensor",
+                format!(
+                    "dims {:?} but the result is {want:?} ([batch, h_q, n_q, d_v])",
+                    out.dims()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The jobs writing `out` (the output's rows in (batch, head, query) order) and, if
+    /// not empty, `lse` (one entry per row): one per head, or per stack of heads.
+    pub fn jobs<'s, 'o, O>(
+        &self,
+        out: &'s mut [RowMut<'o, O>],
+        lse: &'s mut [f32],
+    ) -> Result<Vec<HeadJob<'s, 'o, T, O>>>
+    where
+        'a: 's,
+    {
+        let [_, h_q, n_q, _] = self.out_dims;
+        let rows = self.problem.rows;
+        let mut lse_chunks = lse.chunks_mut(rows.max(1));
+        let mut jobs = Vec::with_capacity(out.len() / rows.max(1));
+        for (idx, out) in out.chunks_mut(rows.max(1)).enumerate() {
+            let first = idx * self.stack;
+            let (b, h) = (first / h_q, first % h_q);
+            let kv = h / self.group.max(1);
+            let heads = h..h + self.stack;
+            let q = if heads.len() == 1 {
+                self.q.head(b, h)?
+            } else {
+                self.q.heads_at(b, heads, 0)?
+            };
+            let (k, v) = (self.k.head(b, kv)?, self.v.head(b, kv)?);
+            let (n_k, key_len) = match self.entry_keys {
+                EntryKeys::Padded => (k.nrows(), self.options.key_length(b)),
+                EntryKeys::Cached(lens) => (lens.get(b).copied().unwrap_or(0), None),
+            };
+            let (k, v) = (k.subrows(0, n_k), v.subrows(0, n_k));
+            let mask = HeadMask::new(&self.options, n_q, n_k, key_len);
+            let mut inputs = self.problem.inputs(q, k, v, 0, mask);
+            inputs.stacked = self.stack > 1;
+            jobs.push(HeadJob {
+                inputs,
+                keys: 0..n_k,
+                out,
+                lse: lse_chunks.next(),
+            });
+        }
+        Ok(jobs)
+    }
+}
+
+/// A zeroed buffer of `dims.product()` elements, or [`Error::Capacity`] when that does not
+/// fit in memory (never an abort on a size a caller passed in).
+pub(crate) fn zeroed<T: Element>(what: &'static str, dims: &[usize]) -> Result<Vec<T>> {
+    let max = isize::MAX as usize / size_of::<T>().max(1);
+    let n = dims
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or(Error::capacity(what, usize::MAX, max))?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| Error::capacity(what, n, max))?;
+    v.resize(n, T::from_f32(0.0));
+    Ok(v)
+}
