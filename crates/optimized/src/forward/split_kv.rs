@@ -15,13 +15,7 @@ use crate::schedule::{Order, chunked, for_each_index};
 
 /// Runs `jobs` split into key chunks.
 pub(super) fn run<T: Element, O: Element>(problem: &Problem, jobs: Vec<HeadJob<'_, '_, T, O>>) {
-    let Problem {
-        rows: n_q,
-        d_k,
-        d_v,
-        plan,
-        ..
-    } = *problem;
+    let (n_q, plan) = (problem.rows, problem.plan);
     let tiles = plan.query_tiles(n_q);
     let chunks: Vec<Vec<Range<usize>>> = jobs.iter().map(|j| chunked(j.keys.clone())).collect();
     let mut index: Vec<(usize, usize, usize)> = Vec::new();
@@ -33,7 +27,7 @@ pub(super) fn run<T: Element, O: Element>(problem: &Problem, jobs: Vec<HeadJob<'
     let states: Vec<OnceLock<PartialState>> = index.iter().map(|_| OnceLock::new()).collect();
     for_each_index(index.len(), Order::BothEnds, |i| {
         let (j, t, c) = index[i];
-        let state = Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
+        let state = Scratch::with::<T, _>(plan, problem.d_k, problem.d_v, |scratch| {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let keys = chunks[j].get(c).cloned().unwrap_or(0..0);
             scratch.attend(&jobs[j].inputs, rows.clone(), keys);

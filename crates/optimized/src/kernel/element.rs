@@ -215,10 +215,9 @@ mod x86 {
     }
 }
 
-/// Rows `rows` of `m` as f32 slices into `buf`, widened (half) or copied (f32): the row
-/// kernels read K and V in one tight copy loop, which keeps enough loads in flight to
-/// stream from memory at full speed (measured: computing straight from f32 rows in
-/// memory streams at about half the rate). `out` receives one slice per row.
+/// Rows `rows` of `m` as f32 slices into `buf`, widened (half) or copied (f32), for the
+/// portable row kernels (which read f32 rows only) when this CPU has no in-place kernels
+/// for the layout. `out` receives one slice per row.
 pub(crate) fn row_slices<'a, T: Element>(
     m: MatRef<'_, T>,
     rows: Range<usize>,

@@ -176,25 +176,37 @@ mod tests {
         ]
     }
 
+    /// [`softmax_update`] on a tile with the state held in `[m, l, alpha, m_safe]`.
+    fn update(
+        s: &mut [f32],
+        ld: usize,
+        rows: usize,
+        cols: usize,
+        state: &mut [Vec<f32>; 4],
+    ) -> bool {
+        let [m, l, alpha, m_safe] = state;
+        let mut st = RowState {
+            m,
+            l,
+            alpha,
+            m_safe,
+        };
+        softmax_update(s, ld, rows, cols, &mut st)
+    }
+
     #[test]
     fn two_blocks_equal_one_softmax() {
         // Row 0 grows its maximum a lot in block 2 (forces a rescale); row 1 does not.
         let rows = 2;
         let blocks = [vec![1.0f32, 0.0, 2.0, 0.5], vec![30.0f32, 1.0, -1.0, 0.25]];
-        let [mut m, mut l, mut alpha, mut m_safe] = state_vecs(rows);
+        let mut state = state_vecs(rows);
         let mut acc_weight = [0.0f64; 2]; // Σ p·(value = column index) to check alpha use
         let mut col0 = 0;
         for block in &blocks {
             let mut s = block.clone();
-            let mut st = RowState {
-                m: &mut m,
-                l: &mut l,
-                alpha: &mut alpha,
-                m_safe: &mut m_safe,
-            };
-            softmax_update(&mut s, rows, rows, 2, &mut st);
+            update(&mut s, rows, rows, 2, &mut state);
             for i in 0..rows {
-                acc_weight[i] *= f64::from(alpha[i]);
+                acc_weight[i] *= f64::from(state[2][i]);
                 for j in 0..2 {
                     acc_weight[i] += f64::from(s[j * rows + i]) * (col0 + j) as f64;
                 }
@@ -209,7 +221,7 @@ mod tests {
             let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp2()).collect();
             let sum: f64 = w.iter().sum();
             let want: f64 = w.iter().enumerate().map(|(j, w)| w * j as f64).sum::<f64>() / sum;
-            let got = acc_weight[i] / f64::from(l[i]);
+            let got = acc_weight[i] / f64::from(state[1][i]);
             assert!((got - want).abs() < 1e-6, "row {i}: {got} vs {want}");
         }
     }
@@ -217,42 +229,24 @@ mod tests {
     #[test]
     fn nothing_visible_leaves_zero_sum_and_no_nan() {
         let mut s = vec![f32::NEG_INFINITY; 8];
-        let [mut m, mut l, mut alpha, mut m_safe] = state_vecs(4);
-        let mut st = RowState {
-            m: &mut m,
-            l: &mut l,
-            alpha: &mut alpha,
-            m_safe: &mut m_safe,
-        };
-        softmax_update(&mut s, 4, 4, 2, &mut st);
+        let mut state = state_vecs(4);
+        update(&mut s, 4, 4, 2, &mut state);
         assert!(s.iter().all(|&p| p == 0.0));
-        assert!(l.iter().all(|&x| x == 0.0));
-        assert!(m.iter().all(|&x| x == f32::NEG_INFINITY));
+        assert!(state[1].iter().all(|&x| x == 0.0));
+        assert!(state[0].iter().all(|&x| x == f32::NEG_INFINITY));
     }
 
     #[test]
     fn small_growth_does_not_rescale() {
         let mut s = vec![1.0f32, 2.0];
-        let [mut m, mut l, mut alpha, mut m_safe] = state_vecs(1);
-        let mut st = RowState {
-            m: &mut m,
-            l: &mut l,
-            alpha: &mut alpha,
-            m_safe: &mut m_safe,
-        };
+        let mut state = state_vecs(1);
         assert!(
-            softmax_update(&mut s, 1, 1, 2, &mut st),
+            update(&mut s, 1, 1, 2, &mut state),
             "first block moves m from -inf"
         );
         let mut s2 = vec![5.0f32];
-        let mut st = RowState {
-            m: &mut m,
-            l: &mut l,
-            alpha: &mut alpha,
-            m_safe: &mut m_safe,
-        };
         assert!(
-            !softmax_update(&mut s2, 1, 1, 1, &mut st),
+            !update(&mut s2, 1, 1, 1, &mut state),
             "growth of 3 < threshold"
         );
         assert_eq!(s2[0], 8.0); // 2^(5 − 2): probabilities may exceed 1 under lazy rescale

@@ -6,9 +6,8 @@
 //! far the out-of-order window reaches past the oldest miss: a count of instructions. So
 //! the loops spend about one instruction per vector of elements read (Q in registers, fused
 //! load-FMAs, one shuffle tree for eight sums), and the hardware prefetcher then follows
-//! both passes by itself (measured on Zen 4, one thread, d = 128: 0.94 of a plain sum's
-//! rate; software prefetches on every line cost more instructions than they saved, 0.86).
-//! Software prefetches remain only where the stream jumps: the last rows of a block
+//! both passes by itself (software prefetches on every line cost more instructions than
+//! they save; `docs/algorithm.md` §4 has the measurements). Software prefetches remain only where the stream jumps: the last rows of a block
 //! prefetch the first rows read next (V after K, the next K after V), and a block starts
 //! by prefetching its own first rows (a task's first block was read by nobody before).
 
