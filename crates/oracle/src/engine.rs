@@ -10,8 +10,8 @@ use faer::{Mat, MatRef};
 ///
 /// The oracle generates f32 inputs and rounds them to this type before *both* the engine
 /// and the reference see them, so that a half-precision engine is compared with the
-/// reference run on the same half-rounded inputs (DESIGN §3): storage rounding is not an
-/// engine error.
+/// reference run on the same half-rounded inputs: storage rounding is not an engine
+/// error (see "Half-precision storage" in the [crate documentation](crate)).
 ///
 /// ```
 /// use attn_oracle::Dtype;
@@ -178,6 +178,71 @@ impl MergePlan {
     }
 }
 
+/// The gradients of one head with respect to its operands, each shaped like the operand
+/// (dQ `[n_q, d_k]`, dK `[n_k, d_k]`, dV `[n_k, d_v]`) and widened to f32 as every result
+/// of [`Engine`] is: what [`Engine::attention_backward`] returns.
+///
+/// An engine without a backward pass keeps the trait's default, which returns `None`:
+///
+/// ```
+/// use attn_core::{Options, Result, Tensor4, Tensor4Ref};
+/// use attn_oracle::{Engine, ErrorModel, ReferenceEngine};
+/// use faer::{Mat, MatRef};
+///
+/// struct ForwardOnly;
+/// impl Engine for ForwardOnly {
+///     fn name(&self) -> String { "forward-only".into() }
+///     fn error_model(&self) -> ErrorModel { ReferenceEngine.error_model() }
+///     fn attention_with_lse(&self, q: MatRef<'_, f32>, k: MatRef<'_, f32>, v: MatRef<'_, f32>,
+///                           o: &Options<'_>) -> Result<(Mat<f32>, Vec<f32>)> {
+///         ReferenceEngine.attention_with_lse(q, k, v, o)
+///     }
+///     fn attention_batched(&self, q: Tensor4Ref<'_, f32>, k: Tensor4Ref<'_, f32>,
+///                          v: Tensor4Ref<'_, f32>, o: &Options<'_>) -> Result<Tensor4<f32>> {
+///         ReferenceEngine.attention_batched(q, k, v, o)
+///     }
+/// }
+///
+/// let opts = Options::default();
+/// let x = Mat::<f32>::from_fn(3, 4, |i, j| (i + 2 * j) as f32 / 8.0);
+/// let (out, lse) = ForwardOnly.attention_with_lse(x.as_ref(), x.as_ref(), x.as_ref(), &opts)?;
+/// let grad_out = Mat::<f32>::from_fn(3, 4, |i, j| if i == j { 1.0 } else { 0.0 });
+/// let grads = ForwardOnly.attention_backward(
+///     x.as_ref(), x.as_ref(), x.as_ref(), grad_out.as_ref(), out.as_ref(), &lse, &opts,
+/// );
+/// assert!(grads.is_none()); // no backward pass: the backward properties do not apply
+///
+/// let t = Tensor4::<f32>::zeros([1, 2, 3, 4]);
+/// let batched = ForwardOnly.attention_backward_batched(
+///     t.as_ref(), t.as_ref(), t.as_ref(), t.as_ref(), t.as_ref(), &[0.0; 6], &opts,
+/// );
+/// assert!(batched.is_none());
+/// # Ok::<(), attn_core::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gradients {
+    /// `∂loss/∂Q`, `[n_q, d_k]`.
+    pub dq: Mat<f32>,
+    /// `∂loss/∂K`, `[n_k, d_k]`.
+    pub dk: Mat<f32>,
+    /// `∂loss/∂V`, `[n_k, d_v]`.
+    pub dv: Mat<f32>,
+}
+
+/// The gradients of a batched, grouped-query call, each shaped like its operand: dQ
+/// `[batch, h_q, n_q, d_k]`, dK `[batch, h_kv, n_k, d_k]`, dV `[batch, h_kv, n_k, d_v]`
+/// (the gradient of a kv head shared by a group of query heads is the sum over the
+/// group); what [`Engine::attention_backward_batched`] returns. See [`Gradients`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchGradients {
+    /// `∂loss/∂Q`, `[batch, h_q, n_q, d_k]`.
+    pub dq: Tensor4<f32>,
+    /// `∂loss/∂K`, `[batch, h_kv, n_k, d_k]`.
+    pub dk: Tensor4<f32>,
+    /// `∂loss/∂V`, `[batch, h_kv, n_k, d_v]`.
+    pub dv: Tensor4<f32>,
+}
+
 /// An attention engine under test.
 ///
 /// Inputs are f32 views already rounded to [`Engine::storage`]; an engine with another
@@ -245,12 +310,66 @@ pub trait Engine: Sync {
         let _ = (q, k, v, options, plan);
         None
     }
+
+    /// The backward pass of one head: the gradients of a loss with respect to Q, K and V,
+    /// given the upstream gradient `grad_out` (dO, `[n_q, d_v]`) and what
+    /// [`Engine::attention_with_lse`] returned for the same operands and options, the
+    /// output `out` (`[n_q, d_v]`) and the natural-log LSE `lse` (`n_q` values).
+    ///
+    /// With `P = exp(scale·QKᵀ + M − LSE)` recomputed and `D_i = Σ_t dO_it·O_it`:
+    /// `dV = Pᵀ dO`, `dS = P ∘ (dO Vᵀ − D)`, `dQ = scale·dS K`, `dK = scale·dSᵀ Q`.
+    /// A hidden key has `P = 0` and contributes nothing to any gradient; a row that sees
+    /// no key (LSE `-inf`) has `dQ = 0` and adds nothing to dK and dV, never NaN.
+    /// Invalid operands are `Some(Err(_))` with the contract's [`attn_core::Error`].
+    ///
+    /// `None` (the default) if the engine has no backward pass: the backward properties
+    /// will skip such an engine, as the merge properties skip one without
+    /// [`Engine::attention_split`]. Nothing implements it yet, the reference included:
+    /// the f64 backward formula and the properties that hold an engine's backward to it
+    /// come with issue 14.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+        grad_out: MatRef<'_, f32>,
+        out: MatRef<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+    ) -> Option<Result<Gradients>> {
+        let _ = (q, k, v, grad_out, out, lse, options);
+        None
+    }
+
+    /// [`Engine::attention_backward`] over strided `[batch, heads, seq, dim]` views with
+    /// grouped-query heads, as [`Engine::attention_batched`]: `grad_out` and `out` are
+    /// `[batch, h_q, n_q, d_v]` and `lse` holds the `batch·h_q·n_q` LSE values in
+    /// `[batch][h_q][n_q]` order. The gradients of a kv head shared by a group of query
+    /// heads are summed over the group. `None` (the default) if the engine has no
+    /// batched backward pass.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_batched(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        grad_out: Tensor4Ref<'_, f32>,
+        out: Tensor4Ref<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+    ) -> Option<Result<BatchGradients>> {
+        let _ = (q, k, v, grad_out, out, lse, options);
+        None
+    }
 }
 
 /// The f64 reference (`attn-reference`) as an engine: computes in f64, rounds once.
 ///
 /// Its partial states are f64 `(O normalised, LSE)` pairs merged in f64, so the merge
-/// properties check the oracle's own plumbing against the textbook.
+/// properties check the oracle's own plumbing against the textbook. It has no backward
+/// pass yet ([`Engine::attention_backward`] keeps the default `None`): the f64 backward
+/// formula comes to `attn-reference` with issue 14.
 ///
 /// ```
 /// use attn_oracle::{check_engine, ReferenceEngine, SuiteConfig};

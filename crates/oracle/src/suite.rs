@@ -1,4 +1,6 @@
-//! Running properties against an engine: the property list, the configuration, failures.
+//! What the properties run on: the property list, the configuration, the proptest runner,
+//! failures and the tightness report. The dispatch from a [`Property`] to its check is in
+//! `properties`.
 
 use std::cell::Cell;
 use std::fmt;
@@ -8,7 +10,6 @@ use proptest::strategy::Strategy;
 use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestError, TestRunner};
 
 use crate::Engine;
-use crate::properties as p;
 
 /// One property of the suite. [`Property::name`] is the name of its test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -279,154 +280,5 @@ where
             property,
             message: format!("aborted: {reason}"),
         }),
-    }
-}
-
-/// Checks one property against `engine`.
-///
-/// ```
-/// use attn_oracle::{check_property, Property, ReferenceEngine, SuiteConfig};
-/// check_property(&ReferenceEngine, Property::FullyMaskedRows, &SuiteConfig::quick(4)).unwrap();
-/// ```
-pub fn check_property(
-    engine: &dyn Engine,
-    property: Property,
-    config: &SuiteConfig,
-) -> Result<(), Failure> {
-    let shapes = p::shapes(engine);
-    match property {
-        Property::RowsSumToOne => run(
-            engine,
-            property,
-            config,
-            p::identity_v_case(&shapes),
-            p::rows_sum_to_one,
-        ),
-        Property::MaskedWeightsAreZero => run(
-            engine,
-            property,
-            config,
-            p::identity_v_case(&shapes),
-            p::masked_weights_are_zero,
-        ),
-        Property::HiddenKeysNeverLeak => run(
-            engine,
-            property,
-            config,
-            p::poison_case(&shapes),
-            p::hidden_keys_never_leak,
-        ),
-        Property::FullyMaskedRows => run(
-            engine,
-            property,
-            config,
-            p::masked_rows_case(&shapes),
-            p::fully_masked_rows,
-        ),
-        Property::EntropyCollapse => {
-            crate::stats::entropy_collapse(engine).map_err(|message| Failure {
-                engine: engine.name(),
-                property,
-                message,
-            })
-        }
-        Property::Equivalence => run(
-            engine,
-            property,
-            config,
-            crate::case::head_case(&shapes),
-            p::equivalence,
-        ),
-        Property::BatchedEquivalence => run(
-            engine,
-            property,
-            config,
-            crate::case::batch_case(&p::batch_shapes(&shapes)),
-            p::batched_equivalence,
-        ),
-        Property::RowShift => run(
-            engine,
-            property,
-            config,
-            p::shift_case(&shapes),
-            p::row_shift,
-        ),
-        Property::KeyPermutation => run(
-            engine,
-            property,
-            config,
-            p::permutation_case(&shapes),
-            p::key_permutation,
-        ),
-        Property::ValueScaling => run(
-            engine,
-            property,
-            config,
-            p::scaling_case(&shapes),
-            p::value_scaling,
-        ),
-        Property::HeadsAreIndependent => run(
-            engine,
-            property,
-            config,
-            crate::case::batch_case(&p::batch_shapes(&shapes)),
-            p::heads_are_independent,
-        ),
-        Property::MergeIdentity | Property::MergeAssociativity | Property::SplitKeys => {
-            if !p::supports_split(engine) {
-                eprintln!(
-                    "attn-oracle: engine `{}` has no partial-state API; `{}` skipped",
-                    engine.name(),
-                    property.name()
-                );
-                return Ok(());
-            }
-            let check = match property {
-                Property::MergeIdentity => p::merge_identity,
-                Property::MergeAssociativity => p::merge_associativity,
-                _ => p::split_keys,
-            };
-            run(engine, property, config, p::split_case(&shapes), check)
-        }
-        Property::Determinism => run(
-            engine,
-            property,
-            config,
-            p::determinism_case(&shapes),
-            p::determinism,
-        ),
-        Property::Adversarial => run(
-            engine,
-            property,
-            config,
-            crate::case::adversarial_case(&shapes),
-            p::adversarial,
-        ),
-        Property::MalformedInput => run(
-            engine,
-            property,
-            config,
-            p::malformed_case(),
-            p::malformed_input,
-        ),
-    }
-}
-
-/// Checks every property against `engine`; returns the first failure.
-///
-/// ```
-/// use attn_oracle::{check_engine, ReferenceEngine, SuiteConfig};
-/// assert!(check_engine(&ReferenceEngine, &SuiteConfig::quick(1)).is_ok());
-/// ```
-pub fn check_engine(engine: &dyn Engine, config: &SuiteConfig) -> Result<(), Failure> {
-    Property::ALL
-        .iter()
-        .try_for_each(|&p| check_property(engine, p, config))
-}
-
-/// Checks `property` and panics with the failure report: the body of each generated test.
-pub fn assert_property(engine: &dyn Engine, property: Property, config: &SuiteConfig) {
-    if let Err(f) = check_property(engine, property, config) {
-        panic!("{f}");
     }
 }

@@ -1,17 +1,6 @@
-//! Every property of the suite against every engine of the workspace.
+//! Every property of the suite against the reference, the oracle's own engine. The other
+//! engines run the same suite from their own crates (attn-optimized: `tests/conformance.rs`).
 
 mod reference {
     attn_oracle::engine_suite!(attn_oracle::ReferenceEngine);
-}
-
-mod optimized_f32 {
-    attn_oracle::engine_suite!(attn_oracle::OptimizedEngine::<f32>::new());
-}
-
-mod optimized_f16 {
-    attn_oracle::engine_suite!(attn_oracle::OptimizedEngine::<half::f16>::new());
-}
-
-mod optimized_bf16 {
-    attn_oracle::engine_suite!(attn_oracle::OptimizedEngine::<half::bf16>::new());
 }

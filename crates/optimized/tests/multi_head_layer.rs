@@ -9,12 +9,15 @@
 //! `|Ŷ − Y| ≤ B_C·|W_O| + γ_{h·d_v + 1}·(|C| + B_C)·|W_O|`.
 
 use attn_core::{Causal, MultiHeadWeights, Options};
+use attn_oracle::Engine;
 use attn_oracle::bound::{SAFETY, U32, gamma, head_bound};
-use attn_oracle::{Engine, OptimizedEngine};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
+
+mod engine;
+use engine::OptimizedEngine;
 
 fn dyadic(rows: usize, cols: usize, seed: u64, span: i64) -> Mat<f32> {
     let mut s = seed | 1;

@@ -1,25 +1,18 @@
-//! The streaming engine (`attn-optimized`) as an [`Engine`], for each storage type.
+//! The streaming engine as an [`attn_oracle::Engine`], for each storage type: what the
+//! oracle's suite (`tests/conformance.rs`) and the layer test (`tests/multi_head_layer.rs`)
+//! check.
 
 use core::marker::PhantomData;
 use core::ops::Range;
 
 use attn_core::{Options, Result, Tensor4, Tensor4Ref, validate_head};
-use attn_optimized::{Element, KEY_TILE, PartialState, QUERY_TILE};
+use attn_optimized::{Element, KEY_TILE, PartialState, QUERY_TILE, SPLIT_KEYS};
+use attn_oracle::{Compute, Dtype, Engine, ErrorModel, MergePlan};
 use faer::{Mat, MatRef};
-
-use crate::{Compute, Dtype, Engine, ErrorModel, MergePlan};
-
-/// Keys per split-KV chunk of `attn-optimized` (re-exported from the engine).
-pub const OPTIMIZED_SPLIT_KEYS: usize = attn_optimized::SPLIT_KEYS;
 
 /// `attn-optimized` with storage type `T` (`f32`, `half::f16` or `half::bf16`): inputs
 /// are converted to `T` (exactly: the oracle has already rounded them), outputs widened
 /// back to f32.
-///
-/// ```
-/// use attn_oracle::{check_property, OptimizedEngine, Property, SuiteConfig};
-/// check_property(&OptimizedEngine::<f32>::new(), Property::Equivalence, &SuiteConfig::quick(2)).unwrap();
-/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OptimizedEngine<T = f32>(PhantomData<T>);
 
@@ -83,7 +76,7 @@ impl<T: Element> Engine for OptimizedEngine<T> {
             // Cephes' degree-6 exp2 polynomial: ≤ 2 ulp (attn_optimized::exp).
             compute: Compute::F32 {
                 exp_ulps: 2.0,
-                split_keys: Some(OPTIMIZED_SPLIT_KEYS),
+                split_keys: Some(SPLIT_KEYS),
             },
             output: dtype::<T>(),
         }
@@ -92,7 +85,7 @@ impl<T: Element> Engine for OptimizedEngine<T> {
     fn tile_lengths(&self) -> Vec<usize> {
         // Row kernels up to 4 queries, 8-row and 16-key tile granularity, 64-key row
         // blocks, the query and key tiles, and the split-KV chunk.
-        vec![4, 8, 16, 64, QUERY_TILE, KEY_TILE, OPTIMIZED_SPLIT_KEYS]
+        vec![4, 8, 16, 64, QUERY_TILE, KEY_TILE, SPLIT_KEYS]
     }
 
     fn attention_with_lse(

@@ -1,16 +1,20 @@
-//! The property checks: one function per property, over built inputs.
+//! The properties of the forward pass on ordinary inputs: the weights (1, 2), equivalence
+//! with the reference (5), the invariances (6), partial states and their merge (7), and
+//! determinism across thread counts (8). The √d_k statistics (4) are in [`crate::stats`].
 
 use std::sync::OnceLock;
 
-use attn_core::{
-    BoolMask, Causal, HeadMask, KeyPadding, Options, SlidingWindow, Tensor4, Tensor4Ref,
-};
+use attn_core::{HeadMask, KeyPadding, Options, Tensor4};
 use attn_reference::Materialized;
 use faer::{Mat, MatRef};
 use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::TestCaseError;
 
+use super::common::{
+    Check, all_rows, batch_shapes, bound, compare_head, engine_err, equivalent, fail,
+    matches_reference, reference, run_head, scale_of, views,
+};
 use crate::bound::{HeadBound, head_bound_merged};
 use crate::case::{
     BatchCase, BatchInputs, Bias, HeadCase, HeadInputs, Rng, Shapes, batch_case, elementwise_masks,
@@ -18,176 +22,6 @@ use crate::case::{
 };
 use crate::suite::record_tightness;
 use crate::{Engine, MergePlan};
-
-type Check = Result<(), TestCaseError>;
-
-fn fail(msg: impl Into<String>) -> TestCaseError {
-    TestCaseError::fail(msg.into())
-}
-
-fn engine_err(what: &str, e: attn_core::Error) -> TestCaseError {
-    fail(format!("the engine rejected a valid {what}: {e}"))
-}
-
-// ---------------------------------------------------------------------------------------
-// Shapes.
-
-pub(crate) fn shapes(engine: &dyn Engine) -> Shapes {
-    let tiles = engine.tile_lengths();
-    let max_tile = tiles.iter().copied().max().unwrap_or(64);
-    Shapes {
-        tiles,
-        max_q: 257.min(max_tile + 1),
-        max_k: max_tile + 1,
-    }
-}
-
-pub(crate) fn batch_shapes(s: &Shapes) -> Shapes {
-    Shapes {
-        tiles: s.tiles.clone(),
-        max_q: 129.min(s.max_q),
-        max_k: 129.min(s.max_k),
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Reference, bound, comparison.
-
-fn reference(inputs: &HeadInputs) -> Materialized {
-    attn_reference::attention_materialized(
-        inputs.q.as_ref(),
-        inputs.k.as_ref(),
-        inputs.v.as_ref(),
-        &inputs.options(),
-    )
-    .expect("generated inputs are valid")
-}
-
-fn scale_of(options: &Options<'_>, d_k: usize) -> f64 {
-    options
-        .scale_for_f64(d_k)
-        .expect("generated scales are valid")
-}
-
-fn bound(engine: &dyn Engine, inputs: &HeadInputs, r: &Materialized, merges: usize) -> HeadBound {
-    let opts = inputs.options();
-    head_bound_merged(
-        &engine.error_model(),
-        inputs.q.as_ref(),
-        inputs.k.as_ref(),
-        inputs.v.as_ref(),
-        scale_of(&opts, inputs.q.ncols()),
-        opts.additive_mask,
-        r,
-        merges,
-    )
-}
-
-/// Compares an engine's output (and LSE) with the reference, row by row where `rows`
-/// says so: a row with no visible key must be exactly 0 with LSE `-inf`, every other
-/// row finite and within the bound `b`. Returns a description of the first violation.
-pub fn compare_head(
-    what: &str,
-    o: MatRef<'_, f32>,
-    lse: Option<&[f32]>,
-    r: &Materialized,
-    b: &HeadBound,
-    rows: &dyn Fn(usize) -> bool,
-) -> Result<(), String> {
-    let (n_q, d_v) = (r.output.nrows(), r.output.ncols());
-    if (o.nrows(), o.ncols()) != (n_q, d_v) {
-        return Err(format!(
-            "{what}: output is {}×{} but must be {n_q}×{d_v}",
-            o.nrows(),
-            o.ncols()
-        ));
-    }
-    if let Some(l) = lse
-        && l.len() != n_q
-    {
-        return Err(format!("{what}: {} LSE values for {n_q} rows", l.len()));
-    }
-    for i in (0..n_q).filter(|&i| rows(i)) {
-        if r.lse[i] == f64::NEG_INFINITY {
-            if let Some(c) = (0..d_v).find(|&c| o[(i, c)] != 0.0) {
-                return Err(format!(
-                    "{what}: row {i} has no visible key, so its output must be exactly 0, \
-                     but output[{i}, {c}] = {:e}",
-                    o[(i, c)]
-                ));
-            }
-            if let Some(l) = lse
-                && l[i] != f32::NEG_INFINITY
-            {
-                return Err(format!(
-                    "{what}: row {i} has no visible key, so its LSE must be -inf, not {:e}",
-                    l[i]
-                ));
-            }
-            continue;
-        }
-        for c in 0..d_v {
-            let (e, x, bd) = (f64::from(o[(i, c)]), r.output[(i, c)], b.output[(i, c)]);
-            if x.is_nan() {
-                continue;
-            }
-            let err = (e - x).abs();
-            record_tightness(err, bd);
-            if !e.is_finite() || err > bd {
-                return Err(format!(
-                    "{what}: output[{i}, {c}] = {e:e} but the reference says {x:e}: \
-                     |error| = {err:.3e} exceeds the derived bound {bd:.3e}"
-                ));
-            }
-        }
-        if let Some(l) = lse {
-            let (e, x, bd) = (f64::from(l[i]), r.lse[i], b.lse[i]);
-            if x.is_nan() {
-                continue;
-            }
-            let err = (e - x).abs();
-            record_tightness(err, bd);
-            if !e.is_finite() || err > bd {
-                return Err(format!(
-                    "{what}: LSE[{i}] = {e:e} but the reference says {x:e}: \
-                     |error| = {err:.3e} exceeds the derived bound {bd:.3e}"
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
-fn all_rows(_: usize) -> bool {
-    true
-}
-
-fn run_head(
-    engine: &dyn Engine,
-    inputs: &HeadInputs,
-) -> Result<(Mat<f32>, Vec<f32>), TestCaseError> {
-    engine
-        .attention_with_lse(
-            inputs.q.as_ref(),
-            inputs.k.as_ref(),
-            inputs.v.as_ref(),
-            &inputs.options(),
-        )
-        .map_err(|e| engine_err("single-head call", e))
-}
-
-/// Runs one head and checks it against the reference; returns the engine's result.
-fn equivalent(
-    engine: &dyn Engine,
-    inputs: &HeadInputs,
-    what: &str,
-) -> Result<(Mat<f32>, Vec<f32>, Materialized, HeadBound), TestCaseError> {
-    let (o, lse) = run_head(engine, inputs)?;
-    let r = reference(inputs);
-    let b = bound(engine, inputs, &r, 0);
-    compare_head(what, o.as_ref(), Some(&lse), &r, &b, &all_rows).map_err(fail)?;
-    Ok((o, lse, r, b))
-}
 
 // ---------------------------------------------------------------------------------------
 // 1, 2: weights through V = I.
@@ -265,204 +99,10 @@ pub(crate) fn masked_weights_are_zero(engine: &dyn Engine, case: HeadCase) -> Ch
 }
 
 // ---------------------------------------------------------------------------------------
-// 2: poisoned hidden keys.
-
-/// A head case and which key to poison (`true`: the last key, else a seeded one) with
-/// which value (`NaN`, `+inf`, `-inf`); a seeded query row is poisoned too.
-pub(crate) fn poison_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, bool, f32)> {
-    (
-        head_case(shapes),
-        any::<bool>(),
-        select(vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY]),
-    )
-        .boxed()
-}
-
-pub(crate) fn hidden_keys_never_leak(
-    engine: &dyn Engine,
-    (case, last, poison): (HeadCase, bool, f32),
-) -> Check {
-    let mut inputs = case.build(engine.storage());
-    let [n_q, n_k, d_k, d_v] = inputs.dims();
-    if n_k == 0 {
-        return Ok(());
-    }
-    let j = if last {
-        n_k - 1
-    } else {
-        Rng::new(case.seed, 99).below(n_k as u64) as usize
-    };
-    for t in 0..d_k {
-        inputs.k[(j, t)] = poison;
-    }
-    for t in 0..d_v {
-        inputs.v[(j, t)] = poison;
-    }
-    // A poisoned query row touches only its own row.
-    let qi = (n_q > 1).then(|| Rng::new(case.seed, 98).below(n_q as u64) as usize);
-    if let Some(qi) = qi {
-        for t in 0..d_k {
-            inputs.q[(qi, t)] = poison;
-        }
-    }
-    let opts = inputs.options();
-    let mask = HeadMask::new(&opts, n_q, n_k, opts.key_length(0));
-    let (o, lse) = run_head(engine, &inputs)?;
-    let r = reference(&inputs);
-    let b = bound(engine, &inputs, &r, 0);
-    let hidden = |i: usize| !mask.allows(i, j) && Some(i) != qi;
-    compare_head(
-        &format!("key {j} and query {qi:?} poisoned with {poison}, rows that see neither"),
-        o.as_ref(),
-        Some(&lse),
-        &r,
-        &b,
-        &hidden,
-    )
-    .map_err(fail)
-}
-
-// ---------------------------------------------------------------------------------------
-// 3: fully masked rows.
-
-/// How a case is forced to have rows with no visible key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RowHider {
-    /// `n_k = 0`.
-    NoKeys,
-    /// Key padding to length 0.
-    KeyLengthZero,
-    /// Bottom-right causal with more queries than keys: the first `n_q − n_k` rows see
-    /// nothing.
-    BottomRightShort,
-    /// A window `(0, 0)` aligned bottom-right with more queries than keys: the first
-    /// `n_q − n_k` rows are aligned before the first key.
-    WindowPastTheKeys,
-    /// Row 0 (and some others) hidden by the boolean mask.
-    BoolRows,
-    /// Row 0 (and some others) `-inf` everywhere in the additive mask.
-    AdditiveRows,
-}
-
-pub(crate) fn masked_rows_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, RowHider)> {
-    (
-        head_case(shapes),
-        select(vec![
-            RowHider::NoKeys,
-            RowHider::KeyLengthZero,
-            RowHider::BottomRightShort,
-            RowHider::WindowPastTheKeys,
-            RowHider::BoolRows,
-            RowHider::AdditiveRows,
-        ]),
-    )
-        .prop_map(|(mut c, h)| {
-            c.n_q = c.n_q.max(1);
-            match h {
-                RowHider::NoKeys => c.n_k = 0,
-                RowHider::KeyLengthZero => c.masks.key_len_permille = Some(0),
-                RowHider::BottomRightShort => {
-                    c.n_q = c.n_q.max(c.n_k + 1);
-                    c.masks.causal = Some(Causal::BottomRight);
-                }
-                RowHider::WindowPastTheKeys => {
-                    c.n_q = c.n_q.max(c.n_k + 1);
-                    c.masks.window =
-                        Some(SlidingWindow::new(Some(0), Some(0), Causal::BottomRight));
-                }
-                RowHider::BoolRows => {
-                    let mut b = c.masks.bool_mask.unwrap_or(crate::case::BoolRecipe {
-                        allow: true,
-                        visible_percent: 70,
-                        hidden_rows_percent: 0,
-                    });
-                    b.hidden_rows_percent = b.hidden_rows_percent.max(30);
-                    c.masks.bool_mask = Some(b);
-                }
-                RowHider::AdditiveRows => {
-                    let mut a = c.masks.additive.unwrap_or(crate::case::AdditiveRecipe {
-                        bias: Bias::Small,
-                        neg_inf_percent: 0,
-                        hidden_rows_percent: 0,
-                    });
-                    a.hidden_rows_percent = a.hidden_rows_percent.max(30);
-                    c.masks.additive = Some(a);
-                }
-            }
-            (c, h)
-        })
-        .boxed()
-}
-
-pub(crate) fn fully_masked_rows(engine: &dyn Engine, (case, hider): (HeadCase, RowHider)) -> Check {
-    let mut inputs = case.build(engine.storage());
-    let n_k = inputs.k.nrows();
-    // Make sure row 0 is hidden by the element-wise masks that were asked to hide rows.
-    match hider {
-        RowHider::BoolRows => {
-            if let Some((allow, m)) = inputs.masks.bool_mask.as_mut() {
-                for j in 0..n_k {
-                    m[(0, j)] = !*allow;
-                }
-            }
-        }
-        RowHider::AdditiveRows => {
-            if let Some(m) = inputs.masks.additive.as_mut() {
-                for j in 0..n_k {
-                    m[(0, j)] = f32::NEG_INFINITY;
-                }
-            }
-        }
-        _ => {}
-    }
-    let (o, lse, r, _) = equivalent(engine, &inputs, "fully masked rows")?;
-    if r.lse[0] != f64::NEG_INFINITY {
-        return Err(fail(format!(
-            "oracle bug: {hider:?} left row 0 with a visible key"
-        )));
-    }
-    if o.col_iter().any(|c| c.iter().any(|x| !x.is_finite())) || lse.iter().any(|x| x.is_nan()) {
-        return Err(fail("NaN or Inf in the output of a partly masked problem"));
-    }
-    // The same problem through the batched API: one batch entry, one head.
-    let [n_q, _, d_k, d_v] = inputs.dims();
-    let to_vec = |m: &Mat<f32>| -> Vec<f32> {
-        (0..m.nrows())
-            .flat_map(|i| (0..m.ncols()).map(move |j| (i, j)))
-            .map(|(i, j)| m[(i, j)])
-            .collect()
-    };
-    let (qd, kd, vd) = (to_vec(&inputs.q), to_vec(&inputs.k), to_vec(&inputs.v));
-    let bhsd = attn_core::Layout::Bhsd;
-    let q = Tensor4Ref::from_layout(&qd, [1, 1, n_q, d_k], bhsd).expect("fits");
-    let k = Tensor4Ref::from_layout(&kd, [1, 1, n_k, d_k], bhsd).expect("fits");
-    let v = Tensor4Ref::from_layout(&vd, [1, 1, n_k, d_v], bhsd).expect("fits");
-    let t = engine
-        .attention_batched(q, k, v, &inputs.options())
-        .map_err(|e| engine_err("batched call", e))?;
-    let head = t.as_ref().head(0, 0).map_err(|e| fail(e.to_string()))?;
-    for i in (0..n_q).filter(|&i| r.lse[i] == f64::NEG_INFINITY) {
-        if let Some(c) = (0..d_v).find(|&c| head[(i, c)] != 0.0) {
-            return Err(fail(format!(
-                "batched call: row {i} has no visible key but output[{i}, {c}] = {:e}",
-                head[(i, c)]
-            )));
-        }
-    }
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------------------
 // 5: equivalence.
 
 pub(crate) fn equivalence(engine: &dyn Engine, case: HeadCase) -> Check {
-    let inputs = case.build(engine.storage());
-    equivalent(engine, &inputs, "single head").map(|_| ())
-}
-
-pub(crate) fn adversarial(engine: &dyn Engine, case: HeadCase) -> Check {
-    let inputs = case.build(engine.storage());
-    equivalent(engine, &inputs, "adversarial head").map(|_| ())
+    matches_reference(engine, &case, "single head")
 }
 
 fn batch_reference(inputs: &BatchInputs) -> Vec<Vec<Materialized>> {
@@ -572,6 +212,23 @@ fn close(
     Ok(())
 }
 
+/// Two problems with the same exact output: each within its bound of the reference, and
+/// the two outputs within the sum of their bounds of each other. Returns each one's LSE
+/// and bound.
+fn same_output(
+    engine: &dyn Engine,
+    problems: [(&HeadInputs, &str); 2],
+    what: &str,
+) -> Result<[(Vec<f32>, HeadBound); 2], TestCaseError> {
+    let [(a, what_a), (b, what_b)] = problems;
+    let (o0, l0, _, bd0) = equivalent(engine, a, what_a)?;
+    let (o1, l1, _, bd1) = equivalent(engine, b, what_b)?;
+    close(what, o0.as_ref(), o1.as_ref(), &|i, j| {
+        bd0.output[(i, j)] + bd1.output[(i, j)]
+    })?;
+    Ok([(l0, bd0), (l1, bd1)])
+}
+
 /// A case with grid-valued additive biases (or none) and a seed for the row constants.
 pub(crate) fn shift_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, u64)> {
     (
@@ -603,13 +260,10 @@ pub(crate) fn row_shift(engine: &dyn Engine, (case, seed): (HeadCase, u64)) -> C
         .clone()
         .unwrap_or_else(|| Mat::zeros(n_q, n_k));
     shifted.masks.additive = Some(Mat::from_fn(n_q, n_k, |i, j| b0[(i, j)] + c[i]));
-    let (o0, l0, _, bd0) = equivalent(engine, &base, "unshifted")?;
-    let (o1, l1, _, bd1) = equivalent(engine, &shifted, "shifted")?;
-    close(
+    let [(l0, bd0), (l1, bd1)] = same_output(
+        engine,
+        [(&base, "unshifted"), (&shifted, "shifted")],
         "adding a constant to each row of scores",
-        o0.as_ref(),
-        o1.as_ref(),
-        &|i, j| bd0.output[(i, j)] + bd1.output[(i, j)],
     )?;
     for i in 0..n_q {
         if l0[i] == f32::NEG_INFINITY {
@@ -659,13 +313,10 @@ pub(crate) fn key_permutation(engine: &dyn Engine, (case, seed): (HeadCase, u64)
     if let Some(m) = &base.masks.additive {
         p.masks.additive = Some(Mat::from_fn(n_q, n_k, |i, j| m[(i, perm[j])]));
     }
-    let (o0, l0, _, bd0) = equivalent(engine, &base, "original order")?;
-    let (o1, l1, _, bd1) = equivalent(engine, &p, "permuted keys")?;
-    close(
+    let [(l0, bd0), (l1, bd1)] = same_output(
+        engine,
+        [(&base, "original order"), (&p, "permuted keys")],
         "permuting keys and values",
-        o0.as_ref(),
-        o1.as_ref(),
-        &|i, j| bd0.output[(i, j)] + bd1.output[(i, j)],
     )?;
     let l0m = Mat::from_fn(n_q, 1, |i, _| l0[i]);
     let l1m = Mat::from_fn(n_q, 1, |i, _| l1[i]);
@@ -789,7 +440,9 @@ pub(crate) fn supports_split(engine: &dyn Engine) -> bool {
 }
 
 /// A head case and cut points in per-mille of `n_k`.
-pub(crate) fn split_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, Vec<u16>)> {
+type SplitCase = (HeadCase, Vec<u16>);
+
+pub(crate) fn split_case(shapes: &Shapes) -> BoxedStrategy<SplitCase> {
     (
         head_case(shapes),
         proptest::collection::vec(0u16..=1000, 1..=4),
@@ -813,14 +466,9 @@ fn split(
     inputs: &HeadInputs,
     plan: &MergePlan,
 ) -> Result<(Mat<f32>, Vec<f32>), TestCaseError> {
+    let (q, k, v) = views(inputs);
     engine
-        .attention_split(
-            inputs.q.as_ref(),
-            inputs.k.as_ref(),
-            inputs.v.as_ref(),
-            &inputs.options(),
-            plan,
-        )
+        .attention_split(q, k, v, &inputs.options(), plan)
         .ok_or_else(|| fail("the engine stopped supporting partial states"))?
         .map_err(|e| engine_err("split computation", e))
 }
@@ -856,10 +504,7 @@ fn same_bits(
     Ok(())
 }
 
-pub(crate) fn merge_identity(
-    engine: &dyn Engine,
-    (case, cut_points): (HeadCase, Vec<u16>),
-) -> Check {
+pub(crate) fn merge_identity(engine: &dyn Engine, (case, cut_points): SplitCase) -> Check {
     let inputs = case.build(engine.storage());
     let n_k = inputs.k.nrows();
     let all = MergePlan::keys(0..n_k);
@@ -926,10 +571,7 @@ fn check_split_result(
     compare_head(what, res.0.as_ref(), Some(&res.1), r, &b, &all_rows).map_err(fail)
 }
 
-pub(crate) fn merge_associativity(
-    engine: &dyn Engine,
-    (case, cut_points): (HeadCase, Vec<u16>),
-) -> Check {
+pub(crate) fn merge_associativity(engine: &dyn Engine, (case, cut_points): SplitCase) -> Check {
     let inputs = case.build(engine.storage());
     let n_k = inputs.k.nrows();
     let mut c = cuts(n_k, &cut_points);
@@ -964,7 +606,7 @@ pub(crate) fn merge_associativity(
     )
 }
 
-pub(crate) fn split_keys(engine: &dyn Engine, (case, cut_points): (HeadCase, Vec<u16>)) -> Check {
+pub(crate) fn split_keys(engine: &dyn Engine, (case, cut_points): SplitCase) -> Check {
     let inputs = case.build(engine.storage());
     let n_k = inputs.k.nrows();
     let c = cuts(n_k, &cut_points);
@@ -1085,117 +727,4 @@ pub(crate) fn determinism(engine: &dyn Engine, (case, batch): (HeadCase, BatchCa
         }
     }
     Ok(())
-}
-
-// ---------------------------------------------------------------------------------------
-// Malformed input.
-
-/// One defect in an otherwise valid call.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Defect {
-    /// K has one column too many.
-    KeyWidth,
-    /// V has one row too many.
-    ValueRows,
-    /// `d_k = 0`.
-    ZeroKeyWidth,
-    /// A non-finite or non-positive scale.
-    Scale(f32),
-    /// The additive mask has one row too many.
-    AdditiveShape,
-    /// The boolean mask has one column too many.
-    BoolShape,
-    /// Key padding longer than `n_k`.
-    KeyLength,
-    /// Batched: `h_q` not a multiple of `h_kv`.
-    HeadGrouping,
-    /// Batched: K has another batch size than Q.
-    BatchSize,
-    /// Batched: one key length too few.
-    KeyLengthCount,
-}
-
-pub(crate) fn malformed_case() -> BoxedStrategy<(Defect, usize, usize, usize, usize)> {
-    (
-        select(vec![
-            Defect::KeyWidth,
-            Defect::ValueRows,
-            Defect::ZeroKeyWidth,
-            Defect::Scale(0.0),
-            Defect::Scale(-1.0),
-            Defect::Scale(f32::NAN),
-            Defect::Scale(f32::INFINITY),
-            Defect::AdditiveShape,
-            Defect::BoolShape,
-            Defect::KeyLength,
-            Defect::HeadGrouping,
-            Defect::BatchSize,
-            Defect::KeyLengthCount,
-        ]),
-        0..=5usize,
-        0..=5usize,
-        1..=5usize,
-        0..=4usize,
-    )
-        .boxed()
-}
-
-pub(crate) fn malformed_input(
-    engine: &dyn Engine,
-    (defect, n_q, n_k, d_k, d_v): (Defect, usize, usize, usize, usize),
-) -> Check {
-    let z = |r: usize, c: usize| Mat::<f32>::from_fn(r, c, |i, j| (i + 2 * j) as f32 * 0.25);
-    let (mut q, mut k, mut v) = (z(n_q, d_k), z(n_k, d_k), z(n_k, d_v));
-    let add = z(n_q + 1, n_k);
-    let bits = Mat::<bool>::from_fn(n_q, n_k + 1, |i, j| (i + j) % 2 == 0);
-    let mut opts = Options::default();
-    let batched = matches!(
-        defect,
-        Defect::HeadGrouping | Defect::BatchSize | Defect::KeyLengthCount
-    );
-    match defect {
-        Defect::KeyWidth => k = z(n_k, d_k + 1),
-        Defect::ValueRows => v = z(n_k + 1, d_v),
-        Defect::ZeroKeyWidth => {
-            q = z(n_q, 0);
-            k = z(n_k, 0);
-        }
-        Defect::Scale(s) => opts = opts.with_scale(s),
-        Defect::AdditiveShape => opts = opts.with_additive_mask(add.as_ref()),
-        Defect::BoolShape => opts = opts.with_bool_mask(BoolMask::block(bits.as_ref())),
-        Defect::KeyLength => opts = opts.with_key_length(n_k + 1),
-        Defect::HeadGrouping | Defect::BatchSize | Defect::KeyLengthCount => {}
-    }
-    let report = |e: Result<(), attn_core::Error>, r: Result<(), attn_core::Error>| -> Check {
-        match (e, r) {
-            (Err(e), Err(r)) if e.to_string() == r.to_string() => Ok(()),
-            (e, r) => Err(fail(format!(
-                "{defect:?}: the engine says {e:?}, the reference says {r:?}"
-            ))),
-        }
-    };
-    if !batched {
-        let e = engine.attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts);
-        let r = attn_reference::attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts);
-        return report(e.map(|_| ()), r.map(|_| ()));
-    }
-    let (batch, h_q, h_kv, kv_batch) = match defect {
-        Defect::HeadGrouping => (2, 3, 2, 2),
-        Defect::BatchSize => (2, 2, 1, 3),
-        _ => (2, 2, 2, 2),
-    };
-    let lens = [n_k];
-    if defect == Defect::KeyLengthCount {
-        opts = opts.with_key_lengths(&lens);
-    }
-    let qd = vec![0.5f32; batch * h_q * n_q * d_k];
-    let kd = vec![0.25f32; kv_batch * h_kv * n_k * d_k];
-    let vd = vec![1.0f32; kv_batch * h_kv * n_k * d_v];
-    let l = attn_core::Layout::Bhsd;
-    let qt = Tensor4Ref::from_layout(&qd, [batch, h_q, n_q, d_k], l).expect("fits");
-    let kt = Tensor4Ref::from_layout(&kd, [kv_batch, h_kv, n_k, d_k], l).expect("fits");
-    let vt = Tensor4Ref::from_layout(&vd, [kv_batch, h_kv, n_k, d_v], l).expect("fits");
-    let e = engine.attention_batched(qt, kt, vt, &opts);
-    let r = attn_reference::attention_batched(qt, kt, vt, &opts);
-    report(e.map(|_| ()), r.map(|_| ()))
 }

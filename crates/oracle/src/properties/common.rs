@@ -1,0 +1,192 @@
+//! What every property module uses: the check result, the shapes an engine is tested on,
+//! the reference and its bound for one head, and the comparison of a head with them.
+
+use attn_core::Options;
+use attn_reference::Materialized;
+use faer::{Mat, MatRef};
+use proptest::test_runner::TestCaseError;
+
+use crate::Engine;
+use crate::bound::{HeadBound, head_bound_merged};
+use crate::case::{HeadCase, HeadInputs, Shapes};
+use crate::suite::record_tightness;
+
+pub(crate) type Check = Result<(), TestCaseError>;
+
+pub(crate) fn fail(msg: impl Into<String>) -> TestCaseError {
+    TestCaseError::fail(msg.into())
+}
+
+pub(crate) fn engine_err(what: &str, e: attn_core::Error) -> TestCaseError {
+    fail(format!("the engine rejected a valid {what}: {e}"))
+}
+
+// ---------------------------------------------------------------------------------------
+// Shapes.
+
+pub(crate) fn shapes(engine: &dyn Engine) -> Shapes {
+    let tiles = engine.tile_lengths();
+    let max_tile = tiles.iter().copied().max().unwrap_or(64);
+    Shapes {
+        tiles,
+        max_q: 257.min(max_tile + 1),
+        max_k: max_tile + 1,
+    }
+}
+
+pub(crate) fn batch_shapes(s: &Shapes) -> Shapes {
+    Shapes {
+        tiles: s.tiles.clone(),
+        max_q: 129.min(s.max_q),
+        max_k: 129.min(s.max_k),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reference, bound, comparison.
+
+/// The operands of a head as views: `(q, k, v)`.
+pub(crate) fn views(inputs: &HeadInputs) -> (MatRef<'_, f32>, MatRef<'_, f32>, MatRef<'_, f32>) {
+    (inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref())
+}
+
+pub(crate) fn reference(inputs: &HeadInputs) -> Materialized {
+    let (q, k, v) = views(inputs);
+    attn_reference::attention_materialized(q, k, v, &inputs.options())
+        .expect("generated inputs are valid")
+}
+
+pub(crate) fn scale_of(options: &Options<'_>, d_k: usize) -> f64 {
+    options
+        .scale_for_f64(d_k)
+        .expect("generated scales are valid")
+}
+
+pub(crate) fn bound(
+    engine: &dyn Engine,
+    inputs: &HeadInputs,
+    r: &Materialized,
+    merges: usize,
+) -> HeadBound {
+    let opts = inputs.options();
+    let (q, k, v) = views(inputs);
+    head_bound_merged(
+        &engine.error_model(),
+        q,
+        k,
+        v,
+        scale_of(&opts, q.ncols()),
+        opts.additive_mask,
+        r,
+        merges,
+    )
+}
+
+/// Compares an engine's output (and LSE) with the reference, row by row where `rows`
+/// says so: a row with no visible key must be exactly 0 with LSE `-inf`, every other
+/// row finite and within the bound `b`. Returns a description of the first violation.
+pub fn compare_head(
+    what: &str,
+    o: MatRef<'_, f32>,
+    lse: Option<&[f32]>,
+    r: &Materialized,
+    b: &HeadBound,
+    rows: &dyn Fn(usize) -> bool,
+) -> Result<(), String> {
+    let (n_q, d_v) = (r.output.nrows(), r.output.ncols());
+    if (o.nrows(), o.ncols()) != (n_q, d_v) {
+        return Err(format!(
+            "{what}: output is {}×{} but must be {n_q}×{d_v}",
+            o.nrows(),
+            o.ncols()
+        ));
+    }
+    if let Some(l) = lse
+        && l.len() != n_q
+    {
+        return Err(format!("{what}: {} LSE values for {n_q} rows", l.len()));
+    }
+    for i in (0..n_q).filter(|&i| rows(i)) {
+        if r.lse[i] == f64::NEG_INFINITY {
+            if let Some(c) = (0..d_v).find(|&c| o[(i, c)] != 0.0) {
+                return Err(format!(
+                    "{what}: row {i} has no visible key, so its output must be exactly 0, \
+                     but output[{i}, {c}] = {:e}",
+                    o[(i, c)]
+                ));
+            }
+            if let Some(l) = lse
+                && l[i] != f32::NEG_INFINITY
+            {
+                return Err(format!(
+                    "{what}: row {i} has no visible key, so its LSE must be -inf, not {:e}",
+                    l[i]
+                ));
+            }
+            continue;
+        }
+        for c in 0..d_v {
+            let (e, x, bd) = (f64::from(o[(i, c)]), r.output[(i, c)], b.output[(i, c)]);
+            if let Some(err) = violation(e, x, bd) {
+                return Err(format!(
+                    "{what}: output[{i}, {c}] = {e:e} but the reference says {x:e}: \
+                     |error| = {err:.3e} exceeds the derived bound {bd:.3e}"
+                ));
+            }
+        }
+        if let Some(l) = lse {
+            let (e, x, bd) = (f64::from(l[i]), r.lse[i], b.lse[i]);
+            if let Some(err) = violation(e, x, bd) {
+                return Err(format!(
+                    "{what}: LSE[{i}] = {e:e} but the reference says {x:e}: \
+                     |error| = {err:.3e} exceeds the derived bound {bd:.3e}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `|e − x|` if the engine's value `e` is not finite or further than `bd` from the
+/// reference's `x`; `None` if it is within the bound or `x` itself is NaN (no claim).
+fn violation(e: f64, x: f64, bd: f64) -> Option<f64> {
+    if x.is_nan() {
+        return None;
+    }
+    let err = (e - x).abs();
+    record_tightness(err, bd);
+    (!e.is_finite() || err > bd).then_some(err)
+}
+
+pub(crate) fn all_rows(_: usize) -> bool {
+    true
+}
+
+pub(crate) fn run_head(
+    engine: &dyn Engine,
+    inputs: &HeadInputs,
+) -> Result<(Mat<f32>, Vec<f32>), TestCaseError> {
+    let (q, k, v) = views(inputs);
+    engine
+        .attention_with_lse(q, k, v, &inputs.options())
+        .map_err(|e| engine_err("single-head call", e))
+}
+
+/// Runs one head and checks it against the reference; returns the engine's result.
+pub(crate) fn equivalent(
+    engine: &dyn Engine,
+    inputs: &HeadInputs,
+    what: &str,
+) -> Result<(Mat<f32>, Vec<f32>, Materialized, HeadBound), TestCaseError> {
+    let (o, lse) = run_head(engine, inputs)?;
+    let r = reference(inputs);
+    let b = bound(engine, inputs, &r, 0);
+    compare_head(what, o.as_ref(), Some(&lse), &r, &b, &all_rows).map_err(fail)?;
+    Ok((o, lse, r, b))
+}
+
+/// Builds `case` for the engine's storage type and checks the head against the reference
+/// (properties 5 and 9, on different cases).
+pub(crate) fn matches_reference(engine: &dyn Engine, case: &HeadCase, what: &str) -> Check {
+    equivalent(engine, &case.build(engine.storage()), what).map(|_| ())
+}

@@ -1,0 +1,323 @@
+//! The properties of the forward pass at the edges of its input: non-finite values in
+//! rows a query cannot see (2), rows that see no key at all (3), adversarial magnitudes
+//! (9), and malformed calls, which must be the reference's error and never a panic.
+
+use attn_core::{BoolMask, Causal, HeadMask, Options, SlidingWindow, Tensor4Ref};
+use faer::Mat;
+use proptest::prelude::*;
+use proptest::sample::select;
+
+use super::common::{
+    Check, bound, compare_head, engine_err, equivalent, fail, matches_reference, reference,
+    run_head,
+};
+use crate::Engine;
+use crate::case::{AdditiveRecipe, Bias, BoolRecipe, HeadCase, Rng, Shapes, head_case};
+
+// ---------------------------------------------------------------------------------------
+// 2: poisoned hidden keys.
+
+/// A head case and which key to poison (`true`: the last key, else a seeded one) with
+/// which value (`NaN`, `+inf`, `-inf`); a seeded query row is poisoned too.
+pub(crate) fn poison_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, bool, f32)> {
+    (
+        head_case(shapes),
+        any::<bool>(),
+        select(vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY]),
+    )
+        .boxed()
+}
+
+pub(crate) fn hidden_keys_never_leak(
+    engine: &dyn Engine,
+    (case, last, poison): (HeadCase, bool, f32),
+) -> Check {
+    let mut inputs = case.build(engine.storage());
+    let [n_q, n_k, d_k, d_v] = inputs.dims();
+    if n_k == 0 {
+        return Ok(());
+    }
+    let j = if last {
+        n_k - 1
+    } else {
+        Rng::new(case.seed, 99).below(n_k as u64) as usize
+    };
+    for t in 0..d_k {
+        inputs.k[(j, t)] = poison;
+    }
+    for t in 0..d_v {
+        inputs.v[(j, t)] = poison;
+    }
+    // A poisoned query row touches only its own row.
+    let qi = (n_q > 1).then(|| Rng::new(case.seed, 98).below(n_q as u64) as usize);
+    if let Some(qi) = qi {
+        for t in 0..d_k {
+            inputs.q[(qi, t)] = poison;
+        }
+    }
+    let opts = inputs.options();
+    let mask = HeadMask::new(&opts, n_q, n_k, opts.key_length(0));
+    let (o, lse) = run_head(engine, &inputs)?;
+    let r = reference(&inputs);
+    let b = bound(engine, &inputs, &r, 0);
+    let hidden = |i: usize| !mask.allows(i, j) && Some(i) != qi;
+    compare_head(
+        &format!("key {j} and query {qi:?} poisoned with {poison}, rows that see neither"),
+        o.as_ref(),
+        Some(&lse),
+        &r,
+        &b,
+        &hidden,
+    )
+    .map_err(fail)
+}
+
+// ---------------------------------------------------------------------------------------
+// 3: fully masked rows.
+
+/// How a case is forced to have rows with no visible key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowHider {
+    /// `n_k = 0`.
+    NoKeys,
+    /// Key padding to length 0.
+    KeyLengthZero,
+    /// Bottom-right causal with more queries than keys: the first `n_q − n_k` rows see
+    /// nothing.
+    BottomRightShort,
+    /// A window `(0, 0)` aligned bottom-right with more queries than keys: the first
+    /// `n_q − n_k` rows are aligned before the first key.
+    WindowPastTheKeys,
+    /// Row 0 (and some others) hidden by the boolean mask.
+    BoolRows,
+    /// Row 0 (and some others) `-inf` everywhere in the additive mask.
+    AdditiveRows,
+}
+
+pub(crate) fn masked_rows_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, RowHider)> {
+    (
+        head_case(shapes),
+        select(vec![
+            RowHider::NoKeys,
+            RowHider::KeyLengthZero,
+            RowHider::BottomRightShort,
+            RowHider::WindowPastTheKeys,
+            RowHider::BoolRows,
+            RowHider::AdditiveRows,
+        ]),
+    )
+        .prop_map(|(mut c, h)| {
+            c.n_q = c.n_q.max(1);
+            match h {
+                RowHider::NoKeys => c.n_k = 0,
+                RowHider::KeyLengthZero => c.masks.key_len_permille = Some(0),
+                RowHider::BottomRightShort => {
+                    c.n_q = c.n_q.max(c.n_k + 1);
+                    c.masks.causal = Some(Causal::BottomRight);
+                }
+                RowHider::WindowPastTheKeys => {
+                    c.n_q = c.n_q.max(c.n_k + 1);
+                    c.masks.window =
+                        Some(SlidingWindow::new(Some(0), Some(0), Causal::BottomRight));
+                }
+                RowHider::BoolRows => {
+                    let mut b = c.masks.bool_mask.unwrap_or(BoolRecipe {
+                        allow: true,
+                        visible_percent: 70,
+                        hidden_rows_percent: 0,
+                    });
+                    b.hidden_rows_percent = b.hidden_rows_percent.max(30);
+                    c.masks.bool_mask = Some(b);
+                }
+                RowHider::AdditiveRows => {
+                    let mut a = c.masks.additive.unwrap_or(AdditiveRecipe {
+                        bias: Bias::Small,
+                        neg_inf_percent: 0,
+                        hidden_rows_percent: 0,
+                    });
+                    a.hidden_rows_percent = a.hidden_rows_percent.max(30);
+                    c.masks.additive = Some(a);
+                }
+            }
+            (c, h)
+        })
+        .boxed()
+}
+
+pub(crate) fn fully_masked_rows(engine: &dyn Engine, (case, hider): (HeadCase, RowHider)) -> Check {
+    let mut inputs = case.build(engine.storage());
+    let n_k = inputs.k.nrows();
+    // Make sure row 0 is hidden by the element-wise masks that were asked to hide rows.
+    match hider {
+        RowHider::BoolRows => {
+            if let Some((allow, m)) = inputs.masks.bool_mask.as_mut() {
+                for j in 0..n_k {
+                    m[(0, j)] = !*allow;
+                }
+            }
+        }
+        RowHider::AdditiveRows => {
+            if let Some(m) = inputs.masks.additive.as_mut() {
+                for j in 0..n_k {
+                    m[(0, j)] = f32::NEG_INFINITY;
+                }
+            }
+        }
+        _ => {}
+    }
+    let (o, lse, r, _) = equivalent(engine, &inputs, "fully masked rows")?;
+    if r.lse[0] != f64::NEG_INFINITY {
+        return Err(fail(format!(
+            "oracle bug: {hider:?} left row 0 with a visible key"
+        )));
+    }
+    if o.col_iter().any(|c| c.iter().any(|x| !x.is_finite())) || lse.iter().any(|x| x.is_nan()) {
+        return Err(fail("NaN or Inf in the output of a partly masked problem"));
+    }
+    // The same problem through the batched API: one batch entry, one head.
+    let [n_q, _, d_k, d_v] = inputs.dims();
+    let to_vec = |m: &Mat<f32>| -> Vec<f32> {
+        (0..m.nrows())
+            .flat_map(|i| (0..m.ncols()).map(move |j| (i, j)))
+            .map(|(i, j)| m[(i, j)])
+            .collect()
+    };
+    let (qd, kd, vd) = (to_vec(&inputs.q), to_vec(&inputs.k), to_vec(&inputs.v));
+    let bhsd = attn_core::Layout::Bhsd;
+    let q = Tensor4Ref::from_layout(&qd, [1, 1, n_q, d_k], bhsd).expect("fits");
+    let k = Tensor4Ref::from_layout(&kd, [1, 1, n_k, d_k], bhsd).expect("fits");
+    let v = Tensor4Ref::from_layout(&vd, [1, 1, n_k, d_v], bhsd).expect("fits");
+    let t = engine
+        .attention_batched(q, k, v, &inputs.options())
+        .map_err(|e| engine_err("batched call", e))?;
+    let head = t.as_ref().head(0, 0).map_err(|e| fail(e.to_string()))?;
+    for i in (0..n_q).filter(|&i| r.lse[i] == f64::NEG_INFINITY) {
+        if let Some(c) = (0..d_v).find(|&c| head[(i, c)] != 0.0) {
+            return Err(fail(format!(
+                "batched call: row {i} has no visible key but output[{i}, {c}] = {:e}",
+                head[(i, c)]
+            )));
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// 9: adversarial values.
+
+pub(crate) fn adversarial(engine: &dyn Engine, case: HeadCase) -> Check {
+    matches_reference(engine, &case, "adversarial head")
+}
+
+// ---------------------------------------------------------------------------------------
+// Malformed input.
+
+/// One defect in an otherwise valid call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Defect {
+    /// K has one column too many.
+    KeyWidth,
+    /// V has one row too many.
+    ValueRows,
+    /// `d_k = 0`.
+    ZeroKeyWidth,
+    /// A non-finite or non-positive scale.
+    Scale(f32),
+    /// The additive mask has one row too many.
+    AdditiveShape,
+    /// The boolean mask has one column too many.
+    BoolShape,
+    /// Key padding longer than `n_k`.
+    KeyLength,
+    /// Batched: `h_q` not a multiple of `h_kv`.
+    HeadGrouping,
+    /// Batched: K has another batch size than Q.
+    BatchSize,
+    /// Batched: one key length too few.
+    KeyLengthCount,
+}
+
+pub(crate) fn malformed_case() -> BoxedStrategy<(Defect, usize, usize, usize, usize)> {
+    (
+        select(vec![
+            Defect::KeyWidth,
+            Defect::ValueRows,
+            Defect::ZeroKeyWidth,
+            Defect::Scale(0.0),
+            Defect::Scale(-1.0),
+            Defect::Scale(f32::NAN),
+            Defect::Scale(f32::INFINITY),
+            Defect::AdditiveShape,
+            Defect::BoolShape,
+            Defect::KeyLength,
+            Defect::HeadGrouping,
+            Defect::BatchSize,
+            Defect::KeyLengthCount,
+        ]),
+        0..=5usize,
+        0..=5usize,
+        1..=5usize,
+        0..=4usize,
+    )
+        .boxed()
+}
+
+pub(crate) fn malformed_input(
+    engine: &dyn Engine,
+    (defect, n_q, n_k, d_k, d_v): (Defect, usize, usize, usize, usize),
+) -> Check {
+    let z = |r: usize, c: usize| Mat::<f32>::from_fn(r, c, |i, j| (i + 2 * j) as f32 * 0.25);
+    let (mut q, mut k, mut v) = (z(n_q, d_k), z(n_k, d_k), z(n_k, d_v));
+    let add = z(n_q + 1, n_k);
+    let bits = Mat::<bool>::from_fn(n_q, n_k + 1, |i, j| (i + j) % 2 == 0);
+    let mut opts = Options::default();
+    let batched = matches!(
+        defect,
+        Defect::HeadGrouping | Defect::BatchSize | Defect::KeyLengthCount
+    );
+    match defect {
+        Defect::KeyWidth => k = z(n_k, d_k + 1),
+        Defect::ValueRows => v = z(n_k + 1, d_v),
+        Defect::ZeroKeyWidth => {
+            q = z(n_q, 0);
+            k = z(n_k, 0);
+        }
+        Defect::Scale(s) => opts = opts.with_scale(s),
+        Defect::AdditiveShape => opts = opts.with_additive_mask(add.as_ref()),
+        Defect::BoolShape => opts = opts.with_bool_mask(BoolMask::block(bits.as_ref())),
+        Defect::KeyLength => opts = opts.with_key_length(n_k + 1),
+        Defect::HeadGrouping | Defect::BatchSize | Defect::KeyLengthCount => {}
+    }
+    let report = |e: Result<(), attn_core::Error>, r: Result<(), attn_core::Error>| -> Check {
+        match (e, r) {
+            (Err(e), Err(r)) if e.to_string() == r.to_string() => Ok(()),
+            (e, r) => Err(fail(format!(
+                "{defect:?}: the engine says {e:?}, the reference says {r:?}"
+            ))),
+        }
+    };
+    if !batched {
+        let e = engine.attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts);
+        let r = attn_reference::attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts);
+        return report(e.map(|_| ()), r.map(|_| ()));
+    }
+    let (batch, h_q, h_kv, kv_batch) = match defect {
+        Defect::HeadGrouping => (2, 3, 2, 2),
+        Defect::BatchSize => (2, 2, 1, 3),
+        _ => (2, 2, 2, 2),
+    };
+    let lens = [n_k];
+    if defect == Defect::KeyLengthCount {
+        opts = opts.with_key_lengths(&lens);
+    }
+    let qd = vec![0.5f32; batch * h_q * n_q * d_k];
+    let kd = vec![0.25f32; kv_batch * h_kv * n_k * d_k];
+    let vd = vec![1.0f32; kv_batch * h_kv * n_k * d_v];
+    let l = attn_core::Layout::Bhsd;
+    let qt = Tensor4Ref::from_layout(&qd, [batch, h_q, n_q, d_k], l).expect("fits");
+    let kt = Tensor4Ref::from_layout(&kd, [kv_batch, h_kv, n_k, d_k], l).expect("fits");
+    let vt = Tensor4Ref::from_layout(&vd, [kv_batch, h_kv, n_k, d_v], l).expect("fits");
+    let e = engine.attention_batched(qt, kt, vt, &opts);
+    let r = attn_reference::attention_batched(qt, kt, vt, &opts);
+    report(e.map(|_| ()), r.map(|_| ()))
+}
