@@ -181,6 +181,24 @@ impl Error {
         }
     }
 
+    /// [`Error::HeadGrouping`]: `h_q` query heads cannot share `h_kv` key/value heads.
+    ///
+    /// ```
+    /// use attn_core::Error;
+    /// assert_eq!(
+    ///     Error::head_grouping(6, 4).to_string(),
+    ///     "Q has 6 heads but K/V have 4 (6 is not a positive multiple of 4)"
+    /// );
+    /// ```
+    pub fn head_grouping(h_q: usize, h_kv: usize) -> Self {
+        Error::HeadGrouping { h_q, h_kv }
+    }
+
+    /// [`Error::Unsupported`]: an option `operand` that this entry point cannot honour.
+    pub fn unsupported(operand: &'static str, reason: &'static str) -> Self {
+        Error::Unsupported { operand, reason }
+    }
+
     /// [`Error::DimensionMismatch`] for a per-row LSE buffer of the wrong length.
     ///
     /// ```

@@ -48,10 +48,7 @@ impl MultiHeadWeights {
         kv_heads: usize,
     ) -> Result<Self> {
         if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(Error::HeadGrouping {
-                h_q: heads,
-                h_kv: kv_heads,
-            });
+            return Err(Error::head_grouping(heads, kv_heads));
         }
         let split = |operand: &'static str, cols: usize, h: usize| {
             if cols.is_multiple_of(h) && cols > 0 {

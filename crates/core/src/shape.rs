@@ -113,7 +113,7 @@ impl BatchShape {
         check_dim("V", "heads", hv, "K", hk, "K and V share their heads")?;
         let head = check_operands([sq, dq], [sk, dk], [sv, dv])?;
         if hk == 0 && hq != 0 || hk != 0 && !hq.is_multiple_of(hk) {
-            return Err(Error::HeadGrouping { h_q: hq, h_kv: hk });
+            return Err(Error::head_grouping(hq, hk));
         }
         Ok(BatchShape {
             batch: bq,

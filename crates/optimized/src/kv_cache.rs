@@ -348,10 +348,10 @@ impl<T: Element> KvCache<T> {
             || options.additive_mask.is_some()
             || options.key_padding.is_some()
         {
-            return Err(Error::Unsupported {
-                operand: "KV cache attend options",
-                reason: "masks and key padding are not accepted; use causal alignment and windows (the cache lengths pad each entry)",
-            });
+            return Err(Error::unsupported(
+                "KV cache attend options",
+                "masks and key padding are not accepted; use causal alignment and windows (the cache lengths pad each entry)",
+            ));
         }
         let [b, h_q, _, d_k] = q.dims();
         let mismatch = |operand, axis, found, expected, rule| {
@@ -370,10 +370,7 @@ impl<T: Element> KvCache<T> {
             return Err(mismatch("Q", "columns", d_k, self.d_k, "d_k must match"));
         }
         if self.kv_heads == 0 || !h_q.is_multiple_of(self.kv_heads) {
-            return Err(Error::HeadGrouping {
-                h_q,
-                h_kv: self.kv_heads,
-            });
+            return Err(Error::head_grouping(h_q, self.kv_heads));
         }
         let scale = options.scale_for(d_k)?;
         let (keys, values) = (self.keys(), self.values());
