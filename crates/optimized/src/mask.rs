@@ -39,36 +39,31 @@ pub(crate) fn key_blocks<'a, T>(
         })
 }
 
-/// Hides the keys outside each row's structural range (diagonal and boundary tiles) in a
-/// column-major score tile with leading dimension `br`.
-pub(crate) fn mask_structural<T>(
+/// Masks a column-major score tile (leading dimension `br`) of query rows `rows` and keys
+/// `cols`: hides the keys outside each row's structural range when the block straddles a
+/// boundary (`coverage` is `Partial`), then applies the boolean and additive masks.
+pub(crate) fn mask_tile<T>(
     s: &mut [f32],
     br: usize,
     head: &HeadInputs<'_, T>,
-    rows: Range<usize>,
-    cols: Range<usize>,
+    (rows, cols): (Range<usize>, Range<usize>),
+    coverage: TileCoverage,
 ) {
-    for (i, row) in rows.enumerate() {
-        let r = head.key_range(row);
-        let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
-        for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
-            s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
+    if coverage == TileCoverage::Partial {
+        for (i, row) in rows.clone().enumerate() {
+            let r = head.key_range(row);
+            let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
+            for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
+                s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
+            }
         }
     }
-}
-
-/// Applies boolean and additive masks entry by entry to a column-major score tile.
-pub(crate) fn mask_elementwise<T>(
-    s: &mut [f32],
-    br: usize,
-    head: &HeadInputs<'_, T>,
-    rows: Range<usize>,
-    cols: Range<usize>,
-) {
-    for j in cols.clone() {
-        let col = &mut s[(j - cols.start) * br..];
-        for (i, row) in rows.clone().enumerate() {
-            mask_entry(&mut col[i], head, row, j);
+    if head.mask.has_elementwise() {
+        for j in cols.clone() {
+            let col = &mut s[(j - cols.start) * br..];
+            for (i, row) in rows.clone().enumerate() {
+                mask_entry(&mut col[i], head, row, j);
+            }
         }
     }
 }
@@ -84,7 +79,7 @@ pub(crate) fn zero_weight_meets_non_finite<T: Element>(
 }
 
 /// Applies the boolean and additive masks to the score of query `row` and key `j`.
-pub(crate) fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
+fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
     let row = head.mask_row(row);
     if let Some(b) = head.mask.boolean()
         && !b.allows(row, j)
@@ -95,29 +90,24 @@ pub(crate) fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j
     }
 }
 
-/// Hides the keys of `cols` outside row `row`'s structural range in one row of scores.
-pub(crate) fn mask_structural_row<T>(
+/// [`mask_tile`] for one row of scores: query row `row`, keys `cols`.
+pub(crate) fn mask_row<T>(
     s: &mut [f32],
     head: &HeadInputs<'_, T>,
-    row: usize,
-    cols: Range<usize>,
+    (row, cols): (usize, Range<usize>),
+    coverage: TileCoverage,
 ) {
-    let r = head.key_range(row);
-    for (j, x) in cols.zip(s.iter_mut()) {
-        if !r.contains(&j) {
-            *x = f32::NEG_INFINITY;
+    if coverage == TileCoverage::Partial {
+        let r = head.key_range(row);
+        for (j, x) in cols.clone().zip(s.iter_mut()) {
+            if !r.contains(&j) {
+                *x = f32::NEG_INFINITY;
+            }
         }
     }
-}
-
-/// Applies boolean and additive masks to one row of scores, keys `cols`.
-pub(crate) fn mask_elementwise_row<T>(
-    s: &mut [f32],
-    head: &HeadInputs<'_, T>,
-    row: usize,
-    cols: Range<usize>,
-) {
-    for (j, x) in cols.zip(s.iter_mut()) {
-        mask_entry(x, head, row, j);
+    if head.mask.has_elementwise() {
+        for (j, x) in cols.zip(s.iter_mut()) {
+            mask_entry(x, head, row, j);
+        }
     }
 }

@@ -10,7 +10,7 @@ use faer::{Accum, MatMut, MatRef, Par};
 use super::Scratch;
 use crate::kernel::element::{Element, f32_rows};
 use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update};
-use crate::mask::{key_blocks, mask_elementwise, mask_structural, zero_weight_meets_non_finite};
+use crate::mask::{key_blocks, mask_tile, zero_weight_meets_non_finite};
 use crate::problem::HeadInputs;
 use crate::schedule::TilePlan;
 
@@ -55,12 +55,13 @@ impl Scratch {
                     Par::Seq,
                 );
             }
-            if coverage == TileCoverage::Partial {
-                mask_structural(&mut self.s, br, head, rows.clone(), cols.clone());
-            }
-            if head.mask.has_elementwise() {
-                mask_elementwise(&mut self.s, br, head, rows.clone(), cols.clone());
-            }
+            mask_tile(
+                &mut self.s,
+                br,
+                head,
+                (rows.clone(), cols.clone()),
+                coverage,
+            );
             let mut state = RowState {
                 m: &mut self.m,
                 l: &mut self.l,

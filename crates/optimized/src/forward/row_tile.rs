@@ -15,9 +15,7 @@ use super::Scratch;
 use crate::kernel::element::{Element, row_slices};
 use crate::kernel::online_softmax::softmax_row;
 use crate::kernel::rows::{RowKernels, accumulate, scores};
-use crate::mask::{
-    key_blocks, mask_elementwise_row, mask_structural_row, zero_weight_meets_non_finite,
-};
+use crate::mask::{key_blocks, mask_row, zero_weight_meets_non_finite};
 use crate::problem::HeadInputs;
 use crate::schedule::{KEY_TILE, TilePlan};
 
@@ -74,12 +72,7 @@ impl Scratch {
             for i in 0..nr {
                 let s = &mut self.s[i * bc..i * bc + nc];
                 let row = rows.start + i;
-                if coverage == TileCoverage::Partial {
-                    mask_structural_row(s, head, row, cols.clone());
-                }
-                if head.mask.has_elementwise() {
-                    mask_elementwise_row(s, head, row, cols.clone());
-                }
+                mask_row(s, head, (row, cols.clone()), coverage);
                 self.alpha[i] = softmax_row(s, &mut self.m[i], &mut self.l[i]);
             }
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
