@@ -27,11 +27,18 @@ pub enum Causal {
 }
 
 impl Causal {
-    /// The diagonal offset: query `i` is aligned with key `i + offset`.
+    /// The diagonal offset: query `i` is aligned with key `i + offset` (saturated at the
+    /// ends of `i64` for lengths beyond it).
     pub fn offset(self, n_q: usize, n_k: usize) -> i64 {
+        let wide = self.offset_wide(n_q, n_k);
+        wide.clamp(i64::MIN.into(), i64::MAX.into()) as i64
+    }
+
+    /// [`Causal::offset`] without saturation: every `usize` difference fits an `i128`.
+    fn offset_wide(self, n_q: usize, n_k: usize) -> i128 {
         match self {
             Causal::TopLeft => 0,
-            Causal::BottomRight => n_k as i64 - n_q as i64,
+            Causal::BottomRight => n_k as i128 - n_q as i128,
         }
     }
 }
@@ -140,8 +147,10 @@ pub enum TileCoverage {
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct HeadMask<'a> {
-    causal_offset: Option<i64>,
-    window: Option<(i64, Option<usize>, Option<usize>)>,
+    // Offsets and bounds in i128, where no sum of `usize` lengths and bounds overflows:
+    // a window bound near `usize::MAX` means "unbounded on that side", not a wrap-around.
+    causal_offset: Option<i128>,
+    window: Option<(i128, Option<usize>, Option<usize>)>,
     key_len: usize,
     boolean: Option<BoolMask<'a>>,
     additive: Option<MatRef<'a, f32>>,
@@ -157,10 +166,10 @@ impl<'a> HeadMask<'a> {
         key_len: Option<usize>,
     ) -> Self {
         Self {
-            causal_offset: options.causal.map(|c| c.offset(n_q, n_k)),
+            causal_offset: options.causal.map(|c| c.offset_wide(n_q, n_k)),
             window: options
                 .window
-                .map(|w| (w.align.offset(n_q, n_k), w.left, w.right)),
+                .map(|w| (w.align.offset_wide(n_q, n_k), w.left, w.right)),
             key_len: key_len.unwrap_or(n_k).min(n_k),
             boolean: options.bool_mask,
             additive: options.additive_mask,
@@ -170,21 +179,22 @@ impl<'a> HeadMask<'a> {
     /// The keys that the structural constraints (causal, window, padding) leave visible to
     /// query `i`. Both ends are non-decreasing in `i`. Empty when nothing is visible.
     pub fn key_range(&self, i: usize) -> Range<usize> {
-        let i = i as i64;
-        let mut lo: i64 = 0;
-        let mut hi: i64 = self.key_len as i64;
+        let i = i as i128;
+        let mut lo: i128 = 0;
+        let mut hi: i128 = self.key_len as i128;
         if let Some(off) = self.causal_offset {
             hi = hi.min(i + off + 1);
         }
         if let Some((off, left, right)) = self.window {
             let c = i + off;
             if let Some(l) = left {
-                lo = lo.max(c - l as i64);
+                lo = lo.max(c - l as i128);
             }
             if let Some(r) = right {
-                hi = hi.min(c + r as i64 + 1);
+                hi = hi.min(c + r as i128 + 1);
             }
         }
+        // 0 ≤ lo ≤ hi ≤ key_len, so both fit a usize.
         let hi = hi.max(0) as usize;
         let lo = (lo.max(0) as usize).min(hi);
         lo..hi

@@ -11,6 +11,7 @@ use attn_core::TileCoverage;
 use faer::MatRef;
 
 use crate::kernel::element::Element;
+use crate::kernel::online_softmax::saturate;
 use crate::problem::HeadInputs;
 
 /// The blocks of at most `block` keys of `keys` that query rows `rows` must visit, with
@@ -40,8 +41,11 @@ pub(crate) fn key_blocks<'a, T>(
 }
 
 /// Masks a column-major score tile (leading dimension `br`) of query rows `rows` and keys
-/// `cols`: hides the keys outside each row's structural range when the block straddles a
-/// boundary (`coverage` is `Partial`), then applies the boolean and additive masks.
+/// `cols`. When the block straddles a structural boundary (`coverage` is `Partial`), the
+/// keys outside each row's range are hidden (`-inf`) and only the visible ones see the
+/// element-wise masks: a structurally hidden key is hidden whatever its bias says. Every
+/// visible score is then saturated into the finite range ([`saturate`]); the softmax pass
+/// saturates the scores of blocks with nothing hidden.
 pub(crate) fn mask_tile<T>(
     s: &mut [f32],
     br: usize,
@@ -50,15 +54,17 @@ pub(crate) fn mask_tile<T>(
     coverage: TileCoverage,
 ) {
     if coverage == TileCoverage::Partial {
-        for (i, row) in rows.clone().enumerate() {
+        for (i, row) in rows.enumerate() {
             let r = head.key_range(row);
             let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
             for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
                 s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
             }
+            for j in visible {
+                mask_entry(&mut s[(j - cols.start) * br + i], head, row, j);
+            }
         }
-    }
-    if head.mask.has_elementwise() {
+    } else if head.mask.has_elementwise() {
         for j in cols.clone() {
             let col = &mut s[(j - cols.start) * br..];
             for (i, row) in rows.clone().enumerate() {
@@ -78,7 +84,10 @@ pub(crate) fn zero_weight_meets_non_finite<T: Element>(
     (0..v.nrows()).any(|j| zero_weight(j) && v.row(j).iter().any(|x| !x.to_f32().is_finite()))
 }
 
-/// Applies the boolean and additive masks to the score of query `row` and key `j`.
+/// The score of query `row` and key `j`, which the structural constraints leave visible,
+/// under the element-wise masks: `-inf` where the boolean mask blocks it or its bias is
+/// `-inf` (assigned, so a non-finite score of a hidden key never reaches the row), else
+/// the score plus the bias (in the log2 domain), saturated into the finite range.
 fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
     let row = head.mask_row(row);
     if let Some(b) = head.mask.boolean()
@@ -86,7 +95,15 @@ fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
     {
         *x = f32::NEG_INFINITY;
     } else if let Some(a) = head.mask.additive() {
-        *x += a[(row, j)] * core::f32::consts::LOG2_E;
+        let bias = a[(row, j)];
+        *x = if bias == f32::NEG_INFINITY {
+            f32::NEG_INFINITY
+        } else {
+            // A finite bias stays finite: f32::MIN · log2(e) saturates, it does not hide.
+            saturate(*x + saturate(bias * core::f32::consts::LOG2_E))
+        };
+    } else {
+        *x = saturate(*x);
     }
 }
 
@@ -97,16 +114,15 @@ pub(crate) fn mask_row<T>(
     (row, cols): (usize, Range<usize>),
     coverage: TileCoverage,
 ) {
-    if coverage == TileCoverage::Partial {
-        let r = head.key_range(row);
-        for (j, x) in cols.clone().zip(s.iter_mut()) {
-            if !r.contains(&j) {
-                *x = f32::NEG_INFINITY;
-            }
-        }
+    let partial = coverage == TileCoverage::Partial;
+    if !partial && !head.mask.has_elementwise() {
+        return;
     }
-    if head.mask.has_elementwise() {
-        for (j, x) in cols.zip(s.iter_mut()) {
+    let r = head.key_range(row);
+    for (j, x) in cols.zip(s.iter_mut()) {
+        if partial && !r.contains(&j) {
+            *x = f32::NEG_INFINITY;
+        } else {
             mask_entry(x, head, row, j);
         }
     }

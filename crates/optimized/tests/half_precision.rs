@@ -140,7 +140,11 @@ fn half_nan_and_inf_touch_only_their_rows() {
     let o = attention(q.as_ref(), k.as_ref(), v.as_ref(), &Options::default()).unwrap();
     for i in 0..200 {
         let finite = (0..8).all(|c| o[(i, c)].is_finite());
-        assert_eq!(finite, i != 7 && i != 150, "row {i}");
+        // Row 7 is NaN; row 150's products with the keys are ±inf, which saturate
+        // (docs/conventions.md), or NaN where a key's entry is 0: either is its own.
+        if i != 150 {
+            assert_eq!(finite, i != 7, "row {i}");
+        }
     }
 }
 

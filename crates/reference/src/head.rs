@@ -27,6 +27,22 @@ fn narrow<T: Element>(m: MatRef<'_, f64>) -> Mat<T> {
     Mat::from_fn(m.nrows(), m.ncols(), |i, j| T::from_f64(m[(i, j)]))
 }
 
+/// The largest score magnitude of the contract: `f32::MAX · ln 2`, which is `f32::MAX` in
+/// the base-2 domain that f32 engines compute in. A visible score beyond it (a huge
+/// `q·k`, a bias near `±f32::MAX`, `+inf`) counts as `±SCORE_LIMIT`; NaN stays NaN.
+pub const SCORE_LIMIT: f64 = f32::MAX as f64 * core::f64::consts::LN_2;
+
+/// `x` clamped into `[−SCORE_LIMIT, SCORE_LIMIT]`; NaN stays NaN.
+fn saturate(x: f64) -> f64 {
+    if x > SCORE_LIMIT {
+        SCORE_LIMIT
+    } else if x < -SCORE_LIMIT {
+        -SCORE_LIMIT
+    } else {
+        x
+    }
+}
+
 /// The formula on f64 operands that are already validated.
 pub(crate) fn attend(
     q: MatRef<'_, f64>,
@@ -47,9 +63,12 @@ pub(crate) fn attend(
         1.0,
         Par::Seq,
     );
+    // A key hidden by structure, the boolean mask or a -inf bias is -inf before anything
+    // about it is computed; a visible score saturates at ±SCORE_LIMIT (the contract's
+    // rule for scores beyond f32), its bias first.
     let scores = Mat::from_fn(n_q, n_k, |i, j| {
-        if mask.allows(i, j) {
-            scale * dots[(i, j)] + f64::from(mask.bias(i, j))
+        if mask.sees(i, j) {
+            saturate(scale * dots[(i, j)] + saturate(f64::from(mask.bias(i, j))))
         } else {
             f64::NEG_INFINITY
         }

@@ -26,7 +26,7 @@ pub use attn_core::{
 };
 pub use element::Element;
 pub use head::{
-    Materialized, attention, attention_batched, attention_batched_materialized,
+    Materialized, SCORE_LIMIT, attention, attention_batched, attention_batched_materialized,
     attention_materialized,
 };
 pub use multi_head::MultiHeadAttention;

@@ -68,7 +68,8 @@ impl Scratch {
                 alpha: &mut self.alpha,
                 m_safe: &mut self.m_safe,
             };
-            if softmax_update(&mut self.s, br, nr, nc, &mut state) {
+            let all_visible = coverage == TileCoverage::Full && !head.mask.has_elementwise();
+            if softmax_update(&mut self.s, br, nr, nc, &mut state, all_visible) {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
             let p = MatRef::from_column_major_slice_with_stride(&self.s, nr, nc, br);

@@ -56,10 +56,6 @@ pub(crate) fn batched<T: Element, O: Element>(
         .map(RowMut::from_slice_mut)
         .collect();
     let lse = lse.unwrap_or_default();
-    if batch.problem.rows * batch.problem.d_v == 0 {
-        lse.fill(f32::NEG_INFINITY);
-        return Ok(());
-    }
     let jobs = batch.jobs(&mut rows, lse)?;
     run(&batch.problem, jobs, split);
     Ok(())

@@ -69,13 +69,13 @@ impl Scratch {
                     scores(q_row(i), &k[..nc], &mut s[..nc]);
                 }
             }
+            let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
             for i in 0..nr {
                 let s = &mut self.s[i * bc..i * bc + nc];
                 let row = rows.start + i;
                 mask_row(s, head, (row, cols.clone()), coverage);
-                self.alpha[i] = softmax_row(s, &mut self.m[i], &mut self.l[i]);
+                self.alpha[i] = softmax_row(s, &mut self.m[i], &mut self.l[i], !masked);
             }
-            let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
             let zero_weight = |jj: usize| (0..nr).any(|i| self.s[i * bc + jj] == 0.0);
             let careful = masked && zero_weight_meets_non_finite(vb, zero_weight);
             if let Some(kernels) = in_place.filter(|_| !careful) {

@@ -9,7 +9,8 @@
 use super::{mul_add, multiversion};
 
 /// `2^x` to within 2 ulp for normal results; exactly 0 below −126 (and at −∞), +∞ from
-/// 128 on, NaN for NaN.
+/// 127.5 on (where `k` rounds to 128; [`exp2_in_place`] covers `[127.5, 128)` too), NaN
+/// for NaN.
 #[inline(always)]
 pub(crate) fn exp2_approx<const FMA: bool>(x: f32) -> f32 {
     // Adding 1.5·2^23 rounds x to an integer k (ties to even) held in the low mantissa bits.
@@ -32,16 +33,26 @@ pub(crate) fn exp2_approx<const FMA: bool>(x: f32) -> f32 {
     if x < -126.0 { 0.0 } else { r }
 }
 
+/// [`exp2_approx`] over the whole f32 range: on `[127.5, 128)` the range reduction rounds
+/// `k` up to 128, whose `2^k` overflows although `2^x` does not, so there it is `2·2^(x−1)`.
+/// (The softmax never gets there: its arguments are at most [`super::online_softmax::LAZY_RESCALE_LOG2`].)
+#[inline(always)]
+fn exp2_full_range<const FMA: bool>(x: f32) -> f32 {
+    let top = x >= 127.5;
+    let y = exp2_approx::<FMA>(if top { x - 1.0 } else { x });
+    if top { y * 2.0 } else { y }
+}
+
 #[inline(always)]
 fn exp2_in_place_body<const FMA: bool>(xs: &mut [f32]) {
     for x in xs {
-        *x = exp2_approx::<FMA>(*x);
+        *x = exp2_full_range::<FMA>(*x);
     }
 }
 
 multiversion! {
-    /// Replaces every `x` by `2^x` (within 2 ulp; 0 below −126 and at −∞, NaN stays NaN),
-    /// vectorised for the CPU it runs on.
+    /// Replaces every `x` by `2^x` (within 2 ulp; 0 below −126 and at −∞, +∞ from 128 on,
+    /// NaN stays NaN), vectorised for the CPU it runs on.
     ///
     /// ```
     /// let mut xs = [0.0f32, 1.0, -1.0, 10.5, f32::NEG_INFINITY, -1000.0];
@@ -108,10 +119,20 @@ mod tests {
     #[test]
     fn dispatched_slice_matches_scalar() {
         let mut xs: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.37).collect();
-        let want: Vec<f32> = xs.iter().map(|&x| exp2_approx::<true>(x)).collect();
+        let want: Vec<f32> = xs.iter().map(|&x| exp2_full_range::<true>(x)).collect();
         exp2_in_place(&mut xs);
         for (g, w) in xs.iter().zip(&want) {
             assert!(g == w || (g - w).abs() <= w.abs() * 2.4e-7, "{g} vs {w}");
         }
+    }
+
+    #[test]
+    fn the_slice_version_is_finite_up_to_128() {
+        let mut xs = [127.5f32, 127.75, 127.999_99, 128.0, 200.0];
+        exp2_in_place(&mut xs);
+        for (&got, x) in xs[..3].iter().zip([127.5f32, 127.75, 127.999_99]) {
+            assert!(got.is_finite() && ulp_error(got, x) <= 2.0, "2^{x} = {got}");
+        }
+        assert_eq!(&xs[3..], &[f32::INFINITY, f32::INFINITY]);
     }
 }

@@ -18,6 +18,24 @@ use super::multiversion;
 /// accumulator is rescaled.
 pub const LAZY_RESCALE_LOG2: f32 = 8.0;
 
+/// `x` clamped into `[−f32::MAX, f32::MAX]`; NaN stays NaN. A visible score that
+/// overflows f32 (a huge `q·k`, a bias near `f32::MAX` added) saturates, so the row's
+/// softmax stays defined (`docs/conventions.md`, "Scores beyond f32").
+#[inline(always)]
+pub(crate) fn saturate(x: f32) -> f32 {
+    if x > f32::MAX {
+        f32::MAX
+    } else if x < -f32::MAX {
+        -f32::MAX
+    } else {
+        x
+    }
+}
+
+/// A block maximum beyond this (or `±inf`) in a block with nothing hidden means some score
+/// overflowed: the block's row is saturated before the softmax (a rare, slow path).
+const HUGE: f32 = f32::MAX / 2.0;
+
 /// Per-row state of the online softmax for one query tile.
 #[derive(Debug)]
 pub(crate) struct RowState<'a> {
@@ -38,6 +56,7 @@ fn update_body<const FMA: bool>(
     rows: usize,
     cols: usize,
     state: &mut RowState<'_>,
+    all_visible: bool,
 ) -> bool {
     let m = &mut state.m[..rows];
     let l = &mut state.l[..rows];
@@ -51,6 +70,21 @@ fn update_body<const FMA: bool>(
         let col = &s[j * ld..j * ld + rows];
         for (b, &x) in alpha.iter_mut().zip(col) {
             *b = if x > *b { x } else { *b };
+        }
+    }
+    //    In a block with nothing hidden, a non-finite or huge maximum means a score
+    //    overflowed (or every score is NaN): saturate that row, so that an overflowed
+    //    score counts as ±f32::MAX, not as a hidden key or a NaN.
+    if all_visible {
+        for (i, b) in alpha.iter_mut().enumerate() {
+            if !(b.abs() <= HUGE) {
+                *b = f32::NEG_INFINITY;
+                for j in 0..cols {
+                    let x = &mut s[j * ld + i];
+                    *x = saturate(*x);
+                    *b = if *x > *b { *x } else { *b };
+                }
+            }
         }
     }
 
@@ -86,13 +120,16 @@ multiversion! {
     /// Runs the online-softmax step on a `rows × cols` score tile stored column-major with
     /// leading dimension `ld`: afterwards the tile holds the unnormalised probabilities,
     /// `state` the updated maxima and sums, and `state.alpha` the factor each accumulator
-    /// row must be scaled by. Returns whether any factor differs from 1.
+    /// row must be scaled by. Returns whether any factor differs from 1. `all_visible`
+    /// says that no score of the tile is hidden (none is `-inf` by design), so that
+    /// overflowed scores can be told apart and saturated.
     pub(crate) fn softmax_update(
         s: &mut [f32],
         ld: usize,
         rows: usize,
         cols: usize,
         state: &mut RowState<'_>,
+        all_visible: bool,
     ) -> bool = update_body
 }
 
@@ -120,7 +157,12 @@ multiversion! {
 const LANES: usize = 16;
 
 #[inline(always)]
-fn softmax_row_body<const FMA: bool>(s: &mut [f32], m: &mut f32, l: &mut f32) -> f32 {
+fn softmax_row_body<const FMA: bool>(
+    s: &mut [f32],
+    m: &mut f32,
+    l: &mut f32,
+    all_visible: bool,
+) -> f32 {
     let mut block = [f32::NEG_INFINITY; LANES];
     let chunks = s.chunks_exact(LANES);
     for x in chunks.remainder() {
@@ -131,9 +173,17 @@ fn softmax_row_body<const FMA: bool>(s: &mut [f32], m: &mut f32, l: &mut f32) ->
             block[t] = if c[t] > block[t] { c[t] } else { block[t] };
         }
     }
-    let block = block
+    let mut block = block
         .iter()
         .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    // As in `softmax_update`: an overflowed score in a row with nothing hidden saturates.
+    if all_visible && !(block.abs() <= HUGE) {
+        block = f32::NEG_INFINITY;
+        for x in s.iter_mut() {
+            *x = saturate(*x);
+            block = if *x > block { *x } else { block };
+        }
+    }
     let mut alpha = 1.0;
     if block > *m + LAZY_RESCALE_LOG2 {
         alpha = exp2_approx::<FMA>(*m - block);
@@ -159,8 +209,9 @@ fn softmax_row_body<const FMA: bool>(s: &mut [f32], m: &mut f32, l: &mut f32) ->
 multiversion! {
     /// The online-softmax step along one row of scores (log2 domain), for the row kernels:
     /// updates the reference maximum `m` lazily and the sum `l`, replaces the scores by
-    /// `2^(s − m)`, and returns the factor the row's accumulator must be scaled by.
-    pub(crate) fn softmax_row(s: &mut [f32], m: &mut f32, l: &mut f32) -> f32 = softmax_row_body
+    /// `2^(s − m)`, and returns the factor the row's accumulator must be scaled by
+    /// (`all_visible` as for [`softmax_update`]).
+    pub(crate) fn softmax_row(s: &mut [f32], m: &mut f32, l: &mut f32, all_visible: bool) -> f32 = softmax_row_body
 }
 
 #[cfg(test)]
@@ -191,7 +242,7 @@ mod tests {
             alpha,
             m_safe,
         };
-        softmax_update(s, ld, rows, cols, &mut st)
+        softmax_update(s, ld, rows, cols, &mut st, false)
     }
 
     #[test]
@@ -256,7 +307,7 @@ mod tests {
     fn hidden_row_stays_empty() {
         let mut p = vec![f32::NEG_INFINITY; 20];
         let (mut m, mut l) = (f32::NEG_INFINITY, 0.0);
-        softmax_row(&mut p, &mut m, &mut l);
+        softmax_row(&mut p, &mut m, &mut l, false);
         assert_eq!(l, 0.0);
         assert!(p.iter().all(|&x| x == 0.0));
     }

@@ -293,7 +293,7 @@ mod tests {
         let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, [0.0f32]);
         for block in [0..21, 21..40] {
             let mut p = s[block.clone()].to_vec();
-            let alpha = softmax_row(&mut p, &mut m, &mut l);
+            let alpha = softmax_row(&mut p, &mut m, &mut l, false);
             let rows: Vec<&[f32]> = v[block].chunks_exact(1).collect();
             accumulate(&mut acc, alpha, &p, &rows);
         }
