@@ -58,8 +58,9 @@ pub enum Error {
     /// `d_k = 0`: a score needs at least one feature.
     #[error("Q and K have 0 columns (d_k must be at least 1)")]
     EmptyKeyWidth,
-    /// The softmax scale is not a finite positive number.
-    #[error("scale {0} is invalid (it must be finite and positive)")]
+    /// The softmax scale is not a positive number whose product with `log2(e)` is a finite
+    /// f32 (at most about 2.36e38).
+    #[error("scale {0} is invalid (it must be positive, with scale·log2(e) a finite f32)")]
     InvalidScale(f32),
     /// Grouped-query attention needs `h_q` to be a multiple of `h_kv`.
     #[error("Q has {h_q} heads but K/V have {h_kv} ({h_q} is not a positive multiple of {h_kv})")]
@@ -106,6 +107,8 @@ pub enum Error {
         reason: &'static str,
     },
     /// Appending would exceed a fixed capacity.
+    ///
+    /// `requested` is `usize::MAX` when the count it stands for overflows `usize`.
     #[error("{what}: {requested} exceeds the capacity of {capacity}")]
     Capacity {
         /// What is full.
@@ -115,6 +118,31 @@ pub enum Error {
         /// What is available.
         capacity: usize,
     },
+    /// A buffer the call must allocate (an output, an LSE, a cache) cannot be had: its size
+    /// overflows `usize`, exceeds `isize::MAX` bytes (the most one allocation may hold), or
+    /// the allocator refused it. Nothing was computed and nothing was changed.
+    ///
+    /// `bytes` is `usize::MAX` when computing the size overflowed `usize`, and the message
+    /// says so instead of printing a number; see [`Error::allocation`].
+    #[error("could not allocate {what}: {}", AllocationSize(*bytes))]
+    Allocation {
+        /// What could not be allocated (`"attention output"`, `"LSE"`, `"KV cache keys"`, …).
+        what: &'static str,
+        /// Its size in bytes, or `usize::MAX` when that overflows `usize`.
+        bytes: usize,
+    },
+}
+
+/// How [`Error::Allocation`] prints its size.
+struct AllocationSize(usize);
+
+impl core::fmt::Display for AllocationSize {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self.0 {
+            usize::MAX => f.write_str("its size in bytes overflows usize"),
+            bytes => write!(f, "{bytes} bytes"),
+        }
+    }
 }
 
 impl Error {
@@ -166,6 +194,37 @@ impl Error {
             requested,
             capacity,
         }
+    }
+
+    /// [`Error::Allocation`]: `bytes` bytes of `what` could not be allocated; pass
+    /// `usize::MAX` when the size computation itself overflowed.
+    ///
+    /// ```
+    /// use attn_core::Error;
+    /// let e = Error::allocation("attention output", 1 << 50);
+    /// assert_eq!(e.to_string(), "could not allocate attention output: 1125899906842624 bytes");
+    /// let e = Error::allocation("LSE", usize::MAX);
+    /// assert_eq!(e.to_string(), "could not allocate LSE: its size in bytes overflows usize");
+    /// assert!(matches!(e, Error::Allocation { what: "LSE", bytes: usize::MAX }));
+    /// ```
+    pub fn allocation(what: &'static str, bytes: usize) -> Self {
+        Error::Allocation { what, bytes }
+    }
+
+    /// [`Error::Allocation`] for `elements` elements of `T`, or for a count that overflowed
+    /// (`None`): the size in bytes is computed here, saturating to `usize::MAX`.
+    ///
+    /// ```
+    /// use attn_core::Error;
+    /// assert_eq!(
+    ///     Error::allocation_of::<f32>("LSE", Some(1 << 62)),
+    ///     Error::allocation("LSE", usize::MAX), // 2^64 bytes overflow usize
+    /// );
+    /// assert_eq!(Error::allocation_of::<u16>("output", Some(3)), Error::allocation("output", 6));
+    /// ```
+    pub fn allocation_of<T>(what: &'static str, elements: Option<usize>) -> Self {
+        let bytes = elements.and_then(|n| n.checked_mul(size_of::<T>()));
+        Error::allocation(what, bytes.unwrap_or(usize::MAX))
     }
 
     /// [`Error::Layout`]: what is wrong with a tensor's dims, strides or buffer.

@@ -31,7 +31,7 @@ pub struct Options<'a> {
 }
 
 impl<'a> Options<'a> {
-    /// Sets the score scale (validated when the call runs: finite and positive).
+    /// Sets the score scale (validated when the call runs: see [`Options::scale_for`]).
     pub fn with_scale(mut self, scale: f32) -> Self {
         self.scale = Some(scale);
         self

@@ -20,12 +20,40 @@ pub enum Layout {
 
 impl Layout {
     /// Element strides of (batch, head, seq) for logical dims `[b, h, s, d]`.
+    ///
+    /// A stride whose product overflows saturates to `usize::MAX`; a view of such dims
+    /// reaches past any buffer, so the views' constructors reject it
+    /// ([`Error::Layout`]).
+    ///
+    /// ```
+    /// use attn_core::{Layout, Tensor4Ref};
+    /// assert_eq!(Layout::Bshd.strides([2, 3, 4, 5]), [60, 5, 15]);
+    /// let dims = [2, 1 << 32, 1 << 32, 1 << 32];
+    /// assert_eq!(Layout::Bhsd.strides(dims), [usize::MAX, usize::MAX, 1 << 32]);
+    /// assert!(Tensor4Ref::<f32>::from_layout(&[], dims, Layout::Bhsd).is_err());
+    /// ```
     pub fn strides(self, [_, h, s, d]: [usize; 4]) -> [usize; 3] {
         match self {
-            Layout::Bhsd => [h * s * d, s * d, d],
-            Layout::Bshd => [s * h * d, d, h * d],
+            Layout::Bhsd => [
+                h.saturating_mul(s).saturating_mul(d),
+                s.saturating_mul(d),
+                d,
+            ],
+            Layout::Bshd => [
+                s.saturating_mul(h).saturating_mul(d),
+                d,
+                h.saturating_mul(d),
+            ],
         }
     }
+}
+
+/// `b·h·s·d`, or `None` when it overflows; 0 whenever a dim is 0.
+fn element_count(dims: [usize; 4]) -> Option<usize> {
+    if dims.contains(&0) {
+        return Some(0);
+    }
+    dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
 }
 
 fn required_len(dims: [usize; 4], strides: [usize; 3]) -> Option<usize> {
@@ -144,7 +172,6 @@ impl<'a, T> Tensor4Ref<'a, T> {
         check_index("batch", batch, self.dims[0])?;
         check_index("head", head, self.dims[1])?;
         let [_, _, s, d] = self.dims;
-        let offset = batch * self.strides[0] + head * self.strides[1];
         if s == 0 || d == 0 {
             return Ok(MatRef::from_row_major_slice_with_stride(
                 &self.data[..0],
@@ -153,6 +180,8 @@ impl<'a, T> Tensor4Ref<'a, T> {
                 self.strides[2],
             ));
         }
+        // Every dim is positive, so the view's fit check bounds this offset.
+        let offset = batch * self.strides[0] + head * self.strides[1];
         Ok(MatRef::from_row_major_slice_with_stride(
             &self.data[offset..],
             s,
@@ -184,7 +213,7 @@ impl<'a, T> Tensor4Ref<'a, T> {
             return Err(Error::out_of_range(
                 "head range end",
                 heads.end.max(heads.start),
-                self.dims[1] + 1,
+                self.dims[1].saturating_add(1),
             ));
         }
         let d = self.dims[3];
@@ -265,11 +294,11 @@ impl<'a, T> Tensor4Mut<'a, T> {
         check_index("batch", batch, self.dims[0])?;
         check_index("head", head, self.dims[1])?;
         let [_, _, s, d] = self.dims;
-        let offset = batch * self.strides[0] + head * self.strides[1];
         let data = if s == 0 || d == 0 {
             &mut self.data[..0]
         } else {
-            &mut self.data[offset..]
+            // Every dim is positive, so the view's fit check bounds this offset.
+            &mut self.data[batch * self.strides[0] + head * self.strides[1]..]
         };
         // faer 0.24's `from_row_major_slice_with_stride_mut` builds a column-major view, so
         // build the transpose column-major and flip it.
@@ -289,26 +318,40 @@ impl<'a, T> Tensor4Mut<'a, T> {
     /// use attn_core::{Layout, Tensor4Mut};
     /// let mut data = vec![0.0f32; 2 * 3 * 2]; // [B=1, S=3, H=2, D=2]
     /// let t = Tensor4Mut::from_layout(&mut data, [1, 2, 3, 2], Layout::Bshd).unwrap();
-    /// let mut rows = t.into_rows();
+    /// let mut rows = t.into_rows()?;
     /// assert_eq!(rows.len(), 6);
     /// rows[1][0] = 7.0; // head 0, position 1
     /// rows[3][1] = 9.0; // head 1, position 0
     /// assert_eq!(data, [0.0, 0.0, 0.0, 9.0, 7.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    /// # Ok::<(), attn_core::Error>(())
     /// ```
-    pub fn into_rows(self) -> Vec<&'a mut [T]> {
+    ///
+    /// A view of empty rows (`dim = 0`) may have more rows than any buffer could list:
+    /// then [`Error::Allocation`], never an abort.
+    pub fn into_rows(self) -> Result<Vec<&'a mut [T]>> {
         let [b, h, s, d] = self.dims;
         let [sb, sh, ss] = self.strides;
-        let n = b * h * s;
+        let n = element_count([b, h, s, 1]);
+        let list = |what| Error::allocation_of::<&mut [T]>(what, n);
+        let n = n.ok_or_else(|| list("tensor rows"))?;
         let offset = |r: usize| (r / (h * s)) * sb + (r / s % h) * sh + (r % s) * ss;
-        let mut rows: Vec<Option<&'a mut [T]>> = (0..n).map(|_| None).collect();
-        let mut order: Vec<usize> = (0..n).collect();
-        if d > 0 && !order.windows(2).all(|w| offset(w[0]) < offset(w[1])) {
-            order.sort_unstable_by_key(|&r| offset(r));
+        let mut rows: Vec<Option<&'a mut [T]>> = Vec::new();
+        rows.try_reserve_exact(n).map_err(|_| list("tensor rows"))?;
+        rows.resize_with(n, || None);
+        let mut order: Vec<usize> = Vec::new();
+        if d > 0 {
+            order
+                .try_reserve_exact(n)
+                .map_err(|_| list("tensor row order"))?;
+            order.extend(0..n);
+            if !order.windows(2).all(|w| offset(w[0]) < offset(w[1])) {
+                order.sort_unstable_by_key(|&r| offset(r));
+            }
         }
         // Rows never overlap (checked when the view was made), so in address order each
         // starts at or after the end of the previous one.
         let (mut rest, mut at) = (self.data, 0);
-        for r in order.into_iter().filter(|_| d > 0) {
+        for r in order {
             let Some((_, tail)) = rest.split_at_mut_checked(offset(r) - at) else {
                 break;
             };
@@ -319,7 +362,8 @@ impl<'a, T> Tensor4Mut<'a, T> {
             at = offset(r) + d;
             rest = tail;
         }
-        rows.into_iter().map(Option::unwrap_or_default).collect()
+        // In place: `Option<&mut [T]>` and `&mut [T]` have the same layout, no new buffer.
+        Ok(rows.into_iter().map(Option::unwrap_or_default).collect())
     }
 }
 
@@ -339,18 +383,56 @@ pub struct Tensor4<T> {
 
 impl<T: Clone + Default> Tensor4<T> {
     /// A tensor of default values (zeros for numbers).
+    ///
+    /// # Panics
+    ///
+    /// When the tensor cannot be allocated (see [`Tensor4::try_zeros`], which returns the
+    /// error instead): for sizes a caller chooses, use `try_zeros`.
+    #[track_caller]
     pub fn zeros(dims: [usize; 4]) -> Self {
-        Self {
-            data: vec![T::default(); dims.iter().product()],
-            dims,
-        }
+        Self::try_zeros(dims).unwrap_or_else(|e| panic!("Tensor4::zeros({dims:?}): {e}"))
+    }
+
+    /// A tensor of default values, or [`Error::Allocation`] when its size overflows or the
+    /// allocator refuses it (never an abort).
+    ///
+    /// ```
+    /// use attn_core::{Error, Tensor4};
+    /// assert_eq!(Tensor4::<f32>::try_zeros([2, 1, 3, 4])?.as_slice().len(), 24);
+    /// assert!(matches!(
+    ///     Tensor4::<f32>::try_zeros([1 << 20, 1 << 20, 1 << 20, 1 << 20]),
+    ///     Err(Error::Allocation { what: "tensor", bytes: usize::MAX })
+    /// ));
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn try_zeros(dims: [usize; 4]) -> Result<Self> {
+        let n = element_count(dims);
+        let fail = || Error::allocation_of::<T>("tensor", n);
+        let n = n.ok_or_else(fail)?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(n).map_err(|_| fail())?;
+        data.resize(n, T::default());
+        Ok(Self { data, dims })
     }
 }
 
 impl<T> Tensor4<T> {
-    /// Wraps a `[B,H,S,D]`-ordered buffer.
+    /// Wraps a `[B,H,S,D]`-ordered buffer of exactly `b·h·s·d` elements; dims whose
+    /// product overflows `usize` are an [`Error::Layout`].
+    ///
+    /// ```
+    /// use attn_core::Tensor4;
+    /// assert!(Tensor4::from_vec(vec![0.0f32; 6], [1, 2, 3, 1]).is_ok());
+    /// assert!(Tensor4::from_vec(vec![0.0f32; 6], [1, 2, 3, 2]).is_err());
+    /// assert!(Tensor4::from_vec(Vec::<f32>::new(), [1 << 32, 1 << 32, 1, 1]).is_err());
+    /// ```
     pub fn from_vec(data: Vec<T>, dims: [usize; 4]) -> Result<Self> {
-        let need: usize = dims.iter().product();
+        let Some(need) = element_count(dims) else {
+            return Err(Error::layout(
+                "tensor",
+                format!("dims {dims:?} overflow usize"),
+            ));
+        };
         if data.len() != need {
             return Err(Error::layout(
                 "tensor",

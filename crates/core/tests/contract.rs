@@ -1,8 +1,8 @@
 //! The contract's own rules: visibility, tile coverage, layouts, validation.
 
 use attn_core::{
-    BoolMask, Causal, Error, HeadMask, Layout, Options, SlidingWindow, Tensor4Mut, Tensor4Ref,
-    TileCoverage, validate_batch,
+    BoolMask, Causal, Error, HeadMask, Layout, Options, SlidingWindow, Tensor4, Tensor4Mut,
+    Tensor4Ref, TileCoverage, validate_batch,
 };
 use faer::Mat;
 
@@ -146,4 +146,77 @@ fn batch_validation_names_operands() {
 
 fn k_slice() -> &'static [f32] {
     &[0.0; 40]
+}
+
+/// The panic message of `f`, which must panic.
+fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
+    let payload = std::panic::catch_unwind(f).expect_err("must panic");
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn tensor4_from_vec_rejects_dims_whose_product_overflows() {
+    // 2^32 · 2^32 wraps to 0 in release: an empty buffer must not pass for 2^64 elements.
+    let err = Tensor4::from_vec(Vec::<f32>::new(), [1 << 32, 1 << 32, 1, 1]).unwrap_err();
+    assert!(matches!(err, Error::Layout { .. }), "{err}");
+    assert!(err.to_string().contains("overflow"), "{err}");
+    // A zero dim makes the product 0 whatever the others are.
+    let dims = [1 << 40, 1 << 40, 0, 1 << 40];
+    let t = Tensor4::from_vec(Vec::<f32>::new(), dims).unwrap();
+    assert_eq!(t.dims(), dims);
+    let head = t.as_ref().head((1 << 40) - 1, 7).unwrap();
+    assert_eq!((head.nrows(), head.ncols()), (0, 1 << 40));
+}
+
+#[test]
+fn tensor4_zeros_of_a_size_that_cannot_exist_panics_with_a_message() {
+    let msg = panic_message(|| {
+        Tensor4::<f32>::zeros([1 << 32, 1 << 32, 1, 1]);
+    });
+    assert!(msg.contains("could not allocate"), "{msg}");
+}
+
+#[test]
+fn layout_strides_saturate_and_such_views_are_rejected() {
+    assert_eq!(Layout::Bhsd.strides([2, 3, 4, 5]), [60, 20, 5]);
+    assert_eq!(Layout::Bshd.strides([2, 3, 4, 5]), [60, 5, 15]);
+    let dims = [2, 1 << 32, 1 << 32, 1 << 32];
+    for layout in [Layout::Bhsd, Layout::Bshd] {
+        assert!(layout.strides(dims).contains(&usize::MAX), "{layout:?}");
+        assert!(matches!(
+            Tensor4Ref::<f32>::from_layout(&[], dims, layout),
+            Err(Error::Layout { .. })
+        ));
+        assert!(matches!(
+            Tensor4Mut::<f32>::from_layout(&mut [], dims, layout),
+            Err(Error::Layout { .. })
+        ));
+    }
+}
+
+#[test]
+fn empty_views_with_huge_strides_have_empty_heads() {
+    // No element is reached, so any strides fit; indexing a head must not overflow.
+    let dims = [2, 2, 0, 4];
+    let strides = [usize::MAX, usize::MAX, 0];
+    let t = Tensor4Ref::<f32>::new(&[], dims, strides).unwrap();
+    let h = t.head(1, 1).unwrap();
+    assert_eq!((h.nrows(), h.ncols()), (0, 4));
+    let mut buf: [f32; 0] = [];
+    let mut m = Tensor4Mut::new(&mut buf, dims, strides).unwrap();
+    let h = m.head_mut(1, 1).unwrap();
+    assert_eq!((h.nrows(), h.ncols()), (0, 4));
+}
+
+#[test]
+fn a_reversed_head_range_of_a_view_with_usize_max_heads_is_an_error() {
+    let t = Tensor4Ref::new(&[0.0f32; 2], [1, usize::MAX, 1, 2], [0, 0, 0]).unwrap();
+    #[expect(clippy::reversed_empty_ranges, reason = "the hostile input under test")]
+    let err = t.heads_at(0, 5..3, 0).unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
+    assert_eq!(t.heads_at(0, 3..5, 0).unwrap().nrows(), 2);
 }

@@ -11,7 +11,7 @@ use attn_core::{Error, Layout, Options, Result, Tensor4, Tensor4Ref};
 
 use crate::forward;
 use crate::kernel::element::Element;
-use crate::problem::{Batched, zeroed};
+use crate::problem::{Batched, filled, zeroed};
 use crate::schedule::SplitKv;
 
 /// What happens when an append does not fit.
@@ -21,7 +21,8 @@ pub enum Growth {
     #[default]
     Fixed,
     /// The capacity doubles (at least to what the append needs): one reallocation and copy
-    /// of the whole cache, amortised over the appends that fill it.
+    /// of the whole cache, amortised over the appends that fill it. A capacity that cannot
+    /// be allocated is an [`Error::Allocation`] and leaves the cache as it was.
     Double,
 }
 
@@ -57,7 +58,8 @@ pub struct KvCache<T> {
 
 impl<T: Element> KvCache<T> {
     /// An empty cache for `batch` sequences of `kv_heads` heads, room for `capacity`
-    /// tokens each, keys of width `d_k` and values of width `d_v`.
+    /// tokens each, keys of width `d_k` and values of width `d_v`; [`Error::Allocation`]
+    /// when its buffers cannot be allocated.
     pub fn new(
         batch: usize,
         kv_heads: usize,
@@ -74,9 +76,9 @@ impl<T: Element> KvCache<T> {
             capacity,
             d_k,
             d_v,
-            k: zeroed("KV cache elements", &[batch, kv_heads, capacity, d_k])?,
-            v: zeroed("KV cache elements", &[batch, kv_heads, capacity, d_v])?,
-            lens: vec![0; batch],
+            k: zeroed("KV cache keys", &[batch, kv_heads, capacity, d_k])?,
+            v: zeroed("KV cache values", &[batch, kv_heads, capacity, d_v])?,
+            lens: filled("KV cache lengths", Some(batch), 0)?,
             growth: Growth::Fixed,
         })
     }
@@ -144,12 +146,14 @@ impl<T: Element> KvCache<T> {
     }
 
     /// Appends `t` tokens to every batch entry: `k : [batch, kv_heads, t, d_k]`,
-    /// `v : [batch, kv_heads, t, d_v]` (any layout). On error nothing is appended.
+    /// `v : [batch, kv_heads, t, d_v]` (any layout). On error nothing is appended: more
+    /// tokens than fit is an [`Error::Capacity`] (with `requested: usize::MAX` when the
+    /// count overflows `usize`), a growth that cannot be allocated an [`Error::Allocation`].
     pub fn append(&mut self, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>) -> Result<()> {
         self.check_tokens(k, v, self.batch)?;
         let t = k.dims()[2];
-        let need = self.lens.iter().map(|l| l + t).max().unwrap_or(0);
-        self.reserve(need)?;
+        let longest = self.lens.iter().copied().max().unwrap_or(0);
+        self.reserve(longest.checked_add(t))?;
         for b in 0..self.batch {
             self.write(b, b, k, v)?;
         }
@@ -168,7 +172,7 @@ impl<T: Element> KvCache<T> {
             return Err(Error::out_of_range("batch", b, self.batch));
         }
         self.check_tokens(k, v, 1)?;
-        self.reserve(self.lens[b] + k.dims()[2])?;
+        self.reserve(self.lens[b].checked_add(k.dims()[2]))?;
         self.write(b, 0, k, v)
     }
 
@@ -232,33 +236,35 @@ impl<T: Element> KvCache<T> {
         }
     }
 
-    /// Makes room for `need` tokens per entry, or fails without changing anything.
-    fn reserve(&mut self, need: usize) -> Result<()> {
+    /// Makes room for `need` tokens per entry (`None`: a count that overflowed), or fails
+    /// without changing anything.
+    fn reserve(&mut self, need: Option<usize>) -> Result<()> {
+        let full = |need| Error::capacity("KV cache tokens per batch entry", need, self.capacity);
+        let need = need.ok_or_else(|| full(usize::MAX))?;
         if need <= self.capacity {
             return Ok(());
         }
         if self.growth == Growth::Fixed {
-            return Err(Error::capacity(
-                "KV cache tokens per batch entry",
-                need,
-                self.capacity,
-            ));
+            return Err(full(need));
         }
-        let new_cap = need.max(self.capacity * 2);
-        let zero = T::from_f32(0.0);
-        let regrow = |old: &[T], d: usize| {
-            let mut new = vec![zero; self.batch * self.kv_heads * new_cap * d];
-            for (src, dst) in old
-                .chunks(self.capacity * d)
-                .zip(new.chunks_mut(new_cap * d))
-            {
-                dst[..src.len()].copy_from_slice(src);
+        let new_cap = need.max(self.capacity.saturating_mul(2));
+        let (batch, heads, old_cap) = (self.batch, self.kv_heads, self.capacity);
+        // Both new buffers are allocated before either replaces the old one.
+        let regrow = |what, old: &[T], d: usize| -> Result<Vec<T>> {
+            let mut new = zeroed(what, &[batch, heads, new_cap, d])?;
+            // Nothing to copy (and `old_cap · d` may not even fit usize when no entry or
+            // head holds it) unless the old buffer has elements.
+            if !old.is_empty() {
+                // Each (entry, head) block of `old_cap` rows starts a block of `new_cap`.
+                for (src, dst) in old.chunks(old_cap * d).zip(new.chunks_mut(new_cap * d)) {
+                    dst[..src.len()].copy_from_slice(src);
+                }
             }
-            new
+            Ok(new)
         };
-        self.k = regrow(&self.k, self.d_k);
-        self.v = regrow(&self.v, self.d_v);
-        self.capacity = new_cap;
+        let k = regrow("KV cache keys", &self.k, self.d_k)?;
+        let v = regrow("KV cache values", &self.v, self.d_v)?;
+        (self.k, self.v, self.capacity) = (k, v, new_cap);
         Ok(())
     }
 
@@ -374,10 +380,11 @@ impl<T: Element> KvCache<T> {
         }
         let scale = options.scale_for(d_k)?;
         let (keys, values) = (self.keys(), self.values());
-        let batch = Batched::cached(q, keys, values, &self.lens, options, scale);
+        let batch = Batched::cached(q, keys, values, &self.lens, options, scale)?;
         let dims = batch.out_dims();
         let mut out = Tensor4::from_vec(zeroed("attention output", &dims)?, dims)?;
-        let mut lse = vec![f32::NEG_INFINITY; if with_lse { batch.out_rows() } else { 0 }];
+        let lse_len = if with_lse { batch.out_rows() } else { 0 };
+        let mut lse = filled("LSE", Some(lse_len), f32::NEG_INFINITY)?;
         forward::batched(&batch, out.as_mut(), Some(&mut lse), split)?;
         Ok((out, lse))
     }

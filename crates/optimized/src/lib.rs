@@ -52,7 +52,7 @@ pub use kernel::element::Element;
 pub use kernel::online_softmax::LAZY_RESCALE_LOG2;
 pub use kv_cache::{Growth, KvCache};
 pub use multi_head::MultiHeadAttention;
-use problem::{Batched, Problem, zeroed};
+use problem::{Batched, Problem, filled, zeroed, zeroed_mat};
 pub use schedule::{KEY_TILE, QUERY_TILE, SPLIT_KEYS, SplitKv, TilePlan};
 
 /// The vectorised `2^x` of the softmax and the instruction set it runs with.
@@ -94,8 +94,7 @@ pub fn attention_into<T: Element, O: Element>(
 ) -> Result<()> {
     let (problem, head) = Problem::head(q, k, v, options)?;
     problem.check_output(&out, lse.as_deref())?;
-    forward::head(&problem, head, out, lse);
-    Ok(())
+    forward::head(&problem, head, out, lse)
 }
 
 /// `softmax(scale·QKᵀ + M) V` for one head: `q : [n_q, d_k]`, `k : [n_k, d_k]`,
@@ -116,8 +115,8 @@ pub fn attention<T: Element>(
     options: &Options<'_>,
 ) -> Result<Mat<T>> {
     let (problem, head) = Problem::head(q, k, v, options)?;
-    let mut out = Mat::from_fn(problem.rows, problem.d_v, |_, _| T::from_f32(0.0));
-    forward::head(&problem, head, out.as_mut(), None);
+    let mut out = zeroed_mat("attention output", problem.rows, problem.d_v)?;
+    forward::head(&problem, head, out.as_mut(), None)?;
     Ok(out)
 }
 
@@ -140,9 +139,9 @@ pub fn attention_with_lse<T: Element>(
     options: &Options<'_>,
 ) -> Result<(Mat<T>, Vec<f32>)> {
     let (problem, head) = Problem::head(q, k, v, options)?;
-    let mut out = Mat::from_fn(problem.rows, problem.d_v, |_, _| T::from_f32(0.0));
-    let mut lse = vec![0.0; problem.rows];
-    forward::head(&problem, head, out.as_mut(), Some(&mut lse));
+    let mut out = zeroed_mat("attention output", problem.rows, problem.d_v)?;
+    let mut lse = filled("LSE", Some(problem.rows), 0.0)?;
+    forward::head(&problem, head, out.as_mut(), Some(&mut lse))?;
     Ok((out, lse))
 }
 
@@ -172,9 +171,9 @@ pub fn partial_attention<T: Element>(
     options: &Options<'_>,
 ) -> Result<PartialState> {
     let (problem, head) = Problem::shard(q, k, v, &keys, n_k_total, options)?;
-    let mut out = Mat::<f32>::zeros(problem.rows, problem.d_v);
-    let mut lse = vec![f32::NEG_INFINITY; problem.rows];
-    forward::head(&problem, head, out.as_mut(), Some(&mut lse));
+    let mut out = zeroed_mat::<f32>("partial attention output", problem.rows, problem.d_v)?;
+    let mut lse = filled("LSE", Some(problem.rows), f32::NEG_INFINITY)?;
+    forward::head(&problem, head, out.as_mut(), Some(&mut lse))?;
     PartialState::new(out, lse)
 }
 
@@ -247,7 +246,8 @@ fn batched<T: Element>(
     let batch = Batched::new(q, k, v, options)?;
     let dims = batch.out_dims();
     let mut out = Tensor4::from_vec(zeroed("attention output", &dims)?, dims)?;
-    let mut lse = vec![0.0f32; if with_lse { batch.out_rows() } else { 0 }];
+    let lse_len = if with_lse { batch.out_rows() } else { 0 };
+    let mut lse = filled("LSE", Some(lse_len), 0.0)?;
     forward::batched(&batch, out.as_mut(), Some(&mut lse), split)?;
     Ok((out, lse))
 }

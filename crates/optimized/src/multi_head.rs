@@ -4,6 +4,8 @@ use attn_core::{MultiHeadWeights, Options, Result, Tensor4Ref};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
 
+use crate::problem::{zeroed, zeroed_mat};
+
 /// A multi-head (optionally grouped-query) attention layer: projections are faer GEMMs on
 /// the rayon pool, heads run on the streaming engine, read in place from the projected
 /// matrices (a `[1, S, H, D]` view of `[n, h·d]`), concatenated and projected by `W_O`.
@@ -26,10 +28,10 @@ pub struct MultiHeadAttention {
     weights: MultiHeadWeights,
 }
 
-fn project(x: MatRef<'_, f32>, w: MatRef<'_, f32>) -> Mat<f32> {
-    let mut y = Mat::<f32>::zeros(x.nrows(), w.ncols());
+fn project(x: MatRef<'_, f32>, w: MatRef<'_, f32>) -> Result<Mat<f32>> {
+    let mut y = zeroed_mat("projection", x.nrows(), w.ncols())?;
     matmul(y.as_mut(), Accum::Replace, x, w, 1.0, Par::rayon(0));
-    y
+    Ok(y)
 }
 
 /// A `[1, heads, n, d]` view of a row-major `[n, heads·d]` buffer.
@@ -37,12 +39,14 @@ fn heads_view(m: &[f32], n: usize, heads: usize, d: usize) -> Result<Tensor4Ref<
     Tensor4Ref::new(m, [1, heads, n, d], [0, d, heads * d])
 }
 
-fn row_major(m: &Mat<f32>) -> Vec<f32> {
-    let mut out = Vec::with_capacity(m.nrows() * m.ncols());
-    for i in 0..m.nrows() {
-        out.extend(m.row(i).iter().copied());
+fn row_major(m: &Mat<f32>) -> Result<Vec<f32>> {
+    let mut out = zeroed::<f32>("projection", &[m.nrows(), m.ncols()])?;
+    for (i, row) in out.chunks_exact_mut(m.ncols().max(1)).enumerate() {
+        for (c, x) in row.iter_mut().enumerate() {
+            *x = m[(i, c)];
+        }
     }
-    out
+    Ok(out)
 }
 
 impl MultiHeadAttention {
@@ -74,9 +78,9 @@ impl MultiHeadAttention {
         let (n_q, n_k) = (x_q.nrows(), x_kv.nrows());
         let (h, h_kv, d_k, d_v) = (w.heads(), w.kv_heads(), w.d_k(), w.d_v());
         // Row-major copies so every head is a strided view without further copies.
-        let q = row_major(&project(x_q, w.w_q()));
-        let k = row_major(&project(x_kv, w.w_k()));
-        let v = row_major(&project(x_kv, w.w_v()));
+        let q = row_major(&project(x_q, w.w_q())?)?;
+        let k = row_major(&project(x_kv, w.w_k())?)?;
+        let v = row_major(&project(x_kv, w.w_v())?)?;
         let o = crate::attention_batched(
             heads_view(&q, n_q, h, d_k)?,
             heads_view(&k, n_k, h_kv, d_k)?,
@@ -84,9 +88,12 @@ impl MultiHeadAttention {
             options,
         )?;
         // Concatenate heads: [1, h, n_q, d_v] → [n_q, h·d_v].
-        let concat = Mat::<f32>::from_fn(n_q, h * d_v, |i, c| {
-            o.as_slice()[((c / d_v) * n_q + i) * d_v + c % d_v]
-        });
-        Ok(project(concat.as_ref(), w.w_o()))
+        let mut concat = zeroed_mat::<f32>("concatenated heads", n_q, h * d_v)?;
+        for c in 0..h * d_v {
+            for i in 0..n_q {
+                concat[(i, c)] = o.as_slice()[((c / d_v) * n_q + i) * d_v + c % d_v];
+            }
+        }
+        project(concat.as_ref(), w.w_o())
     }
 }

@@ -9,7 +9,7 @@ use core::ops::Range;
 use attn_core::{
     BatchShape, Error, HeadMask, HeadShape, Options, Result, Tensor4Mut, Tensor4Ref, check_shape,
 };
-use faer::{MatMut, MatRef, RowMut};
+use faer::{Mat, MatMut, MatRef, RowMut, TryReserveError};
 
 use crate::kernel::element::Element;
 use crate::schedule::{TilePlan, heads_per_job};
@@ -49,6 +49,7 @@ impl Problem {
     ) -> Result<(Self, HeadInputs<'a, T>)> {
         let HeadShape { n_q, n_k, d_k, d_v } = HeadShape::of(q, k, v)?;
         let scale = options.validate(1, n_q, n_k, d_k)?;
+        check_row_handles(Some(n_q))?;
         let mask = HeadMask::new(options, n_q, n_k, options.key_length(0));
         let problem = Self::new(n_q, n_k, d_k, d_v, scale);
         Ok((problem, problem.inputs(q, k, v, 0, mask)))
@@ -76,6 +77,7 @@ impl Problem {
             ));
         }
         let scale = options.validate(1, n_q, n_k_total, d_k)?;
+        check_row_handles(Some(n_q))?;
         let mask = HeadMask::new(options, n_q, n_k_total, options.key_length(0));
         let problem = Self::new(n_q, n_k, d_k, d_v, scale);
         Ok((problem, problem.inputs(q, k, v, keys.start, mask)))
@@ -174,6 +176,8 @@ pub(crate) struct Batched<'a, T> {
     entry_keys: EntryKeys<'a>,
     /// `[batch, h_q, n_q, d_v]`.
     out_dims: [usize; 4],
+    /// `batch · h_q · n_q`, checked.
+    out_rows: usize,
     group: usize,
     /// Query heads per job ([`heads_per_job`]).
     stack: usize,
@@ -190,21 +194,13 @@ impl<'a, T> Batched<'a, T> {
         let shape = BatchShape::of(q, k, v)?;
         let HeadShape { n_q, n_k, d_k, .. } = shape.head;
         let scale = options.validate(shape.batch, n_q, n_k, d_k)?;
-        Ok(Self::build(
-            shape,
-            n_k,
-            scale,
-            q,
-            k,
-            v,
-            options,
-            EntryKeys::Padded,
-        ))
+        Self::build(shape, n_k, scale, q, k, v, options, EntryKeys::Padded)
     }
 
     /// Attention of `q` against the first `lens[b]` cached keys of each entry `b`. The
     /// cache has checked `q` against its own dims, the grouping and the options; `scale`
-    /// is the options' scale for its `d_k`.
+    /// is the options' scale for its `d_k`. Fails only when the output's rows cannot be
+    /// held ([`check_row_handles`]).
     pub fn cached(
         q: Tensor4Ref<'a, T>,
         k: Tensor4Ref<'a, T>,
@@ -212,7 +208,7 @@ impl<'a, T> Batched<'a, T> {
         lens: &'a [usize],
         options: &Options<'a>,
         scale: f32,
-    ) -> Self {
+    ) -> Result<Self> {
         let ([batch, h_q, n_q, d_k], [_, h_kv, _, d_v]) = (q.dims(), v.dims());
         let head = HeadShape {
             n_q,
@@ -240,11 +236,12 @@ impl<'a, T> Batched<'a, T> {
         v: Tensor4Ref<'a, T>,
         options: &Options<'a>,
         entry_keys: EntryKeys<'a>,
-    ) -> Self {
+    ) -> Result<Self> {
         let HeadShape { n_q, d_k, d_v, .. } = shape.head;
+        let out_rows = check_row_handles(element_count(&[shape.batch, shape.h_q, n_q]))?;
         let group = shape.h_q / shape.h_kv.max(1);
         let stack = heads_per_job(n_q, group);
-        Self {
+        Ok(Self {
             problem: Problem::new(stack * n_q, n_k, d_k, d_v, scale),
             q,
             k,
@@ -252,9 +249,10 @@ impl<'a, T> Batched<'a, T> {
             options: *options,
             entry_keys,
             out_dims: [shape.batch, shape.h_q, n_q, d_v],
+            out_rows,
             group,
             stack,
-        }
+        })
     }
 
     /// `[batch, h_q, n_q, d_v]`.
@@ -262,9 +260,10 @@ impl<'a, T> Batched<'a, T> {
         self.out_dims
     }
 
-    /// Query rows over all heads (`batch · h_q · n_q`, the LSE's length).
+    /// Query rows over all heads (`batch · h_q · n_q`, the LSE's length; checked when the
+    /// call was set up).
     pub fn out_rows(&self) -> usize {
-        self.out_dims[..3].iter().product()
+        self.out_rows
     }
 
     /// Checks a caller's output view.
@@ -326,17 +325,70 @@ impl<'a, T> Batched<'a, T> {
     }
 }
 
-/// A zeroed buffer of `dims.product()` elements, or [`Error::Capacity`] when that does not
-/// fit in memory (never an abort on a size a caller passed in).
-pub(crate) fn zeroed<T: Element>(what: &'static str, dims: &[usize]) -> Result<Vec<T>> {
-    let max = isize::MAX as usize / size_of::<T>().max(1);
-    let n = dims
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .ok_or(Error::capacity(what, usize::MAX, max))?;
+// Every buffer whose size a caller chooses (outputs, LSE, the KV cache) is allocated here,
+// fallibly: a size that overflows, exceeds `isize::MAX` bytes or is refused by the allocator
+// is an `Error::Allocation` naming the buffer, never a panic or an abort.
+
+/// The product of `dims`, `None` when it overflows `usize` (0 whenever a dim is 0, however
+/// large the others).
+pub(crate) fn element_count(dims: &[usize]) -> Option<usize> {
+    if dims.contains(&0) {
+        return Some(0);
+    }
+    dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+/// `n` copies of `value` (`None`: a count that overflowed), or [`Error::Allocation`]
+/// naming `what` and its size in bytes.
+pub(crate) fn filled<T: Clone>(what: &'static str, n: Option<usize>, value: T) -> Result<Vec<T>> {
+    let fail = || Error::allocation_of::<T>(what, n);
+    let n = n.ok_or_else(fail)?;
     let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|_| Error::capacity(what, n, max))?;
-    v.resize(n, T::from_f32(0.0));
+    v.try_reserve_exact(n).map_err(|_| fail())?;
+    v.resize(n, value);
     Ok(v)
+}
+
+/// A zeroed buffer of `dims.product()` elements, or [`Error::Allocation`].
+pub(crate) fn zeroed<T: Element>(what: &'static str, dims: &[usize]) -> Result<Vec<T>> {
+    filled(what, element_count(dims), T::from_f32(0.0))
+}
+
+/// A zeroed `rows × cols` matrix, or [`Error::Allocation`]: faer's own fallible
+/// reservation of the final buffer (faer pads each column and sizes its buffer by whole
+/// columns, so even `cols = 0` needs `rows · size_of::<T>()` to fit `usize`).
+pub(crate) fn zeroed_mat<T: Element>(
+    what: &'static str,
+    rows: usize,
+    cols: usize,
+) -> Result<Mat<T>> {
+    let mut m = Mat::new();
+    m.try_reserve(rows, cols).map_err(|e| match e {
+        TryReserveError::AllocError { layout } => Error::allocation(what, layout.size()),
+        TryReserveError::CapacityOverflow => {
+            Error::allocation_of::<T>(what, rows.checked_mul(cols.max(1)))
+        }
+    })?;
+    // Within the capacity just reserved: no further allocation.
+    m.resize_with(rows, cols, |_, _| T::from_f32(0.0));
+    Ok(m)
+}
+
+/// The forward pass holds one row handle per output row (whatever `d_v` is, even 0):
+/// `rows` of them (`None`: a count that overflowed) must fit in one allocation, else
+/// [`Error::Allocation`]. Returns `rows`.
+fn check_row_handles(rows: Option<usize>) -> Result<usize> {
+    let handle = size_of::<RowMut<'static, f32>>();
+    match rows {
+        Some(n)
+            if n.checked_mul(handle)
+                .is_some_and(|b| b <= isize::MAX as usize) =>
+        {
+            Ok(n)
+        }
+        _ => Err(Error::allocation_of::<RowMut<'static, f32>>(
+            "attention output rows",
+            rows,
+        )),
+    }
 }

@@ -205,11 +205,17 @@ fn bad_appends_are_typed_errors_and_leave_the_cache_unchanged() {
 fn absurd_sizes_are_errors_not_aborts() {
     assert!(matches!(
         KvCache::<f32>::new(1 << 20, 1 << 20, 1 << 20, 1 << 20, 1),
-        Err(Error::Capacity { .. })
+        Err(Error::Allocation {
+            what: "KV cache keys",
+            bytes: usize::MAX
+        })
     ));
     assert!(matches!(
         KvCache::<f16>::new(1, 1, usize::MAX / 4, 4, 4),
-        Err(Error::Capacity { .. })
+        Err(Error::Allocation {
+            what: "KV cache keys",
+            ..
+        })
     ));
 }
 
@@ -304,4 +310,144 @@ fn lse_matches_attention_over_the_cached_keys<T: Element>() {
 fn attend_with_lse_matches_attention_over_the_cached_keys() {
     lse_matches_attention_over_the_cached_keys::<f32>();
     lse_matches_attention_over_the_cached_keys::<f16>();
+}
+
+/// `t` tokens of `h` heads of width `d` that are all the same `d` numbers (a broadcast view,
+/// so any `t` costs nothing to build).
+fn broadcast<T>(row: &[T], h: usize, t: usize) -> Tensor4Ref<'_, T> {
+    Tensor4Ref::new(row, [1, h, t, row.len()], [0, 0, 0]).unwrap()
+}
+
+#[test]
+fn a_doubling_cache_fed_2_pow_40_broadcast_tokens_fails_to_allocate_and_is_unchanged() {
+    let d = 64;
+    let row = vec![0.5f32; d];
+    let mut cache = KvCache::<f32>::new(1, 1, 4, d, d)
+        .unwrap()
+        .with_growth(Growth::Double);
+    cache
+        .append(broadcast(&row, 1, 1), broadcast(&row, 1, 1))
+        .unwrap();
+    // 2^40 tokens · 64 floats = 2^48 bytes per tensor: more than any address space here.
+    let huge = broadcast(&row, 1, 1 << 40);
+    let err = cache.append(huge, huge).unwrap_err();
+    assert!(matches!(err, Error::Allocation { .. }), "{err}");
+    assert!(err.to_string().contains("KV cache"), "{err}");
+    let err = cache.append_to(0, huge, huge).unwrap_err();
+    assert!(matches!(err, Error::Allocation { .. }), "{err}");
+    assert_eq!((cache.lens(), cache.capacity()), (&[1][..], 4));
+    // Still usable.
+    cache
+        .append(broadcast(&row, 1, 7), broadcast(&row, 1, 7))
+        .unwrap();
+    assert_eq!((cache.lens(), cache.capacity()), (&[8][..], 8));
+}
+
+#[test]
+fn appending_usize_max_tokens_is_a_capacity_error_not_an_overflow() {
+    let row = [1.0f32; 4];
+    let max = broadcast(&row, 1, usize::MAX);
+    for growth in [Growth::Fixed, Growth::Double] {
+        let mut cache = KvCache::<f32>::new(1, 1, 4, 4, 4)
+            .unwrap()
+            .with_growth(growth);
+        cache
+            .append(broadcast(&row, 1, 1), broadcast(&row, 1, 1))
+            .unwrap();
+        // 1 + usize::MAX tokens: the count itself overflows.
+        for err in [
+            cache.append(max, max).unwrap_err(),
+            cache.append_to(0, max, max).unwrap_err(),
+        ] {
+            assert!(
+                matches!(
+                    err,
+                    Error::Capacity {
+                        requested: usize::MAX,
+                        capacity: 4,
+                        ..
+                    }
+                ),
+                "{growth:?}: {err}"
+            );
+        }
+        assert_eq!(cache.lens(), &[1]);
+    }
+    // From empty, usize::MAX tokens is a count that fits but a buffer that cannot.
+    let mut cache = KvCache::<f32>::new(1, 1, 4, 4, 4)
+        .unwrap()
+        .with_growth(Growth::Double);
+    let err = cache.append(max, max).unwrap_err();
+    assert!(matches!(err, Error::Allocation { .. }), "{err}");
+    assert!(cache.is_empty());
+}
+
+#[test]
+fn a_doubling_cache_grows_from_zero_capacity_and_with_empty_values() {
+    let row = [0.25f32; 4];
+    for (capacity, d_v) in [(0, 4), (2, 0), (0, 0)] {
+        let mut cache = KvCache::<f32>::new(1, 2, capacity, 4, d_v)
+            .unwrap()
+            .with_growth(Growth::Double);
+        let v = Tensor4Ref::new(&row[..d_v], [1, 2, 3, d_v], [0, 0, 0]).unwrap();
+        cache.append(broadcast(&row, 2, 3), v).unwrap();
+        cache.append(broadcast(&row, 2, 3), v).unwrap();
+        assert_eq!(cache.lens(), &[6], "capacity {capacity}, d_v {d_v}");
+        assert!(cache.capacity() >= 6);
+        let keys = cache.keys();
+        assert_eq!(keys.head(0, 1).unwrap()[(5, 3)], 0.25);
+    }
+    // No batch entry: no element whatever the capacity and width, and growing copies none.
+    let d = 1 << 40;
+    let mut cache = KvCache::<f32>::new(0, 1, 1 << 40, d, 4)
+        .unwrap()
+        .with_growth(Growth::Double);
+    let k = Tensor4Ref::<f32>::new(&[], [0, 1, 1 << 41, d], [0, 0, 0]).unwrap();
+    let v = Tensor4Ref::<f32>::new(&[], [0, 1, 1 << 41, 4], [0, 0, 0]).unwrap();
+    cache.append(k, v).unwrap();
+    assert_eq!(cache.capacity(), 1 << 41);
+}
+
+#[test]
+fn caches_whose_lengths_cannot_be_allocated_are_errors() {
+    // No K/V element (no heads), but one length per batch entry: 2^53 bytes.
+    let err = KvCache::<f32>::new(1 << 50, 0, 8, 4, 4).unwrap_err();
+    assert!(matches!(err, Error::Allocation { .. }), "{err}");
+    let err = KvCache::<f32>::new(usize::MAX, 0, 8, 4, 4).unwrap_err();
+    assert!(matches!(err, Error::Allocation { .. }), "{err}");
+}
+
+#[test]
+fn attending_a_query_whose_output_cannot_be_allocated_is_an_error() {
+    // A broadcast query of 2^62 positions: its output's size overflows.
+    let mut cache = KvCache::<f32>::new(1, 1, 4, 4, 4).unwrap();
+    let row = [1.0f32; 4];
+    cache
+        .append(broadcast(&row, 1, 2), broadcast(&row, 1, 2))
+        .unwrap();
+    let q = broadcast(&row, 1, 1 << 62);
+    let err = cache.attend(q, &Options::default()).unwrap_err();
+    assert!(matches!(err, Error::Allocation { .. }), "{err}");
+    // 2^46 positions × 4 floats: 2^50 bytes, a size that fits usize but no address space.
+    let q = broadcast(&row, 1, 1 << 46);
+    let err = cache.attend_with_lse(q, &Options::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Allocation {
+                what: "attention output",
+                bytes
+            } if bytes == 1 << 50
+        ),
+        "{err}"
+    );
+    // Empty values (d_v = 0): the output is empty but its LSE is not.
+    let mut cache = KvCache::<f32>::new(1, 1, 4, 4, 0).unwrap();
+    let none = Tensor4Ref::<f32>::new(&[], [1, 1, 2, 0], [0, 0, 0]).unwrap();
+    cache.append(broadcast(&row, 1, 2), none).unwrap();
+    // 2^50 rows: 2^52 bytes of LSE.
+    let q = broadcast(&row, 1, 1 << 50);
+    let err = cache.attend_with_lse(q, &Options::default()).unwrap_err();
+    assert!(matches!(err, Error::Allocation { .. }), "{err}");
+    assert!(err.to_string().contains("LSE"), "{err}");
 }

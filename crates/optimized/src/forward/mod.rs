@@ -18,7 +18,7 @@ use core::cell::RefCell;
 use core::ops::Range;
 use std::sync::Mutex;
 
-use attn_core::{PartialState, Result, Tensor4Mut};
+use attn_core::{Error, PartialState, Result, Tensor4Mut};
 use faer::{Mat, MatMut, RowMut};
 
 use crate::kernel::element::Element;
@@ -26,13 +26,18 @@ use crate::problem::{Batched, HeadInputs, HeadJob, Problem};
 use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
 
 /// One head into `out : [n_q, d_v]` (and its LSE), with the problem's shape already checked.
+/// Fails only when the list of output rows cannot be allocated.
 pub(crate) fn head<T: Element, O: Element>(
     problem: &Problem,
     inputs: HeadInputs<'_, T>,
     out: MatMut<'_, O>,
     lse: Option<&mut [f32]>,
-) {
-    let mut rows: Vec<RowMut<'_, O>> = out.row_iter_mut().collect();
+) -> Result<()> {
+    let n = out.nrows();
+    let mut rows: Vec<RowMut<'_, O>> = Vec::new();
+    rows.try_reserve_exact(n)
+        .map_err(|_| Error::allocation_of::<RowMut<'_, O>>("attention output rows", Some(n)))?;
+    rows.extend(out.row_iter_mut());
     let job = HeadJob {
         keys: inputs.key_base..inputs.key_base + inputs.k.nrows(),
         inputs,
@@ -40,6 +45,7 @@ pub(crate) fn head<T: Element, O: Element>(
         lse,
     };
     run(problem, vec![job], SplitKv::Auto);
+    Ok(())
 }
 
 /// A batched call into `out : [batch, h_q, n_q, d_v]` (any layout, written in place) and,
@@ -50,11 +56,12 @@ pub(crate) fn batched<T: Element, O: Element>(
     lse: Option<&mut [f32]>,
     split: SplitKv,
 ) -> Result<()> {
-    let mut rows: Vec<RowMut<'_, O>> = out
-        .into_rows()
-        .into_iter()
-        .map(RowMut::from_slice_mut)
-        .collect();
+    let slices = out.into_rows()?;
+    let mut rows: Vec<RowMut<'_, O>> = Vec::new();
+    rows.try_reserve_exact(slices.len()).map_err(|_| {
+        Error::allocation_of::<RowMut<'_, O>>("attention output rows", Some(slices.len()))
+    })?;
+    rows.extend(slices.into_iter().map(RowMut::from_slice_mut));
     let lse = lse.unwrap_or_default();
     let jobs = batch.jobs(&mut rows, lse)?;
     run(&batch.problem, jobs, split);

@@ -46,6 +46,27 @@ pub(crate) mod sealed {
 /// half::f16::widen(&[half::f16::ONE, half::f16::MAX, half::f16::NEG_INFINITY], &mut wide);
 /// assert_eq!(wide, [1.0, 65504.0, f32::NEG_INFINITY]);
 /// ```
+///
+/// The widening methods never panic on mismatched lengths, and treat them the same way for
+/// every type: they convert what fits in both the source and the destination and leave
+/// the rest of the destination as it was.
+///
+/// ```
+/// use attn_optimized::Element;
+/// use half::bf16;
+/// let src = [bf16::ONE, bf16::from_f32(2.0), bf16::from_f32(3.0)];
+/// let mut short = [0.0f32; 2];
+/// assert_eq!(bf16::widen(&src, &mut short), 2); // the first two
+/// assert_eq!(short, [1.0, 2.0]);
+/// let mut long = [-1.0f32; 4];
+/// assert_eq!(bf16::widen(&src, &mut long), 3); // all three; the fourth is untouched
+/// assert_eq!(long, [1.0, 2.0, 3.0, -1.0]);
+/// // Rows of width d = 2 into one chunk and a half: the first row is cut to 2, the second
+/// // has no whole chunk and is skipped.
+/// let mut rows = [-1.0f32; 3];
+/// bf16::widen_rows(&[&src[..], &src[..]], 2, &mut rows);
+/// assert_eq!(rows, [1.0, 2.0, -1.0]);
+/// ```
 pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     /// Short name for reports (`"f32"`, `"f16"`, `"bf16"`).
     const NAME: &'static str;
@@ -55,12 +76,19 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// Rounds an f32 to this type (to nearest, ties to even).
     fn from_f32(x: f32) -> Self;
-    /// Widens `src` into `dst[..src.len()]`, vectorised.
-    fn widen(src: &[Self], dst: &mut [f32]);
-    /// Widens rows of equal length `d` into consecutive `d`-float chunks of `dst`, with
-    /// one CPU dispatch for the whole block.
+    /// Widens the first `n = min(src.len(), dst.len())` elements of `src` into `dst[..n]`,
+    /// vectorised, and returns `n`; the rest of `dst` is left as it was.
+    fn widen(src: &[Self], dst: &mut [f32]) -> usize;
+    /// Widens rows of length `d` into consecutive `d`-float chunks of `dst`, with one CPU
+    /// dispatch for the whole block: row `i` goes to `dst[i·d .. (i+1)·d]`, as
+    /// [`Element::widen`] would put it there (a longer row is cut to `d` elements, a shorter
+    /// one fills the start of its chunk); rows past the last whole chunk are skipped, and
+    /// `d = 0` writes nothing.
     fn widen_rows(src: &[&[Self]], d: usize, dst: &mut [f32]) {
-        for (row, out) in src.iter().zip(dst.chunks_exact_mut(d.max(1))) {
+        if d == 0 {
+            return;
+        }
+        for (row, out) in src.iter().zip(dst.chunks_exact_mut(d)) {
             Self::widen(row, out);
         }
     }
@@ -77,8 +105,10 @@ impl Element for f32 {
     fn from_f32(x: f32) -> Self {
         x
     }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        dst[..src.len()].copy_from_slice(src);
+    fn widen(src: &[Self], dst: &mut [f32]) -> usize {
+        let n = src.len().min(dst.len());
+        dst[..n].copy_from_slice(&src[..n]);
+        n
     }
     fn as_f32(m: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
         Some(m)
@@ -96,11 +126,16 @@ macro_rules! half_element {
             fn from_f32(x: f32) -> Self {
                 <$t>::from_f32(x)
             }
-            fn widen(src: &[Self], dst: &mut [f32]) {
-                $widen(src, &mut dst[..src.len()]);
+            fn widen(src: &[Self], dst: &mut [f32]) -> usize {
+                let n = src.len().min(dst.len());
+                $widen(&src[..n], &mut dst[..n]);
+                n
             }
             fn widen_rows(src: &[&[Self]], d: usize, dst: &mut [f32]) {
-                $widen_rows(src, d, dst);
+                // The kernels take `min(row, d)` of each row into whole `d`-float chunks.
+                if d > 0 {
+                    $widen_rows(src, d, dst);
+                }
             }
             fn as_f32(_: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
                 None

@@ -23,13 +23,7 @@ pub const LAZY_RESCALE_LOG2: f32 = 8.0;
 /// softmax stays defined (`docs/conventions.md`, "Scores beyond f32").
 #[inline(always)]
 pub(crate) fn saturate(x: f32) -> f32 {
-    if x > f32::MAX {
-        f32::MAX
-    } else if x < -f32::MAX {
-        -f32::MAX
-    } else {
-        x
-    }
+    x.clamp(-f32::MAX, f32::MAX)
 }
 
 /// A block maximum beyond this (or `±inf`) in a block with nothing hidden means some score
@@ -77,7 +71,7 @@ fn update_body<const FMA: bool>(
     //    score counts as ±f32::MAX, not as a hidden key or a NaN.
     if all_visible {
         for (i, b) in alpha.iter_mut().enumerate() {
-            if !(b.abs() <= HUGE) {
+            if b.abs() > HUGE {
                 *b = f32::NEG_INFINITY;
                 for j in 0..cols {
                     let x = &mut s[j * ld + i];
@@ -177,7 +171,7 @@ fn softmax_row_body<const FMA: bool>(
         .iter()
         .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
     // As in `softmax_update`: an overflowed score in a row with nothing hidden saturates.
-    if all_visible && !(block.abs() <= HUGE) {
+    if all_visible && block.abs() > HUGE {
         block = f32::NEG_INFINITY;
         for x in s.iter_mut() {
             *x = saturate(*x);
