@@ -34,13 +34,7 @@ pub const SCORE_LIMIT: f64 = f32::MAX as f64 * core::f64::consts::LN_2;
 
 /// `x` clamped into `[−SCORE_LIMIT, SCORE_LIMIT]`; NaN stays NaN.
 fn saturate(x: f64) -> f64 {
-    if x > SCORE_LIMIT {
-        SCORE_LIMIT
-    } else if x < -SCORE_LIMIT {
-        -SCORE_LIMIT
-    } else {
-        x
-    }
+    x.clamp(-SCORE_LIMIT, SCORE_LIMIT)
 }
 
 /// The formula on f64 operands that are already validated.
