@@ -43,9 +43,9 @@ pub(crate) fn key_blocks<'a, T>(
 /// Masks a column-major score tile (leading dimension `br`) of query rows `rows` and keys
 /// `cols`. When the block straddles a structural boundary (`coverage` is `Partial`), the
 /// keys outside each row's range are hidden (`-inf`) and only the visible ones see the
-/// element-wise masks: a structurally hidden key is hidden whatever its bias says. Every
-/// visible score is then saturated into the finite range ([`saturate`]); the softmax pass
-/// saturates the scores of blocks with nothing hidden.
+/// element-wise masks: a structurally hidden key is hidden whatever its bias says. The
+/// element-wise masks saturate the scores they touch ([`saturate`]); the softmax pass
+/// saturates overflowed scores of the other blocks.
 pub(crate) fn mask_tile<T>(
     s: &mut [f32],
     br: usize,
@@ -60,8 +60,10 @@ pub(crate) fn mask_tile<T>(
             for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
                 s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
             }
-            for j in visible {
-                mask_entry(&mut s[(j - cols.start) * br + i], head, row, j);
+            if head.mask.has_elementwise() {
+                for j in visible {
+                    mask_entry(&mut s[(j - cols.start) * br + i], head, row, j);
+                }
             }
         }
     } else if head.mask.has_elementwise() {
@@ -118,11 +120,11 @@ pub(crate) fn mask_row<T>(
     if !partial && !head.mask.has_elementwise() {
         return;
     }
-    let r = head.key_range(row);
+    let (r, elementwise) = (head.key_range(row), head.mask.has_elementwise());
     for (j, x) in cols.zip(s.iter_mut()) {
         if partial && !r.contains(&j) {
             *x = f32::NEG_INFINITY;
-        } else {
+        } else if elementwise {
             mask_entry(x, head, row, j);
         }
     }

@@ -19,6 +19,7 @@ use core::ops::Range;
 use std::sync::Mutex;
 
 use attn_core::{Error, PartialState, Result, Tensor4Mut};
+use faer::reborrow::ReborrowMut;
 use faer::{Mat, MatMut, RowMut};
 
 use crate::kernel::element::Element;
@@ -260,9 +261,18 @@ impl Scratch {
         out: &mut [RowMut<'_, O>],
         lse: Option<&mut [f32]>,
     ) {
+        let (d_v, br) = (self.shape.d_v, self.plan.br);
         for (i, row) in out.iter_mut().enumerate().take(rows) {
-            for c in 0..row.ncols() {
-                row[c] = O::from_f32(self.normalised(i, c));
+            let l = self.l[i];
+            // l = 0 only when nothing was visible (acc is 0 too); a NaN l stays NaN.
+            let norm = |a: f32| O::from_f32(if l == 0.0 { 0.0 } else { a / l });
+            let dst = row.rb_mut().iter_mut();
+            if self.row_tile {
+                let acc = &self.acc_rows[i * d_v..(i + 1) * d_v];
+                dst.zip(acc).for_each(|(x, &a)| *x = norm(a));
+            } else {
+                let acc = self.acc[i..].iter().step_by(br);
+                dst.zip(acc).for_each(|(x, &a)| *x = norm(a));
             }
         }
         if let Some(lse) = lse {

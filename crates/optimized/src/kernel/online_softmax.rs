@@ -26,8 +26,8 @@ pub(crate) fn saturate(x: f32) -> f32 {
     x.clamp(-f32::MAX, f32::MAX)
 }
 
-/// A block maximum beyond this (or `±inf`) in a block with nothing hidden means some score
-/// overflowed: the block's row is saturated before the softmax (a rare, slow path).
+/// A block maximum beyond this (or `±inf`) means some score overflowed: the block's row is
+/// saturated before the softmax (a rare, slow path).
 const HUGE: f32 = f32::MAX / 2.0;
 
 /// Per-row state of the online softmax for one query tile.
@@ -66,18 +66,22 @@ fn update_body<const FMA: bool>(
             *b = if x > *b { x } else { *b };
         }
     }
-    //    In a block with nothing hidden, a non-finite or huge maximum means a score
-    //    overflowed (or every score is NaN): saturate that row, so that an overflowed
-    //    score counts as ±f32::MAX, not as a hidden key or a NaN.
-    if all_visible {
-        for (i, b) in alpha.iter_mut().enumerate() {
-            if b.abs() > HUGE {
-                *b = f32::NEG_INFINITY;
-                for j in 0..cols {
-                    let x = &mut s[j * ld + i];
-                    *x = saturate(*x);
-                    *b = if *x > *b { *x } else { *b };
-                }
+    //    A +inf or huge maximum means a score overflowed: saturate that row, so that it
+    //    counts as f32::MAX, not as a NaN. In a block with nothing hidden a -inf or huge
+    //    negative maximum means the same (or every score is NaN), and the row saturates
+    //    below too; elsewhere -inf is a hidden key and stays.
+    for (i, b) in alpha.iter_mut().enumerate() {
+        if b.abs() > HUGE && (*b > 0.0 || all_visible) {
+            let low = if all_visible {
+                -f32::MAX
+            } else {
+                f32::NEG_INFINITY
+            };
+            *b = f32::NEG_INFINITY;
+            for j in 0..cols {
+                let x = &mut s[j * ld + i];
+                *x = x.clamp(low, f32::MAX);
+                *b = if *x > *b { *x } else { *b };
             }
         }
     }
@@ -114,9 +118,9 @@ multiversion! {
     /// Runs the online-softmax step on a `rows × cols` score tile stored column-major with
     /// leading dimension `ld`: afterwards the tile holds the unnormalised probabilities,
     /// `state` the updated maxima and sums, and `state.alpha` the factor each accumulator
-    /// row must be scaled by. Returns whether any factor differs from 1. `all_visible`
-    /// says that no score of the tile is hidden (none is `-inf` by design), so that
-    /// overflowed scores can be told apart and saturated.
+    /// row must be scaled by. Returns whether any factor differs from 1. Overflowed scores
+    /// saturate at `±f32::MAX`: `+inf` always, `-inf` when `all_visible` says that no
+    /// score of the tile is hidden (elsewhere `-inf` is a hidden key).
     pub(crate) fn softmax_update(
         s: &mut [f32],
         ld: usize,
@@ -170,11 +174,17 @@ fn softmax_row_body<const FMA: bool>(
     let mut block = block
         .iter()
         .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
-    // As in `softmax_update`: an overflowed score in a row with nothing hidden saturates.
-    if all_visible && block.abs() > HUGE {
+    // As in `softmax_update`: an overflowed score saturates (below too when nothing in
+    // the row is hidden).
+    if block.abs() > HUGE && (block > 0.0 || all_visible) {
+        let low = if all_visible {
+            -f32::MAX
+        } else {
+            f32::NEG_INFINITY
+        };
         block = f32::NEG_INFINITY;
         for x in s.iter_mut() {
-            *x = saturate(*x);
+            *x = x.clamp(low, f32::MAX);
             block = if *x > block { *x } else { block };
         }
     }
