@@ -64,6 +64,11 @@
 //! return `None` (unsupported) as [`Engine::attention_split`]'s does; its properties
 //! come with issue 14.
 //!
+//! Hostile inputs have their own module, [`hostile`]: generators of shapes up to `usize::MAX`
+//! (broadcast views), every stride sign, options and values at their extremes, and the checks
+//! of what every call must return on them (issue 13's robustness suite; attn-optimized runs
+//! them on all its entry points in `tests/robustness.rs`).
+//!
 //! # Case counts and deep runs
 //!
 //! Each property runs [`Property::default_cases`] cases (512 for most, 128 for the
@@ -88,6 +93,7 @@
 pub mod bound;
 mod case;
 mod engine;
+pub mod hostile;
 mod properties;
 pub mod stats;
 mod suite;

@@ -271,7 +271,7 @@ impl Scratch {
                 let acc = &self.acc_rows[i * d_v..(i + 1) * d_v];
                 dst.zip(acc).for_each(|(x, &a)| *x = norm(a));
             } else {
-                let acc = self.acc[i..].iter().step_by(br);
+                let acc = self.acc.iter().skip(i).step_by(br);
                 dst.zip(acc).for_each(|(x, &a)| *x = norm(a));
             }
         }
