@@ -106,7 +106,15 @@ impl PartialState {
             self.lse[i] = m + sum.ln();
             let (wa, wb) = (wa / sum, wb / sum);
             for c in 0..d {
-                self.output[(i, c)] = wa * self.output[(i, c)] + wb * other.output[(i, c)];
+                let (x, y) = (self.output[(i, c)], other.output[(i, c)]);
+                let merged = wa * x + wb * y;
+                // A weighted mean of two finite outputs is finite: rounding must not push
+                // it past f32::MAX (wa + wb may round above 1).
+                self.output[(i, c)] = if x.is_finite() && y.is_finite() {
+                    merged.clamp(-f32::MAX, f32::MAX)
+                } else {
+                    merged
+                };
             }
         }
         Ok(())

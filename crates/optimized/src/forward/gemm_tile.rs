@@ -9,6 +9,7 @@ use faer::{Accum, MatMut, MatRef, Par};
 
 use super::Scratch;
 use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update};
 use crate::mask::{key_blocks, mask_tile, zero_weight_meets_non_finite};
 use crate::problem::HeadInputs;
@@ -31,7 +32,9 @@ impl Scratch {
         for c in 0..d_k {
             let col = &mut self.q[c * br..c * br + nr];
             for (i, x) in col.iter_mut().enumerate() {
-                *x = head.q[(rows.start + i, c)].to_f32() * head.scale_log2;
+                // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
+                // inf (inf · 0 = NaN where the score is 0).
+                *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
             }
         }
         self.acc.fill(0.0);

@@ -104,6 +104,9 @@ pub(crate) fn run<T: Element, O: Element>(
         return;
     }
     let tiles_per_head = plan.query_tiles(n_q);
+    if tiles_per_head == 0 {
+        return; // no query: nothing to compute, however many keys
+    }
     let n_k = jobs.iter().map(|j| j.keys.len()).max().unwrap_or(0);
     if splits(split, jobs.len(), tiles_per_head, n_k) {
         return split_kv::run(problem, jobs);

@@ -13,6 +13,7 @@ use attn_core::TileCoverage;
 
 use super::Scratch;
 use crate::kernel::element::{Element, row_slices};
+use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::softmax_row;
 use crate::kernel::rows::{RowKernels, accumulate, scores};
 use crate::mask::{key_blocks, mask_row, zero_weight_meets_non_finite};
@@ -44,7 +45,9 @@ impl Scratch {
         let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
         for (i, q) in self.q.chunks_exact_mut(d_k).take(nr).enumerate() {
             for (c, x) in q.iter_mut().enumerate() {
-                *x = head.q[(rows.start + i, c)].to_f32() * head.scale_log2;
+                // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
+                // inf (inf · 0 = NaN where the score is 0).
+                *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
             }
         }
         self.acc_rows.fill(0.0);
