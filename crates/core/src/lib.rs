@@ -28,6 +28,6 @@ pub use error::{Error, Result, check_dim};
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
 pub use merge::PartialState;
 pub use multi_head::MultiHeadWeights;
-pub use options::{Options, check_shape};
+pub use options::{Options, SCORE_LIMIT, check_shape};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};
 pub use tensor::{Layout, Tensor4, Tensor4Mut, Tensor4Ref};

@@ -4,6 +4,17 @@ use faer::MatRef;
 
 use crate::{BoolMask, Causal, Error, KeyPadding, Result, SlidingWindow, check_dim};
 
+/// The largest score magnitude of the contract: `f32::MAX · ln 2` (≈ 2.36e38), which is
+/// `f32::MAX` in the base-2 domain that f32 engines compute in. A visible score
+/// `scale · q·k + bias` beyond it (a huge `q·k`, a bias near `±f32::MAX`, a `+inf` bias)
+/// counts as `±SCORE_LIMIT`, the bias saturated first; NaN stays NaN
+/// (`docs/conventions.md`, "Scores beyond f32").
+///
+/// ```
+/// assert!((attn_core::SCORE_LIMIT - 2.3587e38).abs() < 1e34);
+/// ```
+pub const SCORE_LIMIT: f64 = f32::MAX as f64 * core::f64::consts::LN_2;
+
 /// The knobs of an attention call. All constraints combine: a key is visible only if
 /// every one of them allows it.
 ///

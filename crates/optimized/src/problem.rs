@@ -47,12 +47,9 @@ impl Problem {
         v: MatRef<'a, T>,
         options: &Options<'a>,
     ) -> Result<(Self, HeadInputs<'a, T>)> {
-        let HeadShape { n_q, n_k, d_k, d_v } = HeadShape::of(q, k, v)?;
-        let scale = options.validate(1, n_q, n_k, d_k)?;
-        check_row_handles(Some(n_q))?;
-        let mask = HeadMask::new(options, n_q, n_k, options.key_length(0));
-        let problem = Self::new(n_q, n_k, d_k, d_v, scale);
-        Ok((problem, problem.inputs(q, k, v, 0, mask)))
+        // A head is the shard of all its keys.
+        let n_k = k.nrows();
+        Self::shard(q, k, v, &(0..n_k), n_k, options)
     }
 
     /// One head over the shard `keys` of a problem with `n_k_total` keys, in which the

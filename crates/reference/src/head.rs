@@ -1,6 +1,8 @@
 //! One head, and a batch of heads, by the formula.
 
-use attn_core::{HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_batch, validate_head};
+use attn_core::{
+    HeadMask, Options, Result, SCORE_LIMIT, Tensor4, Tensor4Ref, validate_batch, validate_head,
+};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
 
@@ -26,11 +28,6 @@ fn widen<T: Element>(m: MatRef<'_, T>) -> Mat<f64> {
 fn narrow<T: Element>(m: MatRef<'_, f64>) -> Mat<T> {
     Mat::from_fn(m.nrows(), m.ncols(), |i, j| T::from_f64(m[(i, j)]))
 }
-
-/// The largest score magnitude of the contract: `f32::MAX · ln 2`, which is `f32::MAX` in
-/// the base-2 domain that f32 engines compute in. A visible score beyond it (a huge
-/// `q·k`, a bias near `±f32::MAX`, `+inf`) counts as `±SCORE_LIMIT`; NaN stays NaN.
-pub const SCORE_LIMIT: f64 = f32::MAX as f64 * core::f64::consts::LN_2;
 
 /// `x` clamped into `[−SCORE_LIMIT, SCORE_LIMIT]`; NaN stays NaN.
 fn saturate(x: f64) -> f64 {

@@ -21,12 +21,12 @@ mod multi_head;
 pub mod worked;
 
 pub use attn_core::{
-    BoolMask, Causal, Error, KeyPadding, Layout, Options, Result, SlidingWindow, Tensor4,
-    Tensor4Mut, Tensor4Ref,
+    BoolMask, Causal, Error, KeyPadding, Layout, Options, Result, SCORE_LIMIT, SlidingWindow,
+    Tensor4, Tensor4Mut, Tensor4Ref,
 };
 pub use element::Element;
 pub use head::{
-    Materialized, SCORE_LIMIT, attention, attention_batched, attention_batched_materialized,
+    Materialized, attention, attention_batched, attention_batched_materialized,
     attention_materialized,
 };
 pub use multi_head::MultiHeadAttention;

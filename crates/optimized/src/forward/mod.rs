@@ -34,11 +34,7 @@ pub(crate) fn head<T: Element, O: Element>(
     out: MatMut<'_, O>,
     lse: Option<&mut [f32]>,
 ) -> Result<()> {
-    let n = out.nrows();
-    let mut rows: Vec<RowMut<'_, O>> = Vec::new();
-    rows.try_reserve_exact(n)
-        .map_err(|_| Error::allocation_of::<RowMut<'_, O>>("attention output rows", Some(n)))?;
-    rows.extend(out.row_iter_mut());
+    let mut rows = row_list(out.row_iter_mut())?;
     let job = HeadJob {
         keys: inputs.key_base..inputs.key_base + inputs.k.nrows(),
         inputs,
@@ -57,16 +53,24 @@ pub(crate) fn batched<T: Element, O: Element>(
     lse: Option<&mut [f32]>,
     split: SplitKv,
 ) -> Result<()> {
-    let slices = out.into_rows()?;
-    let mut rows: Vec<RowMut<'_, O>> = Vec::new();
-    rows.try_reserve_exact(slices.len()).map_err(|_| {
-        Error::allocation_of::<RowMut<'_, O>>("attention output rows", Some(slices.len()))
-    })?;
-    rows.extend(slices.into_iter().map(RowMut::from_slice_mut));
+    let mut rows = row_list(out.into_rows()?.into_iter().map(RowMut::from_slice_mut))?;
     let lse = lse.unwrap_or_default();
     let jobs = batch.jobs(&mut rows, lse)?;
     run(&batch.problem, jobs, split);
     Ok(())
+}
+
+/// The output rows as a list the tasks split among themselves, allocated fallibly (a
+/// caller's view may have more rows than any list can hold).
+fn row_list<'o, O>(
+    rows: impl ExactSizeIterator<Item = RowMut<'o, O>>,
+) -> Result<Vec<RowMut<'o, O>>> {
+    let n = rows.len();
+    let mut list = Vec::new();
+    list.try_reserve_exact(n)
+        .map_err(|_| Error::allocation_of::<RowMut<'o, O>>("attention output rows", Some(n)))?;
+    list.extend(rows);
+    Ok(list)
 }
 
 /// One (head, query tile) task.
@@ -152,6 +156,13 @@ pub(crate) fn run<T: Element, O: Element>(
     });
 }
 
+/// An accumulator entry divided by its row's sum `l`. `l = 0` only when nothing was
+/// visible (the accumulator is 0 too); a NaN `l` stays NaN.
+#[inline(always)]
+fn normalise(a: f32, l: f32) -> f32 {
+    if l == 0.0 { 0.0 } else { a / l }
+}
+
 /// What a thread's cached [`Scratch`] was sized for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ScratchShape {
@@ -186,17 +197,18 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    fn new<T: Element>(plan: TilePlan, d_k: usize, d_v: usize) -> Self {
+    fn new(shape: ScratchShape) -> Self {
+        let ScratchShape {
+            plan,
+            d_k,
+            d_v,
+            widens,
+        } = shape;
         let br = plan.br;
         let rows_kernel = br <= DECODE_ROWS.next_multiple_of(8);
-        let wide = if T::WIDENS || rows_kernel { plan.bc } else { 0 };
+        let wide = if widens || rows_kernel { plan.bc } else { 0 };
         Self {
-            shape: ScratchShape {
-                plan,
-                d_k,
-                d_v,
-                widens: T::WIDENS,
-            },
+            shape,
             plan,
             q: vec![0.0; br * d_k],
             s: vec![0.0; br * plan.bc],
@@ -234,7 +246,7 @@ impl Scratch {
         let cached = CACHE
             .with(|c| c.borrow_mut().take())
             .filter(|s| s.shape == shape);
-        let mut scratch = cached.unwrap_or_else(|| Scratch::new::<T>(plan, d_k, d_v));
+        let mut scratch = cached.unwrap_or_else(|| Scratch::new(shape));
         let result = f(&mut scratch);
         CACHE.with(|c| *c.borrow_mut() = Some(scratch));
         result
@@ -267,8 +279,7 @@ impl Scratch {
         let (d_v, br) = (self.shape.d_v, self.plan.br);
         for (i, row) in out.iter_mut().enumerate().take(rows) {
             let l = self.l[i];
-            // l = 0 only when nothing was visible (acc is 0 too); a NaN l stays NaN.
-            let norm = |a: f32| O::from_f32(if l == 0.0 { 0.0 } else { a / l });
+            let norm = |a: f32| O::from_f32(normalise(a, l));
             let dst = row.rb_mut().iter_mut();
             if self.row_tile {
                 let acc = &self.acc_rows[i * d_v..(i + 1) * d_v];
@@ -300,9 +311,7 @@ impl Scratch {
         } else {
             self.acc[c * self.plan.br + i]
         };
-        let l = self.l[i];
-        // l = 0 only when nothing was visible (acc is 0 too); a NaN l stays NaN.
-        if l == 0.0 { 0.0 } else { a / l }
+        normalise(a, self.l[i])
     }
 
     fn lse_row(&self, i: usize) -> f32 {

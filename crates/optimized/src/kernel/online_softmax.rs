@@ -20,7 +20,7 @@ pub const LAZY_RESCALE_LOG2: f32 = 8.0;
 
 /// `x` clamped into `[−f32::MAX, f32::MAX]`; NaN stays NaN. A visible score that
 /// overflows f32 (a huge `q·k`, a bias near `f32::MAX` added) saturates, so the row's
-/// softmax stays defined (`docs/conventions.md`, "Scores beyond f32").
+/// softmax stays defined: the contract's [`attn_core::SCORE_LIMIT`] in the base-2 domain.
 #[inline(always)]
 pub(crate) fn saturate(x: f32) -> f32 {
     x.clamp(-f32::MAX, f32::MAX)
@@ -29,6 +29,31 @@ pub(crate) fn saturate(x: f32) -> f32 {
 /// A block maximum beyond this (or `±inf`) means some score overflowed: the block's row is
 /// saturated before the softmax (a rare, slow path).
 const HUGE: f32 = f32::MAX / 2.0;
+
+/// Whether a block maximum says that a score of its row overflowed: `+inf` or huge, or,
+/// when nothing in the block is hidden (`all_visible`), `-inf` or hugely negative too.
+#[inline(always)]
+fn overflowed(block_max: f32, all_visible: bool) -> bool {
+    block_max.abs() > HUGE && (block_max > 0.0 || all_visible)
+}
+
+/// Saturates the scores `s[i]` for `i` in `at` (one row) at `f32::MAX` — and at
+/// `-f32::MAX` below when `all_visible`, elsewhere `-inf` is a hidden key and stays — and
+/// returns their new maximum. The rare path after [`overflowed`].
+#[inline(always)]
+fn saturate_row(at: impl Iterator<Item = usize>, s: &mut [f32], all_visible: bool) -> f32 {
+    let low = if all_visible {
+        -f32::MAX
+    } else {
+        f32::NEG_INFINITY
+    };
+    let mut max = f32::NEG_INFINITY;
+    for i in at {
+        s[i] = s[i].clamp(low, f32::MAX);
+        max = if s[i] > max { s[i] } else { max };
+    }
+    max
+}
 
 /// Per-row state of the online softmax for one query tile.
 #[derive(Debug)]
@@ -71,18 +96,8 @@ fn update_body<const FMA: bool>(
     //    negative maximum means the same (or every score is NaN), and the row saturates
     //    below too; elsewhere -inf is a hidden key and stays.
     for (i, b) in alpha.iter_mut().enumerate() {
-        if b.abs() > HUGE && (*b > 0.0 || all_visible) {
-            let low = if all_visible {
-                -f32::MAX
-            } else {
-                f32::NEG_INFINITY
-            };
-            *b = f32::NEG_INFINITY;
-            for j in 0..cols {
-                let x = &mut s[j * ld + i];
-                *x = x.clamp(low, f32::MAX);
-                *b = if *x > *b { *x } else { *b };
-            }
+        if overflowed(*b, all_visible) {
+            *b = saturate_row((0..cols).map(|j| j * ld + i), s, all_visible);
         }
     }
 
@@ -176,17 +191,8 @@ fn softmax_row_body<const FMA: bool>(
         .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
     // As in `softmax_update`: an overflowed score saturates (below too when nothing in
     // the row is hidden).
-    if block.abs() > HUGE && (block > 0.0 || all_visible) {
-        let low = if all_visible {
-            -f32::MAX
-        } else {
-            f32::NEG_INFINITY
-        };
-        block = f32::NEG_INFINITY;
-        for x in s.iter_mut() {
-            *x = x.clamp(low, f32::MAX);
-            block = if *x > block { *x } else { block };
-        }
+    if overflowed(block, all_visible) {
+        block = saturate_row(0..s.len(), s, all_visible);
     }
     let mut alpha = 1.0;
     if block > *m + LAZY_RESCALE_LOG2 {
