@@ -17,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 mod error;
+mod gradients;
 mod mask;
 mod merge;
 mod multi_head;
@@ -25,6 +26,7 @@ mod shape;
 mod tensor;
 
 pub use error::{Error, Result, check_dim};
+pub use gradients::{BatchGradients, Gradients, validate_batch_backward, validate_head_backward};
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
 pub use merge::PartialState;
 pub use multi_head::MultiHeadWeights;
