@@ -21,11 +21,11 @@ pub struct Materialized {
     pub lse: Vec<f64>,
 }
 
-fn widen<T: Element>(m: MatRef<'_, T>) -> Mat<f64> {
+pub(crate) fn widen<T: Element>(m: MatRef<'_, T>) -> Mat<f64> {
     Mat::from_fn(m.nrows(), m.ncols(), |i, j| m[(i, j)].to_f64())
 }
 
-fn narrow<T: Element>(m: MatRef<'_, f64>) -> Mat<T> {
+pub(crate) fn narrow<T: Element>(m: MatRef<'_, f64>) -> Mat<T> {
     Mat::from_fn(m.nrows(), m.ncols(), |i, j| T::from_f64(m[(i, j)]))
 }
 
@@ -166,6 +166,28 @@ pub fn attention<T: Element>(
     Ok(narrow(m.output.as_ref()))
 }
 
+/// Attention of one head and the natural-log LSE of each row (`-inf` for a row that sees
+/// no key), computed in f64 and rounded once: what an engine's backward pass takes.
+///
+/// ```
+/// use attn_reference::{attention_with_lse, Options};
+/// use faer::Mat;
+/// let (q, k) = (Mat::<f32>::zeros(1, 4), Mat::<f32>::zeros(3, 4));
+/// let (_, lse) = attention_with_lse(q.as_ref(), k.as_ref(), k.as_ref(), &Options::default())?;
+/// assert_eq!(lse[0], 3f32.ln()); // three equal scores of 0
+/// # Ok::<(), attn_reference::Error>(())
+/// ```
+pub fn attention_with_lse<T: Element>(
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    options: &Options<'_>,
+) -> Result<(Mat<T>, Vec<f32>)> {
+    let m = attention_materialized(q, k, v, options)?;
+    let lse = m.lse.iter().map(|&l| l as f32).collect();
+    Ok((narrow(m.output.as_ref()), lse))
+}
+
 /// Batched, grouped-query attention by the formula: every intermediate of every
 /// (batch, query head), in `[batch][head]` order.
 pub fn attention_batched_materialized<T: Element>(
@@ -220,7 +242,23 @@ pub fn attention_batched<T: Element + Default>(
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<Tensor4<T>> {
+    attention_batched_with_lse(q, k, v, options).map(|(o, _)| o)
+}
+
+/// [`attention_batched`] and the natural-log LSE of every row, `[batch][h_q][n_q]`
+/// flattened (what the batched backward pass takes).
+pub fn attention_batched_with_lse<T: Element + Default>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    options: &Options<'_>,
+) -> Result<(Tensor4<T>, Vec<f32>)> {
     let heads = attention_batched_materialized(q, k, v, options)?;
+    let lse = heads
+        .iter()
+        .flatten()
+        .flat_map(|m| m.lse.iter().map(|&l| l as f32))
+        .collect();
     let [b, h, n_q, _] = q.dims();
     let d_v = v.dims()[3];
     let mut out = Tensor4::<T>::zeros([b, h, n_q, d_v]);
@@ -235,5 +273,5 @@ pub fn attention_batched<T: Element + Default>(
             }
         }
     }
-    Ok(out)
+    Ok((out, lse))
 }

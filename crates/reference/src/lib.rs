@@ -15,18 +15,24 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod backward;
 mod element;
 mod head;
 mod multi_head;
 pub mod worked;
 
+pub use attn_core::{BatchGradients, Gradients};
 pub use attn_core::{
     BoolMask, Causal, Error, KeyPadding, Layout, Options, Result, SCORE_LIMIT, SlidingWindow,
     Tensor4, Tensor4Mut, Tensor4Ref,
 };
+pub use backward::{
+    MaterializedBackward, attention_backward, attention_backward_batched,
+    attention_backward_batched_materialized, attention_backward_materialized,
+};
 pub use element::Element;
 pub use head::{
     Materialized, attention, attention_batched, attention_batched_materialized,
-    attention_materialized,
+    attention_batched_with_lse, attention_materialized, attention_with_lse,
 };
 pub use multi_head::MultiHeadAttention;

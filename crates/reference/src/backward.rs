@@ -1,0 +1,285 @@
+//! The backward pass by the formula: every intermediate materialised in f64.
+//!
+//! With `P` the forward's weights and `D_i = Σ_t dO_it · O_it`:
+//! `dV = Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ∘ (dP − D)`, `dQ = scale · dS K`,
+//! `dK = scale · dSᵀ Q`. `D` replaces the softmax Jacobian: row `i` of `dS` is
+//! `P_i ∘ (dP_i − (P_i · dP_i))`, and `P_i · dP_i = Σ_j P_ij (dO_i · V_j) = dO_i · O_i`.
+//!
+//! The reference differentiates the formula, not the saturation of scores beyond f32
+//! (`docs/conventions.md`): a saturated score is differentiated as if it were not.
+
+use attn_core::{
+    BatchGradients, HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_batch_backward,
+    validate_head_backward,
+};
+use faer::{Mat, MatRef};
+
+use crate::Element;
+use crate::head::{Materialized, attend, narrow, widen};
+
+/// Every intermediate of one head's backward pass, in f64: the forward's ([`Materialized`])
+/// and the backward's own.
+#[derive(Debug, Clone)]
+pub struct MaterializedBackward {
+    /// The forward pass: `S`, `P` (its `weights`), `O` and the LSE.
+    pub forward: Materialized,
+    /// `D_i = Σ_t dO_it · O_it : [n_q]`.
+    pub d: Vec<f64>,
+    /// `dP = dO Vᵀ : [n_q, n_k]`; 0 where the key is hidden from the row.
+    pub dp: Mat<f64>,
+    /// `dS = P ∘ (dP − D) : [n_q, n_k]`, the gradient of the scores; 0 where hidden.
+    pub ds: Mat<f64>,
+    /// `dQ = scale · dS K : [n_q, d_k]`.
+    pub dq: Mat<f64>,
+    /// `dK = scale · dSᵀ Q : [n_k, d_k]`.
+    pub dk: Mat<f64>,
+    /// `dV = Pᵀ dO : [n_k, d_v]`.
+    pub dv: Mat<f64>,
+}
+
+/// The backward formula on f64 operands that are already validated.
+///
+/// A hidden key (score `-inf`) is skipped in every sum rather than multiplied by 0, so a
+/// non-finite entry of a row of Q, dO, K or V never reaches the gradient of a key (or
+/// query) that cannot see it.
+pub(crate) fn attend_backward(
+    q: MatRef<'_, f64>,
+    k: MatRef<'_, f64>,
+    v: MatRef<'_, f64>,
+    grad_out: MatRef<'_, f64>,
+    scale: f64,
+    mask: &HeadMask<'_>,
+) -> MaterializedBackward {
+    let forward = attend(q, k, v, scale, mask);
+    let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
+    let visible = |i: usize, j: usize| forward.scores[(i, j)] != f64::NEG_INFINITY;
+
+    let d: Vec<f64> = (0..n_q)
+        .map(|i| {
+            (0..d_v)
+                .map(|t| grad_out[(i, t)] * forward.output[(i, t)])
+                .sum()
+        })
+        .collect();
+    let dp = Mat::from_fn(n_q, n_k, |i, j| {
+        if visible(i, j) {
+            (0..d_v).map(|t| grad_out[(i, t)] * v[(j, t)]).sum()
+        } else {
+            0.0
+        }
+    });
+    let ds = Mat::from_fn(n_q, n_k, |i, j| {
+        if visible(i, j) {
+            forward.weights[(i, j)] * (dp[(i, j)] - d[i])
+        } else {
+            0.0
+        }
+    });
+
+    let mut dq = Mat::<f64>::zeros(n_q, d_k);
+    let mut dk = Mat::<f64>::zeros(n_k, d_k);
+    let mut dv = Mat::<f64>::zeros(n_k, d_v);
+    for i in 0..n_q {
+        for j in (0..n_k).filter(|&j| visible(i, j)) {
+            let (p, s) = (forward.weights[(i, j)], ds[(i, j)]);
+            for c in 0..d_v {
+                dv[(j, c)] += p * grad_out[(i, c)];
+            }
+            for c in 0..d_k {
+                dq[(i, c)] += scale * s * k[(j, c)];
+                dk[(j, c)] += scale * s * q[(i, c)];
+            }
+        }
+    }
+    MaterializedBackward {
+        forward,
+        d,
+        dp,
+        ds,
+        dq,
+        dk,
+        dv,
+    }
+}
+
+/// The backward pass of one head with every intermediate returned (f64).
+///
+/// The reference recomputes its own f64 forward (it is the ground truth), so it needs
+/// only the operands and the upstream gradient `grad_out : [n_q, d_v]`.
+///
+/// ```
+/// use attn_reference::{attention_backward_materialized, Options};
+/// use faer::mat;
+/// let x = mat![[1.0f32, 0.0], [0.0, 1.0], [1.0, 1.0]];
+/// let d_out = mat![[1.0f32, -1.0], [0.5, 0.0], [0.0, 2.0]];
+/// let m = attention_backward_materialized(x.as_ref(), x.as_ref(), x.as_ref(), d_out.as_ref(), &Options::default())?;
+/// // Softmax is invariant to adding a constant to a row of scores: each row of dS sums to 0.
+/// for i in 0..3 {
+///     assert!((0..3).map(|j| m.ds[(i, j)]).sum::<f64>().abs() < 1e-12);
+/// }
+/// # Ok::<(), attn_reference::Error>(())
+/// ```
+pub fn attention_backward_materialized<T: Element>(
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    grad_out: MatRef<'_, T>,
+    options: &Options<'_>,
+) -> Result<MaterializedBackward> {
+    let n_q = q.nrows();
+    let (shape, _) = validate_head_backward(q, k, v, grad_out, grad_out, n_q, options)?;
+    let scale = options.scale_for_f64(shape.d_k)?;
+    let mask = HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0));
+    Ok(attend_backward(
+        widen(q).as_ref(),
+        widen(k).as_ref(),
+        widen(v).as_ref(),
+        widen(grad_out).as_ref(),
+        scale,
+        &mask,
+    ))
+}
+
+/// The gradients of one head, computed in f64 and rounded to `T` once.
+///
+/// Takes what an engine's backward pass takes (the forward's `out : [n_q, d_v]` and its
+/// natural-log `lse`, one per query row) and checks them like one, but uses its own exact
+/// forward instead: it is the ground truth the engines are tested against.
+///
+/// ```
+/// use attn_reference::{attention_backward, attention_with_lse, Options};
+/// use faer::Mat;
+/// let q = Mat::<f32>::from_fn(3, 4, |i, j| (i + j) as f32 * 0.25);
+/// let k = Mat::<f32>::from_fn(5, 4, |i, j| (i * j % 3) as f32 * 0.5);
+/// let v = Mat::<f32>::from_fn(5, 2, |i, j| i as f32 - j as f32);
+/// let opts = Options::default();
+/// let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)?;
+/// let d_out = Mat::<f32>::from_fn(3, 2, |i, j| (i + 2 * j) as f32 * 0.1);
+/// let g = attention_backward(d_out.as_ref(), q.as_ref(), k.as_ref(), v.as_ref(), out.as_ref(), &lse, &opts)?;
+/// assert_eq!((g.dq.nrows(), g.dk.nrows(), g.dv.ncols()), (3, 5, 2));
+/// // Each value row's gradient is the weight-summed upstream gradient: Σ_j dV_j = Σ_i dO_i.
+/// let col_sum = |m: faer::MatRef<'_, f32>, c: usize| (0..m.nrows()).map(|i| m[(i, c)]).sum::<f32>();
+/// assert!((col_sum(g.dv.as_ref(), 1) - col_sum(d_out.as_ref(), 1)).abs() < 1e-5);
+/// # Ok::<(), attn_reference::Error>(())
+/// ```
+pub fn attention_backward<T: Element>(
+    grad_out: MatRef<'_, T>,
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    out: MatRef<'_, T>,
+    lse: &[f32],
+    options: &Options<'_>,
+) -> Result<attn_core::Gradients<T>> {
+    validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
+    let m = attention_backward_materialized(q, k, v, grad_out, options)?;
+    Ok(attn_core::Gradients::new(
+        narrow(m.dq.as_ref()),
+        narrow(m.dk.as_ref()),
+        narrow(m.dv.as_ref()),
+    ))
+}
+
+/// The backward pass of a batched, grouped-query call by the formula: every intermediate
+/// of every (batch, query head), in `[batch][head]` order. `grad_out` is
+/// `[batch, h_q, n_q, d_v]`.
+pub fn attention_backward_batched_materialized<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    grad_out: Tensor4Ref<'_, T>,
+    options: &Options<'_>,
+) -> Result<Vec<Vec<MaterializedBackward>>> {
+    let [b, h, n_q, _] = q.dims();
+    let rows = b.saturating_mul(h).saturating_mul(n_q);
+    let (shape, _) = validate_batch_backward(q, k, v, grad_out, grad_out, rows, options)?;
+    let scale = options.scale_for_f64(shape.head.d_k)?;
+    (0..shape.batch)
+        .map(|b| {
+            let mask = HeadMask::new(
+                options,
+                shape.head.n_q,
+                shape.head.n_k,
+                options.key_length(b),
+            );
+            (0..shape.h_q)
+                .map(|h| {
+                    let kv = shape.kv_head(h);
+                    Ok(attend_backward(
+                        widen(q.head(b, h)?).as_ref(),
+                        widen(k.head(b, kv)?).as_ref(),
+                        widen(v.head(b, kv)?).as_ref(),
+                        widen(grad_out.head(b, h)?).as_ref(),
+                        scale,
+                        &mask,
+                    ))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The gradients of a batched, grouped-query call, computed in f64 and rounded to `T` once;
+/// a kv head's dK and dV are the sums over its group of query heads, in f64.
+///
+/// Checks `grad_out` and `out` (`[batch, h_q, n_q, d_v]`) and `lse` (`batch·h_q·n_q`
+/// values) like an engine's backward pass, and uses its own exact forward.
+///
+/// ```
+/// use attn_reference::{attention_backward_batched, attention_batched_with_lse, Options, Tensor4};
+/// let q = Tensor4::<f32>::from_vec((0..2 * 3 * 4).map(|i| (i % 5) as f32 * 0.2).collect(), [1, 2, 3, 4])?;
+/// let kv = Tensor4::<f32>::from_vec((0..5 * 4).map(|i| (i % 3) as f32 * 0.3).collect(), [1, 1, 5, 4])?;
+/// let opts = Options::default();
+/// let (out, lse) = attention_batched_with_lse(q.as_ref(), kv.as_ref(), kv.as_ref(), &opts)?;
+/// let g = attention_backward_batched(out.as_ref(), q.as_ref(), kv.as_ref(), kv.as_ref(), out.as_ref(), &lse, &opts)?;
+/// assert_eq!((g.dq.dims(), g.dk.dims()), ([1, 2, 3, 4], [1, 1, 5, 4])); // dK like K: one kv head
+/// # Ok::<(), attn_reference::Error>(())
+/// ```
+pub fn attention_backward_batched<T: Element + Default>(
+    grad_out: Tensor4Ref<'_, T>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    out: Tensor4Ref<'_, T>,
+    lse: &[f32],
+    options: &Options<'_>,
+) -> Result<BatchGradients<T>> {
+    let (shape, _) = validate_batch_backward(q, k, v, grad_out, out, lse.len(), options)?;
+    let heads = attention_backward_batched_materialized(q, k, v, grad_out, options)?;
+    let (n_q, n_k, d_k, d_v) = (
+        shape.head.n_q,
+        shape.head.n_k,
+        shape.head.d_k,
+        shape.head.d_v,
+    );
+    let mut dq = Tensor4::<T>::zeros([shape.batch, shape.h_q, n_q, d_k]);
+    let mut dk = Tensor4::<T>::zeros([shape.batch, shape.h_kv, n_k, d_k]);
+    let mut dv = Tensor4::<T>::zeros([shape.batch, shape.h_kv, n_k, d_v]);
+    let copy = |dst: &mut faer::MatMut<'_, T>, src: &Mat<f64>| {
+        for i in 0..src.nrows() {
+            for c in 0..src.ncols() {
+                dst[(i, c)] = T::from_f64(src[(i, c)]);
+            }
+        }
+    };
+    for (b, per_head) in heads.iter().enumerate() {
+        for (h, m) in per_head.iter().enumerate() {
+            copy(&mut dq.as_mut().head_mut(b, h)?, &m.dq);
+        }
+        for kv in 0..shape.h_kv {
+            // The group's heads summed in f64, in head order.
+            let group = per_head
+                .iter()
+                .enumerate()
+                .filter(|(h, _)| shape.kv_head(*h) == kv);
+            let (mut sk, mut sv) = (Mat::<f64>::zeros(n_k, d_k), Mat::<f64>::zeros(n_k, d_v));
+            for (_, m) in group {
+                sk += &m.dk;
+                sv += &m.dv;
+            }
+            copy(&mut dk.as_mut().head_mut(b, kv)?, &sk);
+            copy(&mut dv.as_mut().head_mut(b, kv)?, &sv);
+        }
+    }
+    Ok(BatchGradients::new(dq, dk, dv))
+}
