@@ -31,6 +31,7 @@
 
 #![deny(unsafe_code)]
 
+mod backward;
 mod forward;
 #[allow(unsafe_code)]
 mod kernel;
@@ -43,17 +44,18 @@ mod schedule;
 use core::ops::Range;
 
 pub use attn_core::{
-    BoolMask, Causal, Error, KeyPadding, Layout, Options, PartialState, Result, SlidingWindow,
-    Tensor4, Tensor4Mut, Tensor4Ref,
+    BatchGradients, BoolMask, Causal, Error, Gradients, KeyPadding, Layout, Options, PartialState,
+    Result, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
 };
-use faer::{Mat, MatMut, MatRef};
+use backward::Backward;
+use faer::{Mat, MatMut, MatRef, RowMut};
 pub use kernel::Isa;
 pub use kernel::element::Element;
 pub use kernel::online_softmax::LAZY_RESCALE_LOG2;
 pub use kv_cache::{Growth, KvCache};
 pub use multi_head::MultiHeadAttention;
 use problem::{Batched, Problem, filled, zeroed, zeroed_mat};
-pub use schedule::{KEY_TILE, QUERY_TILE, SPLIT_KEYS, SplitKv, TilePlan};
+pub use schedule::{BACKWARD_TILE, KEY_TILE, QUERY_TILE, SPLIT_KEYS, SplitKv, TilePlan};
 
 /// The vectorised `2^x` of the softmax and the instruction set it runs with.
 pub mod exp {
@@ -276,6 +278,195 @@ pub fn attention_batched_into<T: Element, O: Element>(
     let batch = Batched::new(q, k, v, options)?;
     batch.check_output(&out)?;
     forward::batched(&batch, out, None, SplitKv::Auto)
+}
+
+/// The backward pass of one head: the gradients of a loss with respect to Q, K and V,
+/// given the upstream gradient `grad_out` (dO, `[n_q, d_v]`) and what
+/// [`attention_with_lse`] returned for the same operands and options: the output `out`
+/// (`[n_q, d_v]`) and the natural-log `lse` (`n_q` entries).
+///
+/// With `P = exp(scale·QKᵀ + M − LSE)` recomputed tile by tile (never stored) and
+/// `D_i = Σ_t dO_it · O_it`: `dV = Pᵀ dO`, `dS = P ∘ (dO Vᵀ − D)`, `dQ = scale · dS K`,
+/// `dK = scale · dSᵀ Q`. A hidden key contributes nothing to any gradient; a row that sees
+/// no key has `dQ = 0` and adds nothing to dK and dV. Accumulation is in f32, and each
+/// gradient is rounded to `T` once. Memory is `O((n_q + n_k)·d)`; the bits do not depend
+/// on the thread count.
+///
+/// ```
+/// use attn_optimized::{attention_backward, attention_with_lse, Causal, Options};
+/// use faer::Mat;
+/// let (n, d) = (200, 16);
+/// let x = Mat::<f32>::from_fn(n, d, |i, j| ((i * 5 + j * 3) % 11) as f32 / 11.0);
+/// let opts = Options::default().with_causal(Causal::TopLeft);
+/// let (out, lse) = attention_with_lse(x.as_ref(), x.as_ref(), x.as_ref(), &opts)?;
+/// let d_out = Mat::<f32>::from_fn(n, d, |i, j| if (i + j) % 7 == 0 { 1.0 } else { 0.0 });
+/// let g = attention_backward(d_out.as_ref(), x.as_ref(), x.as_ref(), x.as_ref(), out.as_ref(), &lse, &opts)?;
+/// // The first query sees only the first key: its dQ is 0 (its softmax is constant 1) ...
+/// assert!(g.dq.row(0).iter().all(|&x| x == 0.0));
+/// // ... and the last key is seen only by the last query, so dV's last row is its dO.
+/// assert_eq!(g.dv.row(n - 1), d_out.row(n - 1));
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+pub fn attention_backward<T: Element>(
+    grad_out: MatRef<'_, T>,
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    out: MatRef<'_, T>,
+    lse: &[f32],
+    options: &Options<'_>,
+) -> Result<Gradients<T>> {
+    let call = Backward::head(grad_out, q, k, v, out, lse, options)?;
+    let s = call.shape();
+    let mut dq = zeroed_mat("dQ", s.n_q, s.d_k)?;
+    let mut dk = zeroed_mat("dK", s.n_k, s.d_k)?;
+    let mut dv = zeroed_mat("dV", s.n_k, s.d_v)?;
+    run_head_backward(&call, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
+    Ok(Gradients::new(dq, dk, dv))
+}
+
+/// [`attention_backward`] written into caller views of any strides and any element type
+/// `G` (half-precision operands with f32 gradients, say, for mixed-precision training):
+/// `dq : [n_q, d_k]`, `dk : [n_k, d_k]`, `dv : [n_k, d_v]`.
+///
+/// ```
+/// use attn_optimized::{attention_backward_into, attention_with_lse, Options};
+/// use faer::Mat;
+/// use half::bf16;
+/// let x = Mat::<bf16>::from_fn(6, 8, |i, j| bf16::from_f32((i + j) as f32 * 0.125));
+/// let opts = Options::default();
+/// let (out, lse) = attention_with_lse(x.as_ref(), x.as_ref(), x.as_ref(), &opts)?;
+/// let (mut dq, mut dk, mut dv) = (Mat::<f32>::zeros(6, 8), Mat::<f32>::zeros(6, 8), Mat::<f32>::zeros(6, 8));
+/// attention_backward_into(dq.as_mut(), dk.as_mut(), dv.as_mut(), out.as_ref(), x.as_ref(), x.as_ref(), x.as_ref(), out.as_ref(), &lse, &opts)?;
+/// assert!(dv.col_iter().all(|c| c.iter().all(|x| x.is_finite())));
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_into<T: Element, G: Element>(
+    dq: MatMut<'_, G>,
+    dk: MatMut<'_, G>,
+    dv: MatMut<'_, G>,
+    grad_out: MatRef<'_, T>,
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    out: MatRef<'_, T>,
+    lse: &[f32],
+    options: &Options<'_>,
+) -> Result<()> {
+    let call = Backward::head(grad_out, q, k, v, out, lse, options)?;
+    let s = call.shape();
+    attn_core::check_shape("dQ", dq.nrows(), dq.ncols(), s.n_q, s.d_k, "n_q × d_k")?;
+    attn_core::check_shape("dK", dk.nrows(), dk.ncols(), s.n_k, s.d_k, "n_k × d_k")?;
+    attn_core::check_shape("dV", dv.nrows(), dv.ncols(), s.n_k, s.d_v, "n_k × d_v")?;
+    run_head_backward(&call, dq, dk, dv)
+}
+
+fn run_head_backward<T: Element, G: Element>(
+    call: &Backward<'_, T>,
+    dq: MatMut<'_, G>,
+    dk: MatMut<'_, G>,
+    dv: MatMut<'_, G>,
+) -> Result<()> {
+    let mut dq = forward::row_list(dq.row_iter_mut())?;
+    let mut dk = forward::row_list(dk.row_iter_mut())?;
+    let mut dv = forward::row_list(dv.row_iter_mut())?;
+    call.run(&mut dq, &mut dk, &mut dv)
+}
+
+/// The backward pass of a batched, grouped-query call over `[batch, heads, seq, dim]`
+/// views (either layout, any strides), as [`attention_batched_with_lse`] computed it:
+/// `grad_out` and `out` are `[batch, h_q, n_q, d_v]` and `lse` its `[batch][h_q][n_q]`
+/// values. The gradients are shaped like their operands (dK, dV `[batch, h_kv, n_k, d]`,
+/// in the `[B,H,S,D]` layout); those of a kv head shared by a group of query heads are
+/// summed over the group in head order. See [`attention_backward`].
+///
+/// ```
+/// use attn_optimized::{attention_backward_batched, attention_batched_with_lse, Layout, Options, Tensor4Ref};
+/// let q: Vec<f32> = (0..2 * 5 * 4 * 8).map(|i| (i % 7) as f32 * 0.1).collect();
+/// let kv: Vec<f32> = (0..2 * 6 * 2 * 8).map(|i| (i % 5) as f32 * 0.2).collect();
+/// let q = Tensor4Ref::from_layout(&q, [2, 4, 5, 8], Layout::Bshd)?; // 4 query heads
+/// let kv = Tensor4Ref::from_layout(&kv, [2, 2, 6, 8], Layout::Bshd)?; // 2 kv heads (GQA)
+/// let opts = Options::default();
+/// let (out, lse) = attention_batched_with_lse(q, kv, kv, &opts)?;
+/// let g = attention_backward_batched(out.as_ref(), q, kv, kv, out.as_ref(), &lse, &opts)?;
+/// assert_eq!((g.dq.dims(), g.dk.dims(), g.dv.dims()), ([2, 4, 5, 8], [2, 2, 6, 8], [2, 2, 6, 8]));
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+pub fn attention_backward_batched<T: Element>(
+    grad_out: Tensor4Ref<'_, T>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    out: Tensor4Ref<'_, T>,
+    lse: &[f32],
+    options: &Options<'_>,
+) -> Result<BatchGradients<T>> {
+    let call = Backward::batched(grad_out, q, k, v, out, lse, options)?;
+    let (dq_dims, dk_dims, dv_dims) = (q.dims(), k.dims(), v.dims());
+    let mut dq = Tensor4::from_vec(zeroed("dQ", &dq_dims)?, dq_dims)?;
+    let mut dk = Tensor4::from_vec(zeroed("dK", &dk_dims)?, dk_dims)?;
+    let mut dv = Tensor4::from_vec(zeroed("dV", &dv_dims)?, dv_dims)?;
+    run_batched_backward(&call, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
+    Ok(BatchGradients::new(dq, dk, dv))
+}
+
+/// [`attention_backward_batched`] written in place into caller views (any layout and
+/// strides that do not overlap, any element type `G`), each with its operand's dims.
+///
+/// ```
+/// use attn_optimized::{attention_backward_batched, attention_backward_batched_into, attention_batched_with_lse, Layout, Options, Tensor4Mut, Tensor4Ref};
+/// let x: Vec<f32> = (0..3 * 2 * 4).map(|i| (i % 5) as f32 * 0.3).collect();
+/// let x = Tensor4Ref::from_layout(&x, [1, 2, 3, 4], Layout::Bhsd)?;
+/// let opts = Options::default();
+/// let (out, lse) = attention_batched_with_lse(x, x, x, &opts)?;
+/// let mut buf = vec![vec![0.0f32; 24]; 3];
+/// let [dq, dk, dv] = &mut buf[..] else { unreachable!() };
+/// let view = |b: &mut Vec<f32>| Tensor4Mut::from_layout(b, [1, 2, 3, 4], Layout::Bshd);
+/// attention_backward_batched_into(view(dq)?, view(dk)?, view(dv)?, out.as_ref(), x, x, x, out.as_ref(), &lse, &opts)?;
+/// let want = attention_backward_batched(out.as_ref(), x, x, x, out.as_ref(), &lse, &opts)?;
+/// assert_eq!(dv[4], want.dv.as_ref().head(0, 1)?[(0, 0)]); // position 0, head 1
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_batched_into<T: Element, G: Element>(
+    dq: Tensor4Mut<'_, G>,
+    dk: Tensor4Mut<'_, G>,
+    dv: Tensor4Mut<'_, G>,
+    grad_out: Tensor4Ref<'_, T>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    out: Tensor4Ref<'_, T>,
+    lse: &[f32],
+    options: &Options<'_>,
+) -> Result<()> {
+    let call = Backward::batched(grad_out, q, k, v, out, lse, options)?;
+    for (name, view, want) in [
+        ("dQ tensor", dq.dims(), q.dims()),
+        ("dK tensor", dk.dims(), k.dims()),
+        ("dV tensor", dv.dims(), v.dims()),
+    ] {
+        if view != want {
+            return Err(Error::layout(
+                name,
+                format!("dims {view:?} but its operand is {want:?}"),
+            ));
+        }
+    }
+    run_batched_backward(&call, dq, dk, dv)
+}
+
+fn run_batched_backward<T: Element, G: Element>(
+    call: &Backward<'_, T>,
+    dq: Tensor4Mut<'_, G>,
+    dk: Tensor4Mut<'_, G>,
+    dv: Tensor4Mut<'_, G>,
+) -> Result<()> {
+    fn rows<G>(t: Tensor4Mut<'_, G>) -> Result<Vec<RowMut<'_, G>>> {
+        forward::row_list(t.into_rows()?.into_iter().map(RowMut::from_slice_mut))
+    }
+    call.run(&mut rows(dq)?, &mut rows(dk)?, &mut rows(dv)?)
 }
 
 /// The README's library example, compiled and run as a doctest.

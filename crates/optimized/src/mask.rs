@@ -1,6 +1,7 @@
 //! The masks applied to score tiles: which key blocks a tile visits, and how the visible
 //! scores of the blocks that straddle a boundary (or carry an element-wise mask) are hidden
-//! or biased. Shared by the GEMM tiles and the row tiles (and, later, the backward pass).
+//! or biased. Shared by the GEMM tiles and the row tiles of the forward pass and by the
+//! backward pass.
 //!
 //! Hidden means `-inf` in the log2-domain score, so the softmax gives it weight exactly 0;
 //! an additive bias is added in the log2 domain (`bias · log2(e)`).
@@ -8,7 +9,7 @@
 use core::ops::Range;
 
 use attn_core::TileCoverage;
-use faer::MatRef;
+use faer::{MatMut, MatRef};
 
 use crate::kernel::element::Element;
 use crate::kernel::online_softmax::saturate;
@@ -126,6 +127,26 @@ pub(crate) fn mask_row<T>(
             *x = f32::NEG_INFINITY;
         } else if elementwise {
             mask_entry(x, head, row, j);
+        }
+    }
+}
+
+/// `acc += a · b` term by term, skipping the terms whose weight `a_ik` is 0: the slow
+/// path of a tile product in which a weight of 0 (a hidden key among them) meets a
+/// non-finite entry of `b`, where `0 · inf` would otherwise put NaN into `acc`.
+pub(crate) fn add_product_skipping_zeros(
+    mut acc: MatMut<'_, f32>,
+    a: MatRef<'_, f32>,
+    b: MatRef<'_, f32>,
+) {
+    for i in 0..acc.nrows() {
+        for k in 0..a.ncols() {
+            let w = a[(i, k)];
+            if w != 0.0 {
+                for c in 0..acc.ncols() {
+                    acc[(i, c)] += w * b[(k, c)];
+                }
+            }
         }
     }
 }

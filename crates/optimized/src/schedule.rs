@@ -1,4 +1,4 @@
-//! The schedule that forward (and, later, backward) passes share: the tile plan, the
+//! The schedule that the forward and backward passes share: the tile plan, the
 //! order in which tasks are handed to threads, and the executor that runs them.
 //!
 //! Everything here depends on the shape alone, never on the thread count, so the result
@@ -37,10 +37,39 @@ impl TilePlan {
         Self { br, bc }
     }
 
+    /// The plan of the backward pass for `n_q` queries against `n_k` keys: query tiles and
+    /// key blocks of at most [`BACKWARD_TILE`]. A key block owns its rows of dK and dV
+    /// while every query tile that sees it streams past, so its accumulators (and the
+    /// score and probability-gradient tiles) stay in L2.
+    pub fn for_backward(n_q: usize, n_k: usize) -> Self {
+        let tile = |n: usize| {
+            n.clamp(1, BACKWARD_TILE)
+                .next_multiple_of(8)
+                .min(BACKWARD_TILE)
+        };
+        Self {
+            br: tile(n_q),
+            bc: tile(n_k),
+        }
+    }
+
     /// Number of query tiles for `n_q` queries.
     pub fn query_tiles(&self, n_q: usize) -> usize {
         n_q.div_ceil(self.br)
     }
+}
+
+/// Query rows and keys per tile of the backward pass (at most): five GEMMs per tile pair
+/// instead of the forward's two, on tiles that fit L2 together.
+pub const BACKWARD_TILE: usize = 128;
+
+/// Into how many chunks the backward pass splits each (batch, kv head)'s key blocks:
+/// enough tasks for the cores when there are few heads, and one otherwise. Each chunk
+/// keeps a partial dQ of its group's rows, reduced in chunk order: fewer than
+/// `MIN_TASKS + groups` copies of a group's dQ in all, so the memory stays `O(n·d)`.
+/// Depends on the shape alone.
+pub(crate) fn key_chunks(groups: usize, blocks: usize) -> usize {
+    MIN_TASKS.div_ceil(groups.max(1)).clamp(1, blocks.max(1))
 }
 
 /// Tiles with at most this many queries use the row kernels instead of GEMM tiles.

@@ -62,7 +62,7 @@ pub(crate) fn batched<T: Element, O: Element>(
 
 /// The output rows as a list the tasks split among themselves, allocated fallibly (a
 /// caller's view may have more rows than any list can hold).
-fn row_list<'o, O>(
+pub(crate) fn row_list<'o, O>(
     rows: impl ExactSizeIterator<Item = RowMut<'o, O>>,
 ) -> Result<Vec<RowMut<'o, O>>> {
     let n = rows.len();

@@ -16,6 +16,7 @@ pub mod element;
 pub mod exp2;
 pub mod online_softmax;
 pub mod rows;
+pub mod softmax_grad;
 
 use pulp::{Scalar, Simd, WithSimd};
 

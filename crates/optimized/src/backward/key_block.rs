@@ -1,0 +1,271 @@
+//! One key block of the backward pass: its dK and dV stay in the task's scratch while the
+//! query tiles of every head of the group that see it stream past, five faer GEMMs per
+//! (query tile, key block) pair and two element-wise passes between them.
+
+use core::ops::Range;
+
+use attn_core::{HeadShape, TileCoverage};
+use faer::linalg::matmul::matmul;
+use faer::reborrow::ReborrowMut;
+use faer::{Accum, MatMut, MatRef, Par, RowMut};
+
+use super::Group;
+use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::online_softmax::saturate;
+use crate::kernel::softmax_grad::{probabilities, score_gradient};
+use crate::mask::{add_product_skipping_zeros, mask_tile};
+use crate::problem::HeadInputs;
+use crate::schedule::TilePlan;
+
+/// What a row of the group contributes besides its operands, computed once per task.
+#[derive(Debug, Default)]
+struct RowTerms {
+    /// `D_i = Σ_t dO_it · O_it`.
+    d: Vec<f32>,
+    /// The forward's LSE in the log2 domain.
+    lse2: Vec<f32>,
+    /// Whether row `i` of Q (of dO) is finite: only a non-finite row needs the slow path
+    /// where a weight of 0 meets it.
+    q_finite: Vec<bool>,
+    d_out_finite: Vec<bool>,
+}
+
+/// Per-task working memory: fixed by the tile plan and the widths.
+#[derive(Debug)]
+pub(super) struct Scratch {
+    plan: TilePlan,
+    d_k: usize,
+    d_v: usize,
+    /// One entry per head of the group.
+    rows: Vec<RowTerms>,
+    /// The Q tile times `scale · log2(e)`, column-major, `br` apart.
+    q_scaled: Vec<f32>,
+    /// Q, dO, K and V tiles widened to f32 (unused for f32 inputs, read in place).
+    q_wide: Vec<f32>,
+    d_out_wide: Vec<f32>,
+    k_wide: Vec<f32>,
+    v_wide: Vec<f32>,
+    /// Whether each key of the block has a finite K row.
+    k_finite: Vec<bool>,
+    /// Scores, then P; `br × bc` column-major.
+    p: Vec<f32>,
+    /// dP, then dS; `br × bc` column-major.
+    ds: Vec<f32>,
+    /// The block's dK (unscaled) and dV accumulators, `bc` apart (column-major).
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+impl Scratch {
+    pub fn new(plan: TilePlan, shape: &HeadShape, heads: usize) -> Self {
+        let TilePlan { br, bc } = plan;
+        let (d_k, d_v) = (shape.d_k, shape.d_v);
+        Self {
+            plan,
+            d_k,
+            d_v,
+            rows: (0..heads).map(|_| RowTerms::default()).collect(),
+            q_scaled: vec![0.0; br * d_k],
+            q_wide: vec![0.0; br * d_k],
+            d_out_wide: vec![0.0; br * d_v],
+            k_wide: vec![0.0; bc * d_k],
+            v_wide: vec![0.0; bc * d_v],
+            k_finite: vec![true; bc],
+            p: vec![0.0; br * bc],
+            ds: vec![0.0; br * bc],
+            dk: vec![0.0; bc * d_k],
+            dv: vec![0.0; bc * d_v],
+        }
+    }
+
+    /// Computes each head's [`RowTerms`].
+    pub fn prepare<T: Element>(&mut self, group: &Group<'_, T>, d_v: usize) {
+        for (terms, head) in self.rows.iter_mut().zip(&group.heads) {
+            let n_q = head.q.nrows();
+            terms.d = (0..n_q)
+                .map(|i| {
+                    (0..d_v)
+                        .map(|t| head.d_out[(i, t)].to_f32() * head.out[(i, t)].to_f32())
+                        .sum()
+                })
+                .collect();
+            // Saturated like the scores (a finite LSE stays finite); -inf is a row that
+            // sees nothing.
+            terms.lse2 = head
+                .lse
+                .iter()
+                .map(|&l| {
+                    if l == f32::NEG_INFINITY {
+                        l
+                    } else {
+                        saturate(l * core::f32::consts::LOG2_E)
+                    }
+                })
+                .collect();
+            let finite =
+                |m: MatRef<'_, T>, i: usize| m.row(i).iter().all(|x| x.to_f32().is_finite());
+            terms.q_finite = (0..n_q).map(|i| finite(head.q, i)).collect();
+            terms.d_out_finite = (0..n_q).map(|i| finite(head.d_out, i)).collect();
+        }
+    }
+
+    /// Accumulates the block `cols` of the group's keys: its dK and dV over every query
+    /// tile of every head that sees it, and its part of each head's dQ into `dq`
+    /// (`[heads][n_q][d_k]` row-major, `head_len = n_q · d_k` apart).
+    pub fn key_block<T: Element>(
+        &mut self,
+        group: &Group<'_, T>,
+        heads: &[HeadInputs<'_, T>],
+        cols: Range<usize>,
+        dq: &mut [f32],
+        head_len: usize,
+    ) {
+        let TilePlan { br, bc } = self.plan;
+        let (d_k, d_v, nc) = (self.d_k, self.d_v, cols.len());
+        let Self {
+            rows: terms,
+            q_scaled,
+            q_wide,
+            d_out_wide,
+            k_wide,
+            v_wide,
+            k_finite,
+            p,
+            ds,
+            dk,
+            dv,
+            ..
+        } = self;
+        let k_blk = f32_rows(group.k, cols.clone(), k_wide);
+        let v_blk = f32_rows(group.v, cols.clone(), v_wide);
+        for (jj, f) in k_finite.iter_mut().enumerate().take(nc) {
+            *f = k_blk.row(jj).iter().all(|x| x.is_finite());
+        }
+        let k_all_finite = k_finite[..nc].iter().all(|&f| f);
+        dk.fill(0.0);
+        dv.fill(0.0);
+        let n_q = heads.first().map_or(0, |h| h.q.nrows());
+
+        for (h, (head, terms)) in heads.iter().zip(terms.iter()).enumerate() {
+            let dq_head = &mut dq[h * head_len..(h + 1) * head_len];
+            let d_out = group.heads[h].d_out;
+            for t in 0..n_q.div_ceil(br) {
+                let rows = t * br..((t + 1) * br).min(n_q);
+                let coverage = head.mask.tile_coverage(rows.clone(), cols.clone());
+                if coverage == TileCoverage::Hidden {
+                    continue;
+                }
+                let nr = rows.len();
+                // S = (scale·log2e·Q) Kᵀ, masked, then P = 2^(S − LSE₂).
+                for c in 0..d_k {
+                    let col = &mut q_scaled[c * br..c * br + nr];
+                    for (i, x) in col.iter_mut().enumerate() {
+                        *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
+                    }
+                }
+                let qs = MatRef::from_column_major_slice_with_stride(q_scaled, nr, d_k, br);
+                matmul(
+                    MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
+                    Accum::Replace,
+                    qs,
+                    k_blk.transpose(),
+                    1.0,
+                    Par::Seq,
+                );
+                mask_tile(p, br, head, (rows.clone(), cols.clone()), coverage);
+                probabilities(p, br, nr, nc, &terms.lse2[rows.clone()]);
+
+                // dP = dO Vᵀ, then dS = P ∘ (dP − D).
+                let d_out_tile = f32_rows(d_out, rows.clone(), d_out_wide);
+                let mut dp = MatMut::from_column_major_slice_with_stride_mut(ds, nr, nc, br);
+                if d_v == 0 {
+                    dp.fill(0.0);
+                } else {
+                    matmul(
+                        dp.rb_mut(),
+                        Accum::Replace,
+                        d_out_tile,
+                        v_blk.transpose(),
+                        1.0,
+                        Par::Seq,
+                    );
+                }
+                score_gradient(ds, p, br, nr, nc, &terms.d[rows.clone()]);
+
+                let p_tile = MatRef::from_column_major_slice_with_stride(p, nr, nc, br);
+                let ds_tile = MatRef::from_column_major_slice_with_stride(ds, nr, nc, br);
+                let q_tile = f32_rows(head.q, rows.clone(), q_wide);
+                let zero_in_row = |m: MatRef<'_, f32>, i: usize| (0..nc).any(|j| m[(i, j)] == 0.0);
+                let zero_in_col = |m: MatRef<'_, f32>, j: usize| (0..nr).any(|i| m[(i, j)] == 0.0);
+
+                // dV += Pᵀ dO: a zero weight must not meet a non-finite dO row.
+                let careful =
+                    (0..nr).any(|i| !terms.d_out_finite[rows.start + i] && zero_in_row(p_tile, i));
+                let dv_acc = MatMut::from_column_major_slice_with_stride_mut(dv, nc, d_v, bc);
+                if careful {
+                    add_product_skipping_zeros(dv_acc, p_tile.transpose(), d_out_tile);
+                } else {
+                    matmul(
+                        dv_acc,
+                        Accum::Add,
+                        p_tile.transpose(),
+                        d_out_tile,
+                        1.0,
+                        Par::Seq,
+                    );
+                }
+
+                // dK += dSᵀ Q (unscaled Q; the scale comes once, at the end).
+                let careful =
+                    (0..nr).any(|i| !terms.q_finite[rows.start + i] && zero_in_row(ds_tile, i));
+                let dk_acc = MatMut::from_column_major_slice_with_stride_mut(dk, nc, d_k, bc);
+                if careful {
+                    add_product_skipping_zeros(dk_acc, ds_tile.transpose(), q_tile);
+                } else {
+                    matmul(
+                        dk_acc,
+                        Accum::Add,
+                        ds_tile.transpose(),
+                        q_tile,
+                        1.0,
+                        Par::Seq,
+                    );
+                }
+
+                // dQ += dS K, into this task's partial.
+                let careful =
+                    !k_all_finite && (0..nc).any(|j| !k_finite[j] && zero_in_col(ds_tile, j));
+                let dq_tile = MatMut::from_row_major_slice_mut(
+                    &mut dq_head[rows.start * d_k..rows.end * d_k],
+                    nr,
+                    d_k,
+                );
+                if careful {
+                    add_product_skipping_zeros(dq_tile, ds_tile, k_blk);
+                } else {
+                    matmul(dq_tile, Accum::Add, ds_tile, k_blk, 1.0, Par::Seq);
+                }
+            }
+        }
+    }
+
+    /// Writes the block's dK (times `scale`) and dV, rounded once.
+    pub fn write_block<G: Element>(
+        &self,
+        scale: f32,
+        dk: &mut [RowMut<'_, G>],
+        dv: &mut [RowMut<'_, G>],
+    ) {
+        let bc = self.plan.bc;
+        for (jj, row) in dk.iter_mut().enumerate() {
+            for (c, x) in row.rb_mut().iter_mut().enumerate() {
+                *x = G::from_f32(scale * self.dk[c * bc + jj]);
+            }
+        }
+        for (jj, row) in dv.iter_mut().enumerate() {
+            for (c, x) in row.rb_mut().iter_mut().enumerate() {
+                *x = G::from_f32(self.dv[c * bc + jj]);
+            }
+        }
+    }
+}

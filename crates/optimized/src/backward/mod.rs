@@ -1,0 +1,285 @@
+//! The backward pass: dQ, dK and dV from the upstream gradient dO, the forward's output O
+//! and its LSE, streamed tile by tile without ever holding `n_q × n_k`.
+//!
+//! Per head, with `D_i = Σ_t dO_it · O_it` and `P = 2^(scale·log2e·QKᵀ + M − LSE·log2e)`
+//! recomputed (never stored): `dV = Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ∘ (dP − D)`,
+//! `dQ = scale · dS K`, `dK = scale · dSᵀ Q`.
+//!
+//! [`Backward::run`] cuts every (batch, kv head) *group* — a kv head and the query heads
+//! that share it — into tasks that own key blocks ([`TilePlan::for_backward`]): a task
+//! holds one block's dK and dV in f32 while every query tile of every head of the group
+//! that sees it streams past ([`key_block`]), and writes them rounded once. Nothing is
+//! recomputed (one pass over the tile pairs, FlashAttention-2's order). dQ sums over key
+//! blocks: each task adds into its own f32 partial of its group's dQ, and the partials are
+//! reduced in a fixed order at the end. With few groups the blocks of a group are dealt to
+//! [`key_chunks`] tasks in turn (block `b` to chunk `b mod C`, which balances causal work);
+//! `C` depends on the shape alone, so the bits never depend on the thread count, and there
+//! are no atomics.
+
+mod key_block;
+
+use core::ops::Range;
+use std::sync::Mutex;
+
+use attn_core::{
+    BatchShape, Error, HeadMask, HeadShape, Options, Result, Tensor4Ref, TileCoverage,
+    validate_batch_backward, validate_head_backward,
+};
+use faer::reborrow::ReborrowMut;
+use faer::{MatRef, RowMut};
+
+use crate::kernel::element::Element;
+use crate::problem::{HeadInputs, element_count, zeroed};
+use crate::schedule::{Order, TilePlan, for_each_index, key_chunks};
+
+/// One query head of a group: its operands and the forward's results for it.
+#[derive(Debug, Clone, Copy)]
+struct QueryHead<'a, T> {
+    q: MatRef<'a, T>,
+    d_out: MatRef<'a, T>,
+    out: MatRef<'a, T>,
+    lse: &'a [f32],
+}
+
+/// A kv head and the query heads that read it (one, without grouped-query attention).
+#[derive(Debug)]
+struct Group<'a, T> {
+    k: MatRef<'a, T>,
+    v: MatRef<'a, T>,
+    mask: HeadMask<'a>,
+    heads: Vec<QueryHead<'a, T>>,
+}
+
+/// A backward call, validated: every group, and what they share.
+#[derive(Debug)]
+pub(crate) struct Backward<'a, T> {
+    shape: HeadShape,
+    /// Query heads per group.
+    group: usize,
+    scale: f32,
+    plan: TilePlan,
+    groups: Vec<Group<'a, T>>,
+}
+
+/// Where a task writes: the dK and dV rows of each of its key blocks.
+struct BlockRows<'s, 'o, G> {
+    block: usize,
+    dk: &'s mut [RowMut<'o, G>],
+    dv: &'s mut [RowMut<'o, G>],
+}
+
+/// One task: some key blocks of one group.
+struct Task<'s, 'o, G> {
+    group: usize,
+    blocks: Vec<BlockRows<'s, 'o, G>>,
+    /// This task's f32 partial of the group's dQ, `[heads][n_q][d_k]` row-major.
+    dq: &'s mut [f32],
+    work: usize,
+}
+
+impl<'a, T: Element> Backward<'a, T> {
+    /// One head: `grad_out` and `out` are `[n_q, d_v]`, `lse` has `n_q` entries.
+    #[allow(clippy::too_many_arguments)]
+    pub fn head(
+        grad_out: MatRef<'a, T>,
+        q: MatRef<'a, T>,
+        k: MatRef<'a, T>,
+        v: MatRef<'a, T>,
+        out: MatRef<'a, T>,
+        lse: &'a [f32],
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let (shape, scale) = validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
+        let group = Group {
+            k,
+            v,
+            mask: HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0)),
+            heads: vec![QueryHead {
+                q,
+                d_out: grad_out,
+                out,
+                lse,
+            }],
+        };
+        Ok(Self::new(shape, 1, scale, vec![group]))
+    }
+
+    /// A batched, grouped-query call over `[batch, heads, seq, dim]` views: `grad_out`
+    /// and `out` are `[batch, h_q, n_q, d_v]`, `lse` is `[batch][h_q][n_q]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batched(
+        grad_out: Tensor4Ref<'a, T>,
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        out: Tensor4Ref<'a, T>,
+        lse: &'a [f32],
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let (shape, scale) = validate_batch_backward(q, k, v, grad_out, out, lse.len(), options)?;
+        let BatchShape {
+            batch, h_q, h_kv, ..
+        } = shape;
+        let HeadShape { n_q, n_k, .. } = shape.head;
+        let group = h_q / h_kv.max(1);
+        let mut groups = Vec::new();
+        groups.try_reserve_exact(batch * h_kv).map_err(|_| {
+            Error::allocation_of::<Group<'a, T>>("backward groups", Some(batch * h_kv))
+        })?;
+        for b in 0..batch {
+            let mask = HeadMask::new(options, n_q, n_k, options.key_length(b));
+            for kv in 0..h_kv {
+                let heads = (kv * group..(kv + 1) * group)
+                    .map(|h| {
+                        let first = (b * h_q + h) * n_q;
+                        Ok(QueryHead {
+                            q: q.head(b, h)?,
+                            d_out: grad_out.head(b, h)?,
+                            out: out.head(b, h)?,
+                            lse: &lse[first..first + n_q],
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                groups.push(Group {
+                    k: k.head(b, kv)?,
+                    v: v.head(b, kv)?,
+                    mask,
+                    heads,
+                });
+            }
+        }
+        Ok(Self::new(shape.head, group, scale, groups))
+    }
+
+    fn new(shape: HeadShape, group: usize, scale: f32, groups: Vec<Group<'a, T>>) -> Self {
+        Self {
+            shape,
+            group,
+            scale,
+            plan: TilePlan::for_backward(shape.n_q, shape.n_k),
+            groups,
+        }
+    }
+
+    /// The shape of each head.
+    pub fn shape(&self) -> HeadShape {
+        self.shape
+    }
+
+    /// Computes the gradients into the rows of dQ (`(group, head, query)` order, which is
+    /// `(batch, h_q, n_q)`), dK and dV (`(group, key)` order: `(batch, h_kv, n_k)`).
+    pub fn run<'o, G: Element>(
+        &self,
+        dq: &mut [RowMut<'o, G>],
+        dk: &mut [RowMut<'o, G>],
+        dv: &mut [RowMut<'o, G>],
+    ) -> Result<()> {
+        let HeadShape { n_q, n_k, d_k, .. } = self.shape;
+        let bc = self.plan.bc;
+        let blocks = n_k.div_ceil(bc);
+        let chunks = key_chunks(self.groups.len(), blocks);
+        let per_task = element_count(&[self.group, n_q, d_k]).unwrap_or(usize::MAX);
+        let tasks_n = self.groups.len() * chunks;
+        let mut partials = zeroed::<f32>("dQ partials", &[tasks_n, per_task])?;
+
+        // Deal each group's key blocks (and their output rows) to its chunks in turn.
+        let mut tasks: Vec<Task<'_, '_, G>> = Vec::with_capacity(tasks_n);
+        let mut parts = partials.chunks_mut(per_task.max(1));
+        let (mut dk_rest, mut dv_rest) = (dk, dv);
+        for g in 0..self.groups.len() {
+            let first = tasks.len();
+            for _ in 0..chunks {
+                tasks.push(Task {
+                    group: g,
+                    blocks: Vec::with_capacity(blocks.div_ceil(chunks)),
+                    dq: parts.next().unwrap_or_default(),
+                    work: 0,
+                });
+            }
+            let (dk_g, rest) = core::mem::take(&mut dk_rest).split_at_mut(n_k);
+            dk_rest = rest;
+            let (dv_g, rest) = core::mem::take(&mut dv_rest).split_at_mut(n_k);
+            dv_rest = rest;
+            let (mut dk_g, mut dv_g) = (dk_g, dv_g);
+            for b in 0..blocks {
+                let len = bc.min(n_k - b * bc);
+                let (dk_b, rest) = core::mem::take(&mut dk_g).split_at_mut(len);
+                dk_g = rest;
+                let (dv_b, rest) = core::mem::take(&mut dv_g).split_at_mut(len);
+                dv_g = rest;
+                let task = &mut tasks[first + b % chunks];
+                task.work += self.block_work(&self.groups[g], b * bc..b * bc + len);
+                task.blocks.push(BlockRows {
+                    block: b,
+                    dk: dk_b,
+                    dv: dv_b,
+                });
+            }
+        }
+        // Heaviest first, so that no core idles at the end.
+        tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
+        let tasks: Vec<Mutex<Option<Task<'_, '_, G>>>> =
+            tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
+        for_each_index(tasks.len(), Order::Front, |i| {
+            let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
+                return;
+            };
+            self.run_task(task);
+        });
+        drop(tasks);
+
+        // dQ: the partials of each group summed in chunk order, scaled, rounded once.
+        for (g, rows) in dq.chunks_mut((self.group * n_q).max(1)).enumerate() {
+            let group_parts = &partials[g * chunks * per_task..(g + 1) * chunks * per_task];
+            for (r, row) in rows.iter_mut().enumerate() {
+                for (c, x) in row.rb_mut().iter_mut().enumerate() {
+                    let mut sum = 0.0f32;
+                    for part in group_parts.chunks_exact(per_task.max(1)) {
+                        sum += part[r * d_k + c];
+                    }
+                    *x = G::from_f32(self.scale * sum);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Query rows that see some key of `cols`, over the group's heads: the task's weight.
+    fn block_work(&self, group: &Group<'a, T>, cols: Range<usize>) -> usize {
+        let br = self.plan.br;
+        let tiles = self.shape.n_q.div_ceil(br);
+        let seen = (0..tiles)
+            .filter(|t| {
+                let rows = t * br..((t + 1) * br).min(self.shape.n_q);
+                group.mask.tile_coverage(rows, cols.clone()) != TileCoverage::Hidden
+            })
+            .count();
+        seen * br * group.heads.len()
+    }
+
+    fn run_task<G: Element>(&self, task: Task<'_, '_, G>) {
+        let group = &self.groups[task.group];
+        let mut scratch = key_block::Scratch::new(self.plan, &self.shape, group.heads.len());
+        scratch.prepare(group, self.shape.d_v);
+        let HeadShape { n_q, d_k, .. } = self.shape;
+        let bc = self.plan.bc;
+        let heads: Vec<HeadInputs<'_, T>> = group
+            .heads
+            .iter()
+            .map(|h| HeadInputs {
+                q: h.q,
+                k: group.k,
+                v: group.v,
+                key_base: 0,
+                mask: group.mask,
+                scale_log2: self.scale * core::f32::consts::LOG2_E,
+                stacked: false,
+            })
+            .collect();
+        for BlockRows { block, dk, dv } in task.blocks {
+            let cols = block * bc..block * bc + dk.len();
+            scratch.key_block(group, &heads, cols, task.dq, n_q * d_k);
+            scratch.write_block(self.scale, dk, dv);
+        }
+    }
+}
