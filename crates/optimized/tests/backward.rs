@@ -3,7 +3,7 @@
 //! written in place into any view and element type, typed errors for every operand.
 
 use attn_core::{
-    BoolMask, Causal, KeyPadding, Layout, Options, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
+    BoolMask, Causal, Layout, Options, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
 };
 use attn_optimized::{
     attention_backward, attention_backward_batched, attention_backward_batched_into,
@@ -115,4 +115,390 @@ fn one_head_matches_the_reference_across_tiles_and_masks() {
     for (n_q, n_k, opts) in &cases {
         check_head(*n_q, *n_k, 24, 40, opts, 2e-4);
     }
+}
+
+/// Pseudo-random data for a `[b, h, n, d]` tensor (any layout: it is a flat buffer).
+fn tensor(dims: [usize; 4], seed: u64) -> Vec<f32> {
+    let n = dims.iter().product::<usize>();
+    pseudo(n, 1, seed).col(0).iter().copied().collect()
+}
+
+fn max_rel_tensor(got: Tensor4Ref<'_, f32>, want: Tensor4Ref<'_, f32>) -> f32 {
+    let [b, h, _, _] = want.dims();
+    let mut e = 0.0f32;
+    for bi in 0..b {
+        for hi in 0..h {
+            e = e.max(max_rel(
+                got.head(bi, hi).unwrap(),
+                want.head(bi, hi).unwrap(),
+            ));
+        }
+    }
+    e
+}
+
+#[test]
+fn batched_gqa_matches_the_reference_in_both_layouts() {
+    let lens = [150, 97];
+    for layout in [Layout::Bhsd, Layout::Bshd] {
+        for (h_q, h_kv) in [(4, 2), (3, 1), (2, 2)] {
+            let (b, n_q, n_k, d) = (2, 140, 150, 16);
+            let qd = tensor([b, h_q, n_q, d], 11);
+            let kd = tensor([b, h_kv, n_k, d], 12);
+            let vd = tensor([b, h_kv, n_k, d], 13);
+            let dod = tensor([b, h_q, n_q, d], 14);
+            let q = Tensor4Ref::from_layout(&qd, [b, h_q, n_q, d], layout).unwrap();
+            let k = Tensor4Ref::from_layout(&kd, [b, h_kv, n_k, d], layout).unwrap();
+            let v = Tensor4Ref::from_layout(&vd, [b, h_kv, n_k, d], layout).unwrap();
+            let d_out = Tensor4Ref::from_layout(&dod, [b, h_q, n_q, d], layout).unwrap();
+            let opts = Options::default()
+                .with_causal(Causal::BottomRight)
+                .with_key_lengths(&lens);
+            let (out, lse) = attention_batched_with_lse(q, k, v, &opts).unwrap();
+            let got =
+                attention_backward_batched(d_out, q, k, v, out.as_ref(), &lse, &opts).unwrap();
+            let want = attn_reference::attention_backward_batched(
+                d_out,
+                q,
+                k,
+                v,
+                out.as_ref(),
+                &lse,
+                &opts,
+            )
+            .unwrap();
+            for (name, g, w) in [
+                ("dq", &got.dq, &want.dq),
+                ("dk", &got.dk, &want.dk),
+                ("dv", &got.dv, &want.dv),
+            ] {
+                let e = max_rel_tensor(g.as_ref(), w.as_ref());
+                assert!(e < 2e-4, "{name} {layout:?} {h_q}/{h_kv}: {e}");
+            }
+            // Keys beyond an entry's length are seen by nobody: exactly zero gradients.
+            let dk1 = got.dk.as_ref().head(1, 0).unwrap();
+            assert!((97..150).all(|j| dk1.row(j).iter().all(|&x| x == 0.0)));
+        }
+    }
+}
+
+fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+        .install(f)
+}
+
+#[test]
+fn bits_do_not_depend_on_the_thread_count() {
+    // One head and one group: the key blocks are dealt to several chunks whose dQ
+    // partials are reduced in order; GQA sums its heads in order.
+    let (b, h_q, h_kv, n, d) = (1, 4, 2, 700, 32);
+    let qd = tensor([b, h_q, n, d], 21);
+    let kd = tensor([b, h_kv, n, d], 22);
+    let q = Tensor4Ref::from_layout(&qd, [b, h_q, n, d], Layout::Bhsd).unwrap();
+    let k = Tensor4Ref::from_layout(&kd, [b, h_kv, n, d], Layout::Bhsd).unwrap();
+    let opts = Options::default().with_causal(Causal::TopLeft);
+    let (out, lse) = attention_batched_with_lse(q, k, k, &opts).unwrap();
+    let run =
+        || attention_backward_batched(out.as_ref(), q, k, k, out.as_ref(), &lse, &opts).unwrap();
+    let one = in_pool(1, run);
+    for threads in [2, 3] {
+        let other = in_pool(threads, run);
+        assert_eq!(one, other, "{threads} threads");
+    }
+    let head = |t: usize| {
+        in_pool(t, || {
+            let (q, k) = (q.head(0, 0).unwrap(), k.head(0, 0).unwrap());
+            let o = out.as_ref().head(0, 0).unwrap();
+            attention_backward(o, q, k, k, o, &lse[..n], &opts).unwrap()
+        })
+    };
+    assert_eq!(head(1), head(3));
+}
+
+#[test]
+fn half_storage_and_mixed_precision_gradients() {
+    let (n_q, n_k, d) = (150, 140, 32);
+    let opts = Options::default().with_causal(Causal::BottomRight);
+    let (q, k, v, d_out) = (
+        pseudo(n_q, d, 31),
+        pseudo(n_k, d, 32),
+        pseudo(n_k, d, 33),
+        pseudo(n_q, d, 34),
+    );
+    fn round<T: attn_optimized::Element>(m: &Mat<f32>) -> Mat<T> {
+        Mat::from_fn(m.nrows(), m.ncols(), |i, j| T::from_f32(m[(i, j)]))
+    }
+    fn wide<T: attn_optimized::Element>(m: &Mat<T>) -> Mat<f32> {
+        Mat::from_fn(m.nrows(), m.ncols(), |i, j| m[(i, j)].to_f32())
+    }
+    fn case<T: attn_optimized::Element>(
+        q: &Mat<f32>,
+        k: &Mat<f32>,
+        v: &Mat<f32>,
+        d_out: &Mat<f32>,
+        opts: &Options<'_>,
+        tol: f32,
+    ) {
+        let (q, k, v, d_out) = (
+            round::<T>(q),
+            round::<T>(k),
+            round::<T>(v),
+            round::<T>(d_out),
+        );
+        let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
+        let w = |m: &Mat<T>| wide(m);
+        let want = attn_reference::attention_backward(
+            w(&d_out).as_ref(),
+            w(&q).as_ref(),
+            w(&k).as_ref(),
+            w(&v).as_ref(),
+            w(&out).as_ref(),
+            &lse,
+            opts,
+        )
+        .unwrap();
+        // Half storage, f32 gradients (mixed precision) ...
+        let (mut dq, mut dk, mut dv) = (
+            Mat::<f32>::zeros(q.nrows(), q.ncols()),
+            Mat::<f32>::zeros(k.nrows(), k.ncols()),
+            Mat::<f32>::zeros(v.nrows(), v.ncols()),
+        );
+        attention_backward_into(
+            dq.as_mut(),
+            dk.as_mut(),
+            dv.as_mut(),
+            d_out.as_ref(),
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            out.as_ref(),
+            &lse,
+            opts,
+        )
+        .unwrap();
+        // ... and half gradients, which are the f32 ones rounded once.
+        let g = attention_backward(
+            d_out.as_ref(),
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            out.as_ref(),
+            &lse,
+            opts,
+        )
+        .unwrap();
+        for (name, f, h, w) in [
+            ("dq", &dq, &g.dq, &want.dq),
+            ("dk", &dk, &g.dk, &want.dk),
+            ("dv", &dv, &g.dv, &want.dv),
+        ] {
+            assert_eq!(
+                wide(&round::<T>(f)),
+                wide(h),
+                "{name}: half gradients are the f32 ones rounded"
+            );
+            let e = max_rel(f.as_ref(), w.as_ref());
+            assert!(e < tol, "{} {name}: {e}", T::NAME);
+        }
+    }
+    // D is computed from the half-rounded output: the error is of that order.
+    case::<f16>(&q, &k, &v, &d_out, &opts, 4e-3);
+    case::<bf16>(&q, &k, &v, &d_out, &opts, 3e-2);
+}
+
+#[test]
+fn non_finite_rows_reach_only_the_keys_they_see() {
+    // Causal: query 0 sees key 0 only. A NaN in Q and dO row 0 may reach dK/dV of key 0,
+    // never the others; an inf in K row 5 (hidden from queries 0..5) never reaches their dQ.
+    let (n, d) = (40, 8);
+    let (mut q, mut k, v, mut d_out) = (
+        pseudo(n, d, 41),
+        pseudo(n, d, 42),
+        pseudo(n, d, 43),
+        pseudo(n, d, 44),
+    );
+    let opts = Options::default().with_causal(Causal::TopLeft);
+    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    q[(0, 3)] = f32::NAN;
+    d_out[(0, 1)] = f32::NAN;
+    k[(5, 2)] = f32::INFINITY;
+    let g = attention_backward(
+        d_out.as_ref(),
+        q.as_ref(),
+        k.as_ref(),
+        v.as_ref(),
+        out.as_ref(),
+        &lse,
+        &opts,
+    )
+    .unwrap();
+    for j in 1..n {
+        if j == 5 {
+            continue;
+        }
+        assert!(
+            g.dk.row(j)
+                .iter()
+                .chain(g.dv.row(j).iter())
+                .all(|x| x.is_finite()),
+            "key {j}"
+        );
+    }
+    for i in 1..5 {
+        assert!(g.dq.row(i).iter().all(|x| x.is_finite()), "query {i}");
+    }
+}
+
+#[test]
+fn empty_and_fully_masked_shapes_are_defined() {
+    let opts = Options::default();
+    for (n_q, n_k, d_v) in [(0, 5, 4), (5, 0, 4), (5, 6, 0), (0, 0, 0)] {
+        let (q, k, v, d_out) = (
+            pseudo(n_q, 8, 1),
+            pseudo(n_k, 8, 2),
+            pseudo(n_k, d_v, 3),
+            pseudo(n_q, d_v, 4),
+        );
+        let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+        let g = attention_backward(
+            d_out.as_ref(),
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            out.as_ref(),
+            &lse,
+            &opts,
+        )
+        .unwrap();
+        assert_eq!((g.dq.nrows(), g.dk.nrows(), g.dv.ncols()), (n_q, n_k, d_v));
+        let all_zero = |m: &Mat<f32>| m.col_iter().all(|c| c.iter().all(|&x| x == 0.0));
+        assert!(
+            all_zero(&g.dq) && all_zero(&g.dk) && all_zero(&g.dv),
+            "{n_q} {n_k} {d_v}"
+        );
+    }
+    // A bottom-right causal mask with more queries than keys leaves the first rows empty.
+    let opts = Options::default()
+        .with_causal(Causal::BottomRight)
+        .with_key_length(3);
+    let (q, k, d_out) = (pseudo(9, 8, 5), pseudo(6, 8, 6), pseudo(9, 8, 7));
+    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), k.as_ref(), &opts).unwrap();
+    let g = attention_backward(
+        d_out.as_ref(),
+        q.as_ref(),
+        k.as_ref(),
+        k.as_ref(),
+        out.as_ref(),
+        &lse,
+        &opts,
+    )
+    .unwrap();
+    for i in 0..9 {
+        assert!(g.dq.row(i).iter().all(|x| x.is_finite()));
+        if lse[i] == f32::NEG_INFINITY {
+            assert!(g.dq.row(i).iter().all(|&x| x == 0.0));
+        }
+    }
+    assert!(lse.iter().any(|&l| l == f32::NEG_INFINITY));
+}
+
+#[test]
+fn every_operand_is_checked() {
+    let opts = Options::default();
+    let (q, k, v) = (pseudo(4, 8, 1), pseudo(5, 8, 2), pseudo(5, 6, 3));
+    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let bad = pseudo(4, 5, 4);
+    let err = |r: attn_core::Result<attn_core::Gradients<f32>>| r.unwrap_err().to_string();
+    assert_eq!(
+        err(attention_backward(
+            bad.as_ref(),
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            out.as_ref(),
+            &lse,
+            &opts
+        )),
+        "grad_out has shape 4×5 but must be 4×6 (n_q × d_v)"
+    );
+    assert_eq!(
+        err(attention_backward(
+            out.as_ref(),
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            bad.as_ref(),
+            &lse,
+            &opts
+        )),
+        "output has shape 4×5 but must be 4×6 (n_q × d_v)"
+    );
+    assert_eq!(
+        err(attention_backward(
+            out.as_ref(),
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            out.as_ref(),
+            &lse[..3],
+            &opts
+        )),
+        "LSE has 3 entries but Q has 4 (one LSE per query row)"
+    );
+    let mut dq = Mat::<f32>::zeros(4, 7);
+    let (mut dk, mut dv) = (Mat::<f32>::zeros(5, 8), Mat::<f32>::zeros(5, 6));
+    let e = attention_backward_into(
+        dq.as_mut(),
+        dk.as_mut(),
+        dv.as_mut(),
+        out.as_ref(),
+        q.as_ref(),
+        k.as_ref(),
+        v.as_ref(),
+        out.as_ref(),
+        &lse,
+        &opts,
+    );
+    assert_eq!(
+        e.unwrap_err().to_string(),
+        "dQ has shape 4×7 but must be 4×8 (n_q × d_k)"
+    );
+
+    let t = Tensor4::<f32>::zeros([1, 2, 3, 4]);
+    let kv = Tensor4::<f32>::zeros([1, 1, 3, 4]);
+    let mut wrong = vec![0.0f32; 2 * 3 * 4];
+    let mut ok1 = vec![0.0f32; 12];
+    let mut ok2 = vec![0.0f32; 12];
+    let e = attention_backward_batched_into(
+        Tensor4Mut::from_layout(&mut wrong, [1, 1, 6, 4], Layout::Bhsd).unwrap(),
+        Tensor4Mut::from_layout(&mut ok1, [1, 1, 3, 4], Layout::Bhsd).unwrap(),
+        Tensor4Mut::from_layout(&mut ok2, [1, 1, 3, 4], Layout::Bhsd).unwrap(),
+        t.as_ref(),
+        t.as_ref(),
+        kv.as_ref(),
+        kv.as_ref(),
+        t.as_ref(),
+        &[0.0; 6],
+        &opts,
+    );
+    assert_eq!(
+        e.unwrap_err().to_string(),
+        "dQ tensor: dims [1, 1, 6, 4] but its operand is [1, 2, 3, 4]"
+    );
+    let e = attention_backward_batched(
+        t.as_ref(),
+        t.as_ref(),
+        kv.as_ref(),
+        kv.as_ref(),
+        t.as_ref(),
+        &[0.0; 5],
+        &opts,
+    );
+    assert_eq!(
+        e.unwrap_err().to_string(),
+        "LSE has 5 entries but Q has 6 (one LSE per query row)"
+    );
 }
