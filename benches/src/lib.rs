@@ -7,6 +7,7 @@
 //! - [`inputs`]: deterministic, seeded operands.
 //! - [`runner`]: one case of the report (memory of the first run, median of timed runs),
 //!   and the single dispatch from (engine, dtype) to code.
+//! - [`training`]: backward-pass inputs (the forward's output and LSE made once) and calls.
 //! - [`catalog`], [`protocol`]: the engine names and sweep caps, and the JSON spoken between
 //!   `xtask` and the release-built `attn-bench-runner` child. They need no engine, so
 //!   `xtask` builds this crate without the default `engines` feature.
@@ -35,3 +36,5 @@ pub mod inputs;
 pub mod roof;
 #[cfg(feature = "engines")]
 pub mod runner;
+#[cfg(feature = "engines")]
+pub mod training;
