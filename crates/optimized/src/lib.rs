@@ -53,7 +53,9 @@ pub use kernel::Isa;
 pub use kernel::element::Element;
 pub use kernel::online_softmax::LAZY_RESCALE_LOG2;
 pub use kv_cache::{Growth, KvCache};
-pub use multi_head::MultiHeadAttention;
+pub use multi_head::{
+    MultiHeadActivations, MultiHeadAttention, MultiHeadGradients, MultiHeadWeights,
+};
 use problem::{Batched, Problem, filled, zeroed, zeroed_mat};
 pub use schedule::{BACKWARD_TILE, KEY_TILE, QUERY_TILE, SPLIT_KEYS, SplitKv, TilePlan};
 
@@ -303,8 +305,11 @@ pub fn attention_batched_into<T: Element, O: Element>(
 /// let g = attention_backward(d_out.as_ref(), x.as_ref(), x.as_ref(), x.as_ref(), out.as_ref(), &lse, &opts)?;
 /// // The first query sees only the first key: its dQ is 0 (its softmax is constant 1) ...
 /// assert!(g.dq.row(0).iter().all(|&x| x == 0.0));
-/// // ... and the last key is seen only by the last query, so dV's last row is its dO.
-/// assert_eq!(g.dv.row(n - 1), d_out.row(n - 1));
+/// // ... and the last key is seen only by the last query, so dV's last row is that row's dO
+/// // times its weight P = exp(scale·q·k − LSE), recomputed from the LSE.
+/// let dot: f32 = (0..d).map(|c| x[(n - 1, c)] * x[(n - 1, c)]).sum();
+/// let p = (dot / (d as f32).sqrt() - lse[n - 1]).exp();
+/// assert!((0..d).all(|c| (g.dv[(n - 1, c)] - p * d_out[(n - 1, c)]).abs() < 1e-6));
 /// # Ok::<(), attn_optimized::Error>(())
 /// ```
 pub fn attention_backward<T: Element>(
@@ -420,10 +425,11 @@ pub fn attention_backward_batched<T: Element>(
 /// let x = Tensor4Ref::from_layout(&x, [1, 2, 3, 4], Layout::Bhsd)?;
 /// let opts = Options::default();
 /// let (out, lse) = attention_batched_with_lse(x, x, x, &opts)?;
-/// let mut buf = vec![vec![0.0f32; 24]; 3];
-/// let [dq, dk, dv] = &mut buf[..] else { unreachable!() };
-/// let view = |b: &mut Vec<f32>| Tensor4Mut::from_layout(b, [1, 2, 3, 4], Layout::Bshd);
-/// attention_backward_batched_into(view(dq)?, view(dk)?, view(dv)?, out.as_ref(), x, x, x, out.as_ref(), &lse, &opts)?;
+/// let (mut dq, mut dk, mut dv) = (vec![0.0f32; 24], vec![0.0f32; 24], vec![0.0f32; 24]);
+/// fn view(b: &mut [f32]) -> attn_optimized::Result<Tensor4Mut<'_, f32>> {
+///     Tensor4Mut::from_layout(b, [1, 2, 3, 4], Layout::Bshd)
+/// }
+/// attention_backward_batched_into(view(&mut dq)?, view(&mut dk)?, view(&mut dv)?, out.as_ref(), x, x, x, out.as_ref(), &lse, &opts)?;
 /// let want = attention_backward_batched(out.as_ref(), x, x, x, out.as_ref(), &lse, &opts)?;
 /// assert_eq!(dv[4], want.dv.as_ref().head(0, 1)?[(0, 0)]); // position 0, head 1
 /// # Ok::<(), attn_optimized::Error>(())
