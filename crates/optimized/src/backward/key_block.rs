@@ -38,8 +38,6 @@ pub(super) struct Scratch {
     d_v: usize,
     /// One entry per head of the group.
     rows: Vec<RowTerms>,
-    /// The Q tile times `scale · log2(e)`, column-major, `br` apart.
-    q_scaled: Vec<f32>,
     /// Q, dO, K and V tiles widened to f32 (unused for f32 inputs, read in place).
     q_wide: Vec<f32>,
     d_out_wide: Vec<f32>,
@@ -65,7 +63,6 @@ impl Scratch {
             d_k,
             d_v,
             rows: (0..heads).map(|_| RowTerms::default()).collect(),
-            q_scaled: vec![0.0; br * d_k],
             q_wide: vec![0.0; br * d_k],
             d_out_wide: vec![0.0; br * d_v],
             k_wide: vec![0.0; bc * d_k],
@@ -124,7 +121,6 @@ impl Scratch {
         let (d_k, d_v, nc) = (self.d_k, self.d_v, cols.len());
         let Self {
             rows: terms,
-            q_scaled,
             q_wide,
             d_out_wide,
             k_wide,
@@ -156,20 +152,15 @@ impl Scratch {
                     continue;
                 }
                 let nr = rows.len();
-                // S = (scale·log2e·Q) Kᵀ, masked, then P = 2^(S − LSE₂).
-                for c in 0..d_k {
-                    let col = &mut q_scaled[c * br..c * br + nr];
-                    for (i, x) in col.iter_mut().enumerate() {
-                        *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
-                    }
-                }
-                let qs = MatRef::from_column_major_slice_with_stride(q_scaled, nr, d_k, br);
+                // S = scale·log2(e)·Q Kᵀ (the scale applied to each dot product, so Q is
+                // read in place), masked, then P = 2^(S − LSE₂).
+                let q_tile = f32_rows(head.q, rows.clone(), q_wide);
                 matmul(
                     MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
                     Accum::Replace,
-                    qs,
+                    q_tile,
                     k_blk.transpose(),
-                    1.0,
+                    head.scale_log2,
                     Par::Seq,
                 );
                 mask_tile(p, br, head, (rows.clone(), cols.clone()), coverage);
@@ -194,7 +185,6 @@ impl Scratch {
 
                 let p_tile = MatRef::from_column_major_slice_with_stride(p, nr, nc, br);
                 let ds_tile = MatRef::from_column_major_slice_with_stride(ds, nr, nc, br);
-                let q_tile = f32_rows(head.q, rows.clone(), q_wide);
                 let zero_in_row = |m: MatRef<'_, f32>, i: usize| (0..nc).any(|j| m[(i, j)] == 0.0);
                 let zero_in_col = |m: MatRef<'_, f32>, j: usize| (0..nr).any(|i| m[(i, j)] == 0.0);
 
