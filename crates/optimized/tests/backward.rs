@@ -502,3 +502,27 @@ fn every_operand_is_checked() {
         "LSE has 5 entries but Q has 6 (one LSE per query row)"
     );
 }
+
+#[test]
+fn widths_that_no_row_backs_are_not_allocated() {
+    // Zero queries and keys of an absurd width: empty gradients, not an overflow.
+    let huge = 1usize << 60;
+    let opts = Options::default();
+    let empty: [f32; 0] = [];
+    let view = |dims| Tensor4Ref::new(&empty, dims, [0, 0, 0]).unwrap();
+    let (q, kv) = (view([1, 2, 0, huge]), view([1, 1, 0, huge]));
+    let g = attention_backward_batched(
+        view([1, 2, 0, huge]),
+        q,
+        kv,
+        kv,
+        view([1, 2, 0, huge]),
+        &[],
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(
+        (g.dq.dims(), g.dk.dims()),
+        ([1, 2, 0, huge], [1, 1, 0, huge])
+    );
+}

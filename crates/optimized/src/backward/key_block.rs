@@ -4,21 +4,21 @@
 
 use core::ops::Range;
 
-use attn_core::{HeadShape, TileCoverage};
+use attn_core::{Error, HeadShape, Result, TileCoverage};
 use faer::linalg::matmul::matmul;
 use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par, RowMut};
 
-use super::Group;
+use super::{Group, QueryHead};
 use crate::kernel::element::{Element, f32_rows};
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
-use crate::problem::HeadInputs;
+use crate::problem::{HeadInputs, filled};
 use crate::schedule::TilePlan;
 
 /// What a row of the group contributes besides its operands, computed once per task.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct RowTerms {
     /// `D_i = Σ_t dO_it · O_it`.
     d: Vec<f32>,
@@ -28,6 +28,28 @@ struct RowTerms {
     /// where a weight of 0 meets it.
     q_finite: Vec<bool>,
     d_out_finite: Vec<bool>,
+}
+
+impl RowTerms {
+    /// `D`, the LSE in the log2 domain and the finiteness of each row of `head`.
+    fn compute<T: Element>(&mut self, head: &QueryHead<'_, T>, d_v: usize) {
+        let finite = |m: MatRef<'_, T>, i: usize| m.row(i).iter().all(|x| x.to_f32().is_finite());
+        for i in 0..head.q.nrows() {
+            self.d[i] = (0..d_v)
+                .map(|t| head.d_out[(i, t)].to_f32() * head.out[(i, t)].to_f32())
+                .sum();
+            // Saturated like the scores (a finite LSE stays finite); -inf is a row that
+            // sees nothing.
+            let l = head.lse[i];
+            self.lse2[i] = if l == f32::NEG_INFINITY {
+                l
+            } else {
+                saturate(l * core::f32::consts::LOG2_E)
+            };
+            self.q_finite[i] = finite(head.q, i);
+            self.d_out_finite[i] = finite(head.d_out, i);
+        }
+    }
 }
 
 /// Per-task working memory: fixed by the tile plan and the widths.
@@ -55,55 +77,45 @@ pub(super) struct Scratch {
 }
 
 impl Scratch {
-    pub fn new(plan: TilePlan, shape: &HeadShape, heads: usize) -> Self {
+    /// Scratch for tiles of `plan` and one group of `heads` query heads of `shape`, with
+    /// each head's [`RowTerms`] computed; every buffer is allocated fallibly.
+    pub fn new<T: Element>(
+        plan: TilePlan,
+        shape: &HeadShape,
+        group: &Group<'_, T>,
+    ) -> Result<Self> {
         let TilePlan { br, bc } = plan;
-        let (d_k, d_v) = (shape.d_k, shape.d_v);
-        Self {
+        let HeadShape { n_q, d_k, d_v, .. } = *shape;
+        let zeros = |what, rows: usize, cols: usize| filled(what, rows.checked_mul(cols), 0.0f32);
+        let mut rows = Vec::new();
+        rows.try_reserve_exact(group.heads.len()).map_err(|_| {
+            Error::allocation_of::<RowTerms>("backward row terms", Some(group.heads.len()))
+        })?;
+        for head in &group.heads {
+            let mut terms = RowTerms {
+                d: filled("backward row terms", Some(n_q), 0.0)?,
+                lse2: filled("backward row terms", Some(n_q), 0.0)?,
+                q_finite: filled("backward row terms", Some(n_q), true)?,
+                d_out_finite: filled("backward row terms", Some(n_q), true)?,
+            };
+            terms.compute(head, d_v);
+            rows.push(terms);
+        }
+        Ok(Self {
             plan,
             d_k,
             d_v,
-            rows: (0..heads).map(|_| RowTerms::default()).collect(),
-            q_wide: vec![0.0; br * d_k],
-            d_out_wide: vec![0.0; br * d_v],
-            k_wide: vec![0.0; bc * d_k],
-            v_wide: vec![0.0; bc * d_v],
-            k_finite: vec![true; bc],
-            p: vec![0.0; br * bc],
-            ds: vec![0.0; br * bc],
-            dk: vec![0.0; bc * d_k],
-            dv: vec![0.0; bc * d_v],
-        }
-    }
-
-    /// Computes each head's [`RowTerms`].
-    pub fn prepare<T: Element>(&mut self, group: &Group<'_, T>, d_v: usize) {
-        for (terms, head) in self.rows.iter_mut().zip(&group.heads) {
-            let n_q = head.q.nrows();
-            terms.d = (0..n_q)
-                .map(|i| {
-                    (0..d_v)
-                        .map(|t| head.d_out[(i, t)].to_f32() * head.out[(i, t)].to_f32())
-                        .sum()
-                })
-                .collect();
-            // Saturated like the scores (a finite LSE stays finite); -inf is a row that
-            // sees nothing.
-            terms.lse2 = head
-                .lse
-                .iter()
-                .map(|&l| {
-                    if l == f32::NEG_INFINITY {
-                        l
-                    } else {
-                        saturate(l * core::f32::consts::LOG2_E)
-                    }
-                })
-                .collect();
-            let finite =
-                |m: MatRef<'_, T>, i: usize| m.row(i).iter().all(|x| x.to_f32().is_finite());
-            terms.q_finite = (0..n_q).map(|i| finite(head.q, i)).collect();
-            terms.d_out_finite = (0..n_q).map(|i| finite(head.d_out, i)).collect();
-        }
+            rows,
+            q_wide: zeros("backward scratch", br, d_k)?,
+            d_out_wide: zeros("backward scratch", br, d_v)?,
+            k_wide: zeros("backward scratch", bc, d_k)?,
+            v_wide: zeros("backward scratch", bc, d_v)?,
+            k_finite: filled("backward scratch", Some(bc), true)?,
+            p: zeros("backward scratch", br, bc)?,
+            ds: zeros("backward scratch", br, bc)?,
+            dk: zeros("backward scratch", bc, d_k)?,
+            dv: zeros("backward scratch", bc, d_v)?,
+        })
     }
 
     /// Accumulates the block `cols` of the group's keys: its dK and dV over every query

@@ -220,13 +220,21 @@ impl<'a, T: Element> Backward<'a, T> {
         tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
         let tasks: Vec<Mutex<Option<Task<'_, '_, G>>>> =
             tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
+        let failure = Mutex::new(None);
         for_each_index(tasks.len(), Order::Front, |i| {
             let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
                 return;
             };
-            self.run_task(task);
+            if let Err(e) = self.run_task(task)
+                && let Ok(mut f) = failure.lock()
+            {
+                f.get_or_insert(e);
+            }
         });
         drop(tasks);
+        if let Some(e) = failure.into_inner().ok().flatten() {
+            return Err(e);
+        }
 
         // dQ: the partials of each group summed in chunk order, scaled, rounded once.
         for (g, rows) in dq.chunks_mut((self.group * n_q).max(1)).enumerate() {
@@ -257,10 +265,22 @@ impl<'a, T: Element> Backward<'a, T> {
         seen * br * group.heads.len()
     }
 
-    fn run_task<G: Element>(&self, task: Task<'_, '_, G>) {
+    fn run_task<G: Element>(&self, task: Task<'_, '_, G>) -> Result<()> {
         let group = &self.groups[task.group];
-        let mut scratch = key_block::Scratch::new(self.plan, &self.shape, group.heads.len());
-        scratch.prepare(group, self.shape.d_v);
+        if self.shape.n_q == 0 {
+            // No query sees any key: the blocks' gradients are 0, and no scratch is needed
+            // (whose size an empty Q's width alone would set).
+            for BlockRows { dk, dv, .. } in task.blocks {
+                for row in dk.iter_mut().chain(dv.iter_mut()) {
+                    row.rb_mut().iter_mut().for_each(|x| *x = G::from_f32(0.0));
+                }
+            }
+            return Ok(());
+        }
+        if task.blocks.is_empty() {
+            return Ok(()); // no key: the partial dQ stays 0
+        }
+        let mut scratch = key_block::Scratch::new(self.plan, &self.shape, group)?;
         let HeadShape { n_q, d_k, .. } = self.shape;
         let bc = self.plan.bc;
         let heads: Vec<HeadInputs<'_, T>> = group
@@ -281,5 +301,6 @@ impl<'a, T: Element> Backward<'a, T> {
             scratch.key_block(group, &heads, cols, task.dq, n_q * d_k);
             scratch.write_block(self.scale, dk, dv);
         }
+        Ok(())
     }
 }
