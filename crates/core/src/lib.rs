@@ -29,7 +29,7 @@ pub use error::{Error, Result, check_dim};
 pub use gradients::{BatchGradients, Gradients, validate_batch_backward, validate_head_backward};
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
 pub use merge::PartialState;
-pub use multi_head::MultiHeadWeights;
+pub use multi_head::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
 pub use options::{Options, SCORE_LIMIT, check_shape};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};
 pub use tensor::{Layout, Tensor4, Tensor4Mut, Tensor4Ref};

@@ -35,4 +35,6 @@ pub use head::{
     Materialized, attention, attention_batched, attention_batched_materialized,
     attention_batched_with_lse, attention_materialized, attention_with_lse,
 };
-pub use multi_head::MultiHeadAttention;
+pub use multi_head::{
+    MultiHeadActivations, MultiHeadAttention, MultiHeadGradients, MultiHeadWeights,
+};
