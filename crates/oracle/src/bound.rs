@@ -1,7 +1,10 @@
-//! The derived error bounds, computed per case from the actual inputs. The derivation is
-//! in the crate documentation; the step numbers below refer to it.
+//! The derived error bounds, computed per case from the actual inputs: the forward pass's
+//! ([`head_bound`]) and the backward pass's ([`head_backward_bound`],
+//! [`batch_backward_bound`]). The derivation is in the crate documentation; the step
+//! numbers below (1–7, B1–B8) refer to it.
 
-use attn_reference::Materialized;
+use attn_core::Tensor4Ref;
+use attn_reference::{Materialized, MaterializedBackward};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
 
@@ -160,19 +163,71 @@ pub fn head_bound_merged(
     reference: &Materialized,
     merges: usize,
 ) -> HeadBound {
-    let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
-    // P_ij = Σ_t |q_it|·|k_jt|, in f64 (two correct digits are all a bound needs).
-    let mut pmat = Mat::<f64>::zeros(n_q, n_k);
-    if n_q > 0 && n_k > 0 {
+    forward_parts(model, q, k, v, scale, additive, reference, merges).bound
+}
+
+/// `Σ_t |a_it|·|b_jt|` for every `(i, j)`, in f64 (two correct digits are all a bound
+/// needs): `|A|·|B|ᵀ`.
+fn abs_products(a: MatRef<'_, f32>, b: MatRef<'_, f32>) -> Mat<f64> {
+    let mut out = Mat::<f64>::zeros(a.nrows(), b.nrows());
+    if a.nrows() > 0 && b.nrows() > 0 {
         matmul(
-            pmat.as_mut(),
+            out.as_mut(),
             Accum::Replace,
-            q.map(|x| f64::from(x.abs())),
-            k.map(|x| f64::from(x.abs())).transpose(),
+            a.map(|x| f64::from(x.abs())),
+            b.map(|x| f64::from(x.abs())).transpose(),
             1.0,
             Par::Seq,
         );
     }
+    out
+}
+
+/// Step 1 for one score and one precision: `δ_ij`.
+fn score_error(p: Precision, d_k: usize, scale: f64, abs_dot: f64, bias: f64) -> f64 {
+    gamma(d_k as f64 + 6.0, p.u) * scale * abs_dot
+        + 4.0 * p.u * bias.abs()
+        + (d_k as f64 + 6.0) * p.tiny * scale.max(1.0)
+}
+
+/// A head's forward bound and its parts before the safety factor: what the backward bound
+/// starts from (the error of the `O` and LSE an engine's backward pass is given).
+struct ForwardParts {
+    bound: HeadBound,
+    /// The engine's own `|Ô_ic − O_ic|` (steps 3–5 and the output rounding, or the hull).
+    engine_output: Mat<f64>,
+    /// The engine's own `|LSÊ_i − LSE_i|` (step 6).
+    engine_lse: Vec<f64>,
+    /// The reference's own (f64) output and LSE errors.
+    ref_output: Mat<f64>,
+    ref_lse: Vec<f64>,
+    /// `Σ_t |q_it|·|k_jt|`.
+    pmat: Mat<f64>,
+}
+
+/// The precision of an f32 engine with exp accurate to `exp_ulps` ulps.
+fn f32_precision(exp_ulps: f64) -> Precision {
+    Precision {
+        u: U32,
+        exp_rel: exp_ulps * 2.0 * U32,
+        tiny: TINY32,
+        flush: FLUSH32,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_parts(
+    model: &ErrorModel,
+    q: MatRef<'_, f32>,
+    k: MatRef<'_, f32>,
+    v: MatRef<'_, f32>,
+    scale: f64,
+    additive: Option<MatRef<'_, f32>>,
+    reference: &Materialized,
+    merges: usize,
+) -> ForwardParts {
+    let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
+    let pmat = abs_products(q, k);
     let leaves = merges + 1;
     let engine = match model.compute {
         Compute::RoundedOnce => None,
@@ -182,15 +237,7 @@ pub fn head_bound_merged(
         } => {
             // Every leaf the caller merges may itself be split into chunks by the engine.
             let internal = split_keys.map_or(0, |s| n_k.div_ceil(s.max(1)) + leaves);
-            Some((
-                Precision {
-                    u: U32,
-                    exp_rel: exp_ulps * 2.0 * U32,
-                    tiny: TINY32,
-                    flush: FLUSH32,
-                },
-                (merges + internal) as f64,
-            ))
+            Some((f32_precision(exp_ulps), (merges + internal) as f64))
         }
     };
     let (u_out, eta_out) = (model.output.unit_roundoff(), model.output.underflow_error());
@@ -198,6 +245,10 @@ pub fn head_bound_merged(
     let mut output = Mat::<f64>::zeros(n_q, d_v);
     let mut lse = vec![0.0; n_q];
     let mut row_sum = vec![0.0; n_q];
+    let mut engine_output = Mat::<f64>::zeros(n_q, d_v);
+    let mut engine_lse = vec![0.0; n_q];
+    let mut ref_output = Mat::<f64>::zeros(n_q, d_v);
+    let mut ref_lse = vec![0.0; n_q];
     let mut vmax = vec![0.0f64; d_v];
     for i in 0..n_q {
         let visible: Vec<usize> = (0..n_k)
@@ -211,10 +262,8 @@ pub fn head_bound_merged(
             visible
                 .iter()
                 .map(|&j| {
-                    let b = additive.map_or(0.0, |m| f64::from(m[(i, j)]).abs());
-                    gamma(d_k as f64 + 6.0, p.u) * scale * pmat[(i, j)]
-                        + 4.0 * p.u * b
-                        + (d_k as f64 + 6.0) * p.tiny * scale.max(1.0)
+                    let b = additive.map_or(0.0, |m| f64::from(m[(i, j)]));
+                    score_error(p, d_k, scale, pmat[(i, j)], b)
                 })
                 .fold(0.0f64, f64::max)
         };
@@ -250,21 +299,485 @@ pub fn head_bound_merged(
                 }
             };
             output[(i, c)] = SAFETY * (engine_part + ref_part);
+            engine_output[(i, c)] = engine_part;
+            ref_output[(i, c)] = ref_part;
         }
         let lse_engine = match &eng {
             None => U32 * r_lse.abs() + TINY32 + ref_engine_merges.lse,
             Some((_, t)) => t.lse,
         };
         lse[i] = SAFETY * (lse_engine + refp.lse);
+        engine_lse[i] = lse_engine;
+        ref_lse[i] = refp.lse;
         let sum_engine = match &eng {
             None => u_out + d_v as f64 * eta_out + ref_engine_merges.row_sum,
             Some((_, t)) => t.row_sum + u_out + U32 + d_v as f64 * eta_out,
         };
         row_sum[i] = SAFETY * (sum_engine + refp.row_sum);
     }
-    HeadBound {
-        output,
-        lse,
-        row_sum,
+    ForwardParts {
+        bound: HeadBound {
+            output,
+            lse,
+            row_sum,
+        },
+        engine_output,
+        engine_lse,
+        ref_output,
+        ref_lse,
+        pmat,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The backward pass ("The backward pass" in the crate documentation, steps B1–B8).
+
+/// The bound of one head's gradients, entry by entry: `|ĝ − g|` allowed between an
+/// engine's gradient `ĝ` and the reference's `g`, for `dQ [n_q, d_k]`, `dK [n_k, d_k]`
+/// and `dV [n_k, d_v]`. A row of dQ whose query sees no key, and a row of dK or dV whose
+/// key no query sees, has bound 0: it must be exactly 0.
+#[derive(Debug, Clone)]
+pub struct GradientBound {
+    /// `|dQ̂_ic − dQ_ic|` allowed, `[n_q, d_k]`.
+    pub dq: Mat<f64>,
+    /// `|dK̂_jc − dK_jc|` allowed, `[n_k, d_k]`.
+    pub dk: Mat<f64>,
+    /// `|dV̂_jc − dV_jc|` allowed, `[n_k, d_v]`.
+    pub dv: Mat<f64>,
+    /// `|Σ_j dS_ij|` allowed for the *reference's* own (f64) score gradient, summed in
+    /// f64 in key order (the exact sum is 0 for every row: softmax is invariant to a
+    /// constant added to a row of scores); 0 for a row that sees no key.
+    pub reference_ds_row_sum: Vec<f64>,
+    /// The forward bound of the same head ([`head_bound`]): the `O` and LSE an engine's
+    /// backward pass is given must be within it for this bound to hold.
+    pub forward: HeadBound,
+}
+
+/// The bound of a batched, grouped-query call's gradients: dQ per `[batch][h_q]`, dK and
+/// dV per `[batch][h_kv]` (summed over each group of query heads), each as in
+/// [`GradientBound`], and the forward bound of every `[batch][h_q]` head.
+#[derive(Debug, Clone)]
+pub struct BatchGradientBound {
+    /// `[batch][h_q]`, each `[n_q, d_k]`.
+    pub dq: Vec<Vec<Mat<f64>>>,
+    /// `[batch][h_kv]`, each `[n_k, d_k]`.
+    pub dk: Vec<Vec<Mat<f64>>>,
+    /// `[batch][h_kv]`, each `[n_k, d_v]`.
+    pub dv: Vec<Vec<Mat<f64>>>,
+    /// `[batch][h_q]`: the forward bound of each head.
+    pub forward: Vec<Vec<HeadBound>>,
+}
+
+/// One head's operands as the backward bound reads them.
+#[derive(Clone, Copy)]
+struct HeadViews<'a> {
+    q: MatRef<'a, f32>,
+    k: MatRef<'a, f32>,
+    v: MatRef<'a, f32>,
+    grad_out: MatRef<'a, f32>,
+}
+
+/// The error terms of one head's gradients for one precision (steps B1–B8), before the
+/// sum over a group of query heads, the output rounding and the safety factor.
+struct GradTerms {
+    /// Step B6, complete.
+    dq: Mat<f64>,
+    /// Step B7: `scale·Σ_i σ_ij |q_ic|` (propagated) and `scale·Σ_i (|dS_ij| + σ_ij)|q_ic|`
+    /// (what the accumulation's `γ` multiplies).
+    dk_err: Mat<f64>,
+    dk_abs: Mat<f64>,
+    /// Step B3: `Σ_i π_ij |dO_ic|` and `Σ_i (P_ij + π_ij)|dO_ic|`.
+    dv_err: Mat<f64>,
+    dv_abs: Mat<f64>,
+    /// `Σ_j σ_ij`, row by row.
+    ds_row: Vec<f64>,
+}
+
+/// `a · |b|` (`transpose_a`: `aᵀ · |b|`), in f64.
+fn times_abs(a: MatRef<'_, f64>, transpose_a: bool, b: MatRef<'_, f32>) -> Mat<f64> {
+    let a = if transpose_a { a.transpose() } else { a };
+    let mut out = Mat::<f64>::zeros(a.nrows(), b.ncols());
+    if a.nrows() > 0 && a.ncols() > 0 && b.ncols() > 0 {
+        matmul(
+            out.as_mut(),
+            Accum::Replace,
+            a,
+            b.map(|x| f64::from(x.abs())),
+            1.0,
+            Par::Seq,
+        );
+    }
+    out
+}
+
+/// Steps B1–B7 of one head for precision `p`, given the errors `beta_o`, `beta_l` of the
+/// output and LSE the backward pass starts from.
+#[allow(clippy::too_many_arguments)]
+fn grad_terms(
+    p: Precision,
+    x: HeadViews<'_>,
+    scale: f64,
+    additive: Option<MatRef<'_, f32>>,
+    r: &MaterializedBackward,
+    pmat: &Mat<f64>,
+    beta_o: &Mat<f64>,
+    beta_l: &[f64],
+) -> GradTerms {
+    let fwd = &r.forward;
+    let (n_q, n_k, d_k, d_v) = (x.q.nrows(), x.k.nrows(), x.q.ncols(), x.v.ncols());
+    let u = p.u;
+    // B3, B4: |dO|·|V|ᵀ bounds the dot products dP_ij and dV's terms.
+    let a = abs_products(x.grad_out, x.v);
+    let g_dv = gamma(d_v as f64, u);
+    // B4: D_i from the given output, whose error is beta_o.
+    let eps_d: Vec<f64> = (0..n_q)
+        .map(|i| {
+            (0..d_v)
+                .map(|c| {
+                    let (g, b) = (f64::from(x.grad_out[(i, c)]).abs(), beta_o[(i, c)]);
+                    g * (b + g_dv * (fwd.output[(i, c)].abs() + b))
+                })
+                .sum()
+        })
+        .collect();
+    let mut pi = Mat::<f64>::zeros(n_q, n_k);
+    let mut p_abs = Mat::<f64>::zeros(n_q, n_k);
+    let mut sigma = Mat::<f64>::zeros(n_q, n_k);
+    let mut ds_abs = Mat::<f64>::zeros(n_q, n_k);
+    let mut ds_row = vec![0.0; n_q];
+    for i in 0..n_q {
+        if fwd.lse[i] == f64::NEG_INFINITY {
+            continue; // sees no key: adds nothing anywhere
+        }
+        let (lse, bl) = (fwd.lse[i].abs(), beta_l[i]);
+        for j in 0..n_k {
+            if fwd.scores[(i, j)] == f64::NEG_INFINITY {
+                continue; // hidden: skipped, not multiplied by 0
+            }
+            let bias = additive.map_or(0.0, |m| f64::from(m[(i, j)]));
+            // B1: the recomputed score.
+            let delta = score_error(p, d_k, scale, pmat[(i, j)], bias);
+            // B2: P = exp(s − LSE) from the given LSE; the argument x = ln P, formed as
+            // (s − LSE)·log2e or s·log2e − LSE·log2e.
+            let w = fwd.weights[(i, j)];
+            let pe = if w > 0.0 {
+                let xi = delta + bl + 2.0 * u * (lse + bl) + 3.0 * u * (w.ln().abs() + delta + bl);
+                w * (xi.exp_m1() + p.exp_rel * xi.exp()) + p.flush
+            } else {
+                // The weight underflows f64 (x < −745): the engine's exp is below 2⁻¹²⁶
+                // unless its argument is off by hundreds of nats.
+                let xi = delta + bl;
+                if xi < 600.0 {
+                    p.flush.max(f64::from_bits(1) * xi.exp())
+                } else {
+                    f64::INFINITY
+                }
+            };
+            // B5: dS = P ∘ (dP − D), two roundings.
+            let g = (r.dp[(i, j)] - r.d[i]).abs();
+            let e = g_dv * a[(i, j)] + eps_d[i];
+            let s = pe * g + (w + pe) * (e + gamma(2.0, u) * (g + e)) + p.tiny;
+            pi[(i, j)] = pe;
+            p_abs[(i, j)] = w + pe;
+            sigma[(i, j)] = s;
+            ds_abs[(i, j)] = r.ds[(i, j)].abs() + s;
+            ds_row[i] += s;
+        }
+    }
+    // B6: dQ = scale·dS K over n_k terms, the scale rounded and applied once.
+    let acc_q = gamma(n_k as f64 + 2.0, u);
+    let mut dq = times_abs(sigma.as_ref(), false, x.k);
+    let dq_abs = times_abs(ds_abs.as_ref(), false, x.k);
+    for i in 0..n_q {
+        for c in 0..d_k {
+            dq[(i, c)] =
+                scale * (dq[(i, c)] + acc_q * dq_abs[(i, c)]) + 2.0 * (n_k as f64 + 2.0) * p.tiny;
+        }
+    }
+    let mut dk_err = times_abs(sigma.as_ref(), true, x.q);
+    let mut dk_abs = times_abs(ds_abs.as_ref(), true, x.q);
+    for m in [&mut dk_err, &mut dk_abs] {
+        for j in 0..n_k {
+            for c in 0..d_k {
+                m[(j, c)] *= scale;
+            }
+        }
+    }
+    GradTerms {
+        dq,
+        dk_err,
+        dk_abs,
+        dv_err: times_abs(pi.as_ref(), true, x.grad_out),
+        dv_abs: times_abs(p_abs.as_ref(), true, x.grad_out),
+        ds_row,
+    }
+}
+
+/// The engine's and the reference's terms of one head.
+struct HeadGrad {
+    engine: Option<GradTerms>,
+    reference: GradTerms,
+    forward: HeadBound,
+}
+
+fn head_grad(
+    model: &ErrorModel,
+    x: HeadViews<'_>,
+    scale: f64,
+    additive: Option<MatRef<'_, f32>>,
+    r: &MaterializedBackward,
+) -> HeadGrad {
+    let f = forward_parts(model, x.q, x.k, x.v, scale, additive, &r.forward, 0);
+    let engine = match model.compute {
+        Compute::RoundedOnce => None,
+        Compute::F32 { exp_ulps, .. } => Some(grad_terms(
+            f32_precision(exp_ulps),
+            x,
+            scale,
+            additive,
+            r,
+            &f.pmat,
+            &f.engine_output,
+            &f.engine_lse,
+        )),
+    };
+    let reference = grad_terms(
+        REFERENCE,
+        x,
+        scale,
+        additive,
+        r,
+        &f.pmat,
+        &f.ref_output,
+        &f.ref_lse,
+    );
+    HeadGrad {
+        engine,
+        reference,
+        forward: f.bound,
+    }
+}
+
+/// Step B8 for one entry: the engine's error `e` (`None`: the engine computes in f64 and
+/// rounds once) and the reference's `r`, against the reference gradient `g`, with the
+/// output rounding and the safety factor; NaN (an infinite term times 0) is no bound.
+fn finish(model: &ErrorModel, e: Option<f64>, r: f64, g: f64) -> f64 {
+    let (u_out, eta_out) = (model.output.unit_roundoff(), model.output.underflow_error());
+    let engine = match e {
+        Some(e) => e + u_out * (g.abs() + e) + eta_out,
+        None => u_out * g.abs() + eta_out,
+    };
+    let b = SAFETY * (engine + r);
+    if b.is_nan() { f64::INFINITY } else { b }
+}
+
+/// dK and dV of one key/value head from the terms of the query heads that share it
+/// (`m` accumulated terms per entry: `n_q` times the group size), against the reference
+/// gradients `dk`, `dv` (the group's sums); keys that no query of the group sees get 0.
+fn group_kv(
+    model: &ErrorModel,
+    heads: &[&HeadGrad],
+    refs: &[&MaterializedBackward],
+    dk: &Mat<f64>,
+    dv: &Mat<f64>,
+) -> (Mat<f64>, Mat<f64>) {
+    let (n_k, d_k, d_v) = (dk.nrows(), dk.ncols(), dv.ncols());
+    let n_q = refs.first().map_or(0, |r| r.forward.scores.nrows());
+    let m = (n_q * heads.len()) as f64;
+    let seen: Vec<bool> = (0..n_k)
+        .map(|j| {
+            refs.iter()
+                .any(|r| (0..n_q).any(|i| r.forward.scores[(i, j)] != f64::NEG_INFINITY))
+        })
+        .collect();
+    let (ue, te) = match model.compute {
+        Compute::RoundedOnce => (0.0, 0.0),
+        Compute::F32 { .. } => (U32, TINY32),
+    };
+    let engine = || heads.iter().filter_map(|h| h.engine.as_ref());
+    let refr = || heads.iter().map(|h| &h.reference);
+    let has_engine = engine().next().is_some();
+    // B7: dK = scale·dSᵀQ over m terms (and the scale); B3: dV = PᵀdO over m terms.
+    fn k_terms(t: &GradTerms) -> (MatRef<'_, f64>, MatRef<'_, f64>) {
+        (t.dk_err.as_ref(), t.dk_abs.as_ref())
+    }
+    fn v_terms(t: &GradTerms) -> (MatRef<'_, f64>, MatRef<'_, f64>) {
+        (t.dv_err.as_ref(), t.dv_abs.as_ref())
+    }
+    let ek = has_engine.then(|| group_sum(engine().map(k_terms), n_k, d_k, m + 2.0, ue, te));
+    let rk = group_sum(refr().map(k_terms), n_k, d_k, m + 2.0, U64, 0.0);
+    let ev = has_engine.then(|| group_sum(engine().map(v_terms), n_k, d_v, m, ue, te));
+    let rv = group_sum(refr().map(v_terms), n_k, d_v, m, U64, 0.0);
+    let bound = |e: &Option<Mat<f64>>, r: &Mat<f64>, g: &Mat<f64>, cols: usize| {
+        Mat::from_fn(n_k, cols, |j, c| {
+            if !seen[j] {
+                return 0.0;
+            }
+            finish(model, e.as_ref().map(|e| e[(j, c)]), r[(j, c)], g[(j, c)])
+        })
+    };
+    (bound(&ek, &rk, dk, d_k), bound(&ev, &rv, dv, d_v))
+}
+
+/// `Σ err + γ_acc·Σ abs` over the terms of a group, plus the underflow of `2·(acc + 2)`
+/// products.
+fn group_sum<'a>(
+    terms: impl Iterator<Item = (MatRef<'a, f64>, MatRef<'a, f64>)>,
+    rows: usize,
+    cols: usize,
+    acc: f64,
+    u: f64,
+    tiny: f64,
+) -> Mat<f64> {
+    let g = gamma(acc, u);
+    let mut out = Mat::from_fn(rows, cols, |_, _| 2.0 * (acc + 2.0) * tiny);
+    for (err, abs) in terms {
+        for j in 0..rows {
+            for c in 0..cols {
+                out[(j, c)] += err[(j, c)] + g * abs[(j, c)];
+            }
+        }
+    }
+    out
+}
+
+/// The dQ bound of one head (rows that see no key get 0).
+fn head_dq(model: &ErrorModel, h: &HeadGrad, r: &MaterializedBackward) -> Mat<f64> {
+    Mat::from_fn(r.dq.nrows(), r.dq.ncols(), |i, c| {
+        if r.forward.lse[i] == f64::NEG_INFINITY {
+            return 0.0;
+        }
+        let e = h.engine.as_ref().map(|t| t.dq[(i, c)]);
+        finish(model, e, h.reference.dq[(i, c)], r.dq[(i, c)])
+    })
+}
+
+/// The derived bound of one head's gradients for an engine with error model `model`,
+/// given the engine's inputs (already rounded to its storage type: Q, K, V and the
+/// upstream gradient `grad_out`), the scale, the additive mask and the reference's
+/// backward intermediates on the same inputs. It holds when the output and LSE the
+/// engine's backward pass is given are within the forward bound
+/// ([`GradientBound::forward`]).
+///
+/// ```
+/// use attn_oracle::bound::head_backward_bound;
+/// use attn_oracle::{Dtype, ErrorModel, HeadCase};
+/// use faer::Mat;
+/// let inputs = HeadCase::small(3, 5, 4, 2, 1).build(Dtype::F32);
+/// let d_out = Mat::<f32>::from_fn(3, 2, |i, c| (i as f32 - c as f32) / 4.0);
+/// let r = attn_reference::attention_backward_materialized(
+///     inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref(), d_out.as_ref(),
+///     &inputs.options()).unwrap();
+/// let b = head_backward_bound(&ErrorModel::f32_streaming(2.0, None), inputs.q.as_ref(),
+///     inputs.k.as_ref(), inputs.v.as_ref(), d_out.as_ref(), 0.5, None, &r);
+/// assert!(b.dq[(0, 0)] > 0.0 && b.dq[(0, 0)] < 1e-4);
+/// assert!(b.reference_ds_row_sum[0] < 1e-12); // the reference's f64 row sums of dS
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn head_backward_bound(
+    model: &ErrorModel,
+    q: MatRef<'_, f32>,
+    k: MatRef<'_, f32>,
+    v: MatRef<'_, f32>,
+    grad_out: MatRef<'_, f32>,
+    scale: f64,
+    additive: Option<MatRef<'_, f32>>,
+    reference: &MaterializedBackward,
+) -> GradientBound {
+    let x = HeadViews { q, k, v, grad_out };
+    let h = head_grad(model, x, scale, additive, reference);
+    let (dk, dv) = group_kv(model, &[&h], &[reference], &reference.dk, &reference.dv);
+    let n_k = k.nrows();
+    let reference_ds_row_sum = (0..q.nrows())
+        .map(|i| {
+            if reference.forward.lse[i] == f64::NEG_INFINITY {
+                return 0.0;
+            }
+            let abs: f64 = (0..n_k).map(|j| reference.ds[(i, j)].abs()).sum();
+            // The terms' own errors, and the f64 sum of n_k terms that checks them.
+            SAFETY * (h.reference.ds_row[i] + gamma(n_k as f64, U64) * abs)
+        })
+        .collect();
+    GradientBound {
+        dq: head_dq(model, &h, reference),
+        dk,
+        dv,
+        reference_ds_row_sum,
+        forward: h.forward,
+    }
+}
+
+/// The derived bound of a batched, grouped-query call's gradients ([`head_backward_bound`]
+/// for every head, the dK and dV of a key/value head accumulated over its group of query
+/// heads), given the engine's inputs, the upstream gradient `grad_out`
+/// (`[batch, h_q, n_q, d_v]`) and the reference's intermediates per `[batch][h_q]`
+/// ([`attn_reference::attention_backward_batched_materialized`]).
+///
+/// # Panics
+///
+/// If the views do not have the shapes of one valid call or `reference` does not match
+/// them (the oracle builds both).
+#[allow(clippy::too_many_arguments)]
+pub fn batch_backward_bound(
+    model: &ErrorModel,
+    q: Tensor4Ref<'_, f32>,
+    k: Tensor4Ref<'_, f32>,
+    v: Tensor4Ref<'_, f32>,
+    grad_out: Tensor4Ref<'_, f32>,
+    scale: f64,
+    additive: Option<MatRef<'_, f32>>,
+    reference: &[Vec<MaterializedBackward>],
+) -> BatchGradientBound {
+    let [batch, h_q, _, _] = q.dims();
+    let h_kv = k.dims()[1];
+    let group = h_q / h_kv.max(1);
+    let (mut dq, mut dk, mut dv, mut forward) = (vec![], vec![], vec![], vec![]);
+    for (b, refs) in reference.iter().enumerate().take(batch) {
+        let heads: Vec<HeadGrad> = (0..h_q)
+            .map(|h| {
+                let kv = h / group;
+                let x = HeadViews {
+                    q: q.head(b, h).expect("in range"),
+                    k: k.head(b, kv).expect("in range"),
+                    v: v.head(b, kv).expect("in range"),
+                    grad_out: grad_out.head(b, h).expect("in range"),
+                };
+                head_grad(model, x, scale, additive, &refs[h])
+            })
+            .collect();
+        dq.push(
+            heads
+                .iter()
+                .zip(refs)
+                .map(|(h, r)| head_dq(model, h, r))
+                .collect(),
+        );
+        let (mut dk_b, mut dv_b) = (vec![], vec![]);
+        for kv in 0..h_kv {
+            let members = kv * group..(kv + 1) * group;
+            let hs: Vec<&HeadGrad> = heads[members.clone()].iter().collect();
+            let rs: Vec<&MaterializedBackward> = refs[members].iter().collect();
+            // The reference gradient of the kv head: the group's sum, in f64.
+            let (mut sk, mut sv) = (
+                Mat::<f64>::zeros(k.dims()[2], k.dims()[3]),
+                Mat::<f64>::zeros(v.dims()[2], v.dims()[3]),
+            );
+            for r in &rs {
+                sk += &r.dk;
+                sv += &r.dv;
+            }
+            let (bk, bv) = group_kv(model, &hs, &rs, &sk, &sv);
+            dk_b.push(bk);
+            dv_b.push(bv);
+        }
+        dk.push(dk_b);
+        dv.push(dv_b);
+        forward.push(heads.into_iter().map(|h| h.forward).collect());
+    }
+    BatchGradientBound {
+        dq,
+        dk,
+        dv,
+        forward,
     }
 }

@@ -77,7 +77,7 @@ pub enum Values {
 }
 
 impl Values {
-    fn sample(self, rng: &mut Rng, dtype: Dtype) -> f32 {
+    pub(crate) fn sample(self, rng: &mut Rng, dtype: Dtype) -> f32 {
         let x = match self {
             Values::Unit => (rng.unit() * 2.0 - 1.0) as f32,
             Values::Ties => rng.below(5) as f32 - 2.0,
@@ -342,7 +342,13 @@ impl HeadInputs {
     }
 }
 
-fn operand(rows: usize, cols: usize, values: Values, dtype: Dtype, rng: &mut Rng) -> Mat<f32> {
+pub(crate) fn operand(
+    rows: usize,
+    cols: usize,
+    values: Values,
+    dtype: Dtype,
+    rng: &mut Rng,
+) -> Mat<f32> {
     // Row-major fill so that a recipe means the same matrix whatever faer's storage order.
     let data: Vec<f32> = (0..rows * cols)
         .map(|_| values.sample(rng, dtype))
@@ -446,7 +452,11 @@ pub struct OwnedTensor {
 }
 
 impl OwnedTensor {
-    fn new(layout: TensorLayout, dims: [usize; 4], mut value: impl FnMut() -> f32) -> Self {
+    pub(crate) fn new(
+        layout: TensorLayout,
+        dims: [usize; 4],
+        mut value: impl FnMut() -> f32,
+    ) -> Self {
         let [b, h, s, d] = dims;
         let strides = match layout {
             TensorLayout::Bhsd => Layout::Bhsd.strides(dims),

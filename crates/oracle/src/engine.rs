@@ -56,6 +56,21 @@ impl Dtype {
         }
     }
 
+    /// The smallest positive normal number: below it, rounding is absolute
+    /// ([`Dtype::underflow_error`]) rather than relative.
+    ///
+    /// ```
+    /// use attn_oracle::Dtype;
+    /// assert_eq!(Dtype::F16.smallest_normal(), 2f64.powi(-14));
+    /// assert_eq!(Dtype::Bf16.smallest_normal(), f64::from(f32::MIN_POSITIVE));
+    /// ```
+    pub fn smallest_normal(self) -> f64 {
+        match self {
+            Dtype::F32 | Dtype::Bf16 => 2f64.powi(-126),
+            Dtype::F16 => 2f64.powi(-14),
+        }
+    }
+
     /// The largest power of two that is safely inside this type's range for the
     /// adversarial "edge of range" inputs: `65504` for f16 (its largest finite value)
     /// and `2^50` otherwise (products of two such values stay far from f32 overflow).
@@ -180,13 +195,15 @@ impl MergePlan {
 
 /// The gradients of one head with respect to its operands, each shaped like the operand
 /// (dQ `[n_q, d_k]`, dK `[n_k, d_k]`, dV `[n_k, d_v]`) and widened to f32 as every result
-/// of [`Engine`] is: what [`Engine::attention_backward`] returns.
+/// of [`Engine`] is: what [`Engine::attention_backward`] returns. It is the contract's
+/// [`attn_core::Gradients`] in f32 (build one with `Gradients::new(dq, dk, dv)`).
 ///
-/// An engine without a backward pass keeps the trait's default, which returns `None`:
+/// An engine without a backward pass keeps the trait's default, which returns `None`, and
+/// the backward properties skip it; [`ReferenceEngine`] has one:
 ///
 /// ```
 /// use attn_core::{Options, Result, Tensor4, Tensor4Ref};
-/// use attn_oracle::{Engine, ErrorModel, ReferenceEngine};
+/// use attn_oracle::{Engine, ErrorModel, Gradients, ReferenceEngine};
 /// use faer::{Mat, MatRef};
 ///
 /// struct ForwardOnly;
@@ -212,6 +229,11 @@ impl MergePlan {
 /// );
 /// assert!(grads.is_none()); // no backward pass: the backward properties do not apply
 ///
+/// let g: Gradients = ReferenceEngine
+///     .attention_backward(x.as_ref(), x.as_ref(), x.as_ref(), grad_out.as_ref(), out.as_ref(), &lse, &opts)
+///     .expect("the reference has a backward pass")?;
+/// assert_eq!((g.dq.nrows(), g.dk.nrows(), g.dv.ncols()), (3, 3, 4));
+///
 /// let t = Tensor4::<f32>::zeros([1, 2, 3, 4]);
 /// let batched = ForwardOnly.attention_backward_batched(
 ///     t.as_ref(), t.as_ref(), t.as_ref(), t.as_ref(), t.as_ref(), &[0.0; 6], &opts,
@@ -219,29 +241,14 @@ impl MergePlan {
 /// assert!(batched.is_none());
 /// # Ok::<(), attn_core::Error>(())
 /// ```
-#[derive(Debug, Clone, PartialEq)]
-pub struct Gradients {
-    /// `∂loss/∂Q`, `[n_q, d_k]`.
-    pub dq: Mat<f32>,
-    /// `∂loss/∂K`, `[n_k, d_k]`.
-    pub dk: Mat<f32>,
-    /// `∂loss/∂V`, `[n_k, d_v]`.
-    pub dv: Mat<f32>,
-}
+pub type Gradients = attn_core::Gradients<f32>;
 
 /// The gradients of a batched, grouped-query call, each shaped like its operand: dQ
 /// `[batch, h_q, n_q, d_k]`, dK `[batch, h_kv, n_k, d_k]`, dV `[batch, h_kv, n_k, d_v]`
 /// (the gradient of a kv head shared by a group of query heads is the sum over the
-/// group); what [`Engine::attention_backward_batched`] returns. See [`Gradients`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct BatchGradients {
-    /// `∂loss/∂Q`, `[batch, h_q, n_q, d_k]`.
-    pub dq: Tensor4<f32>,
-    /// `∂loss/∂K`, `[batch, h_kv, n_k, d_k]`.
-    pub dk: Tensor4<f32>,
-    /// `∂loss/∂V`, `[batch, h_kv, n_k, d_v]`.
-    pub dv: Tensor4<f32>,
-}
+/// group); what [`Engine::attention_backward_batched`] returns: the contract's
+/// [`attn_core::BatchGradients`] in f32. See [`Gradients`].
+pub type BatchGradients = attn_core::BatchGradients<f32>;
 
 /// An attention engine under test.
 ///
@@ -323,10 +330,11 @@ pub trait Engine: Sync {
     /// Invalid operands are `Some(Err(_))` with the contract's [`attn_core::Error`].
     ///
     /// `None` (the default) if the engine has no backward pass: the backward properties
-    /// will skip such an engine, as the merge properties skip one without
-    /// [`Engine::attention_split`]. Nothing implements it yet, the reference included:
-    /// the f64 backward formula and the properties that hold an engine's backward to it
-    /// come with issue 14.
+    /// skip such an engine, as the merge properties skip one without
+    /// [`Engine::attention_split`]. The oracle passes the engine's own forward result
+    /// (from [`Engine::attention_with_lse`]) as `out` and `lse`, and holds the gradients to
+    /// the backward bound ([`crate::bound::head_backward_bound`]), which accounts for the
+    /// forward's error in them.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -367,9 +375,11 @@ pub trait Engine: Sync {
 /// The f64 reference (`attn-reference`) as an engine: computes in f64, rounds once.
 ///
 /// Its partial states are f64 `(O normalised, LSE)` pairs merged in f64, so the merge
-/// properties check the oracle's own plumbing against the textbook. It has no backward
-/// pass yet ([`Engine::attention_backward`] keeps the default `None`): the f64 backward
-/// formula comes to `attn-reference` with issue 14.
+/// properties check the oracle's own plumbing against the textbook. Its backward pass is
+/// `attn_reference::attention_backward{,_batched}`: the f64 formula on its own exact
+/// forward (the given `out` and `lse` are checked for shape, not used), rounded to f32
+/// once, so the backward properties check the oracle's plumbing and the reference's
+/// invariants.
 ///
 /// ```
 /// use attn_oracle::{check_engine, ReferenceEngine, SuiteConfig};
@@ -481,5 +491,35 @@ impl Engine for ReferenceEngine {
             Ok((o, state.lse.iter().map(|&x| x as f32).collect()))
         };
         Some(run())
+    }
+
+    fn attention_backward(
+        &self,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+        grad_out: MatRef<'_, f32>,
+        out: MatRef<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+    ) -> Option<Result<Gradients>> {
+        Some(attn_reference::attention_backward(
+            grad_out, q, k, v, out, lse, options,
+        ))
+    }
+
+    fn attention_backward_batched(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        grad_out: Tensor4Ref<'_, f32>,
+        out: Tensor4Ref<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+    ) -> Option<Result<BatchGradients>> {
+        Some(attn_reference::attention_backward_batched(
+            grad_out, q, k, v, out, lse, options,
+        ))
     }
 }

@@ -59,10 +59,19 @@
 //! | 9 | `adversarial_values_stay_finite_and_within_bound` | logits to ±1e4, scale × 1000, subnormals, ties, identical keys, `-inf`/±1e4 biases, edge-of-range values |
 //! | — | `malformed_input_is_the_reference_error` | the same [`attn_core::Error`] as the reference, never a panic |
 //!
-//! The backward pass has its place in the trait already ([`Engine::attention_backward`],
-//! [`Engine::attention_backward_batched`], returning [`Gradients`]), with defaults that
-//! return `None` (unsupported) as [`Engine::attention_split`]'s does; its properties
-//! come with issue 14.
+//! | 14 | `gradients_match_reference_within_derived_bound`, `batched_gqa_gradients_match_reference` | dQ, dK, dV within the derived backward bound of the f64 reference, given the engine's own forward output and LSE: every mask kind, `n_q ≠ n_k`, `d_v ≠ d_k`, GQA/MQA, both layouts and padded strides |
+//! | 14 | `score_gradient_rows_sum_to_zero` | the reference's rows of `dS` sum to 0 (f64 bound); the engine's columns of dK sum to 0 within the sum of their bounds |
+//! | 14 | `keys_no_query_sees_get_exactly_zero_gradient` | a key hidden from every query (padding, boolean column, `-inf` column) has dK = dV = 0 exactly with NaN/±Inf in its K, V rows and in a query's Q, dO rows, whose poison reaches nothing it cannot see |
+//! | 14 | `fully_masked_rows_have_zero_query_gradient` | rows with no visible key have dQ = 0 exactly, no gradient is NaN, single-head and batched |
+//! | 14 | `gqa_gradients_are_group_sums_of_mha` | grouped-query dK, dV ≡ the group sums of the multi-head gradients with K, V replicated, within the bounds |
+//! | 14 | `scaling_grad_out_scales_gradients_bit_for_bit` | `dO ↦ 2^k·dO` scales every gradient by `2^k` exactly |
+//! | 14 | `gradient_bits_do_not_depend_on_thread_count` | identical gradient bits with 1, 2 and 3 rayon threads, single-head and batched (groups up to 4 heads) |
+//!
+//! The backward properties ([`Property::is_backward`]) run for an engine whose
+//! [`Engine::attention_backward`] returns `Some` (the batched ones for
+//! [`Engine::attention_backward_batched`]); an engine without a backward pass keeps the
+//! defaults, which return `None`, and those properties are skipped with a note, as the
+//! merge properties are for an engine without [`Engine::attention_split`].
 //!
 //! Hostile inputs have their own module, [`hostile`]: generators of shapes up to `usize::MAX`
 //! (broadcast views), every stride sign, options and values at their extremes, and the checks
@@ -71,13 +80,17 @@
 //!
 //! # Case counts and deep runs
 //!
-//! Each property runs [`Property::default_cases`] cases (512 for most, 128 for the
-//! thread-count and malformed-input properties). Measured on an AMD EPYC (Zen 4,
+//! Each property runs [`Property::default_cases`] cases (512 for most forward
+//! properties, 128 for the thread-count and malformed-input properties; 96 for the
+//! single-head backward properties and 32 for the batched and thread-count ones, whose
+//! f64 reference materialises every intermediate). Measured on an AMD EPYC (Zen 4,
 //! AVX-512) with two cores and nothing else running, test binaries already built, the 17
-//! properties take about 17 s (30 s of CPU time) for the reference
+//! forward properties take about 17 s (30 s of CPU time) for the reference
 //! (`cargo test -p attn-oracle --test engines`) and about 17 s (26 s of CPU time) for
 //! attn-optimized's three storage types together
-//! (`cargo test -p attn-optimized --test conformance`).
+//! (`cargo test -p attn-optimized --test conformance`); the 8 backward properties add
+//! about 3 s of CPU time for the reference and about 3.5 s for the three streaming engines
+//! together.
 //! For a deep run set `PROPTEST_CASES`, which replaces the default counts (explicit
 //! counts, as in [`SuiteConfig::quick`], stay), e.g.
 //! `PROPTEST_CASES=100000 cargo test -p attn-optimized --release --test conformance`.
@@ -107,7 +120,8 @@ pub use engine::{
     BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan, ReferenceEngine,
 };
 pub use properties::{
-    Defect, RowHider, assert_property, check_engine, check_property, compare_head,
+    BatchGradCase, Defect, GradCase, KeyHider, RowHider, assert_property, check_engine,
+    check_property, compare_head,
 };
 pub use suite::{Failure, Property, SuiteConfig};
 
@@ -137,6 +151,14 @@ macro_rules! engine_suite {
             output_bits_do_not_depend_on_thread_count => Determinism,
             adversarial_values_stay_finite_and_within_bound => Adversarial,
             malformed_input_is_the_reference_error => MalformedInput,
+            gradients_match_reference_within_derived_bound => BackwardEquivalence,
+            batched_gqa_gradients_match_reference => BatchedBackwardEquivalence,
+            score_gradient_rows_sum_to_zero => ScoreGradientRowsSumToZero,
+            keys_no_query_sees_get_exactly_zero_gradient => BackwardHiddenKeys,
+            fully_masked_rows_have_zero_query_gradient => BackwardFullyMaskedRows,
+            gqa_gradients_are_group_sums_of_mha => GqaGradientsAreGroupSums,
+            scaling_grad_out_scales_gradients_bit_for_bit => GradOutScaling,
+            gradient_bits_do_not_depend_on_thread_count => BackwardDeterminism,
         );
     };
     (@tests $engine:expr; $($name:ident => $prop:ident,)*) => {

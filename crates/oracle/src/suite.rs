@@ -57,11 +57,37 @@ pub enum Property {
     /// Malformed input is the same [`attn_core::Error`] as the reference's, never a
     ///    panic.
     MalformedInput,
+    /// 14. One head's gradients (dQ, dK, dV) ≡ reference within the derived backward
+    ///     bound, on every mask kind, `n_q ≠ n_k`, `d_v ≠ d_k`, given the engine's own
+    ///     forward output and LSE.
+    BackwardEquivalence,
+    /// 14. Batched, grouped-query (and multi-query) gradients, mixed layouts, per-batch
+    ///     padding ≡ reference; a kv head's dK and dV are its group's sums.
+    BatchedBackwardEquivalence,
+    /// 14. The reference's score gradient has rows summing to 0 (softmax ignores a
+    ///     constant added to a row), and the engine's dK has columns summing to 0 within
+    ///     the bound.
+    ScoreGradientRowsSumToZero,
+    /// 14. A key hidden from every query has dK = dV = 0 exactly, with NaN/±Inf in its K
+    ///     and V rows and in a query's Q and dO rows; that query's poison reaches only its
+    ///     own dQ row and the keys it sees.
+    BackwardHiddenKeys,
+    /// 14. A row that sees no key has dQ = 0 exactly; no gradient is NaN (single-head
+    ///     and batched).
+    BackwardFullyMaskedRows,
+    /// 14. Grouped-query dK, dV ≡ the per-group sums of multi-head gradients with K and V
+    ///     replicated per query head; dQ ≡ the multi-head dQ.
+    GqaGradientsAreGroupSums,
+    /// 14. `dO ↦ 2^k·dO` scales every gradient by `2^k`, bit for bit.
+    GradOutScaling,
+    /// 14. Identical gradient bits with 1, 2 and 3 rayon threads (single head and
+    ///     batched, groups of up to 4 query heads).
+    BackwardDeterminism,
 }
 
 impl Property {
     /// Every property, in the order of the issue.
-    pub const ALL: [Property; 17] = [
+    pub const ALL: [Property; 25] = [
         Property::RowsSumToOne,
         Property::MaskedWeightsAreZero,
         Property::HiddenKeysNeverLeak,
@@ -79,6 +105,14 @@ impl Property {
         Property::Determinism,
         Property::Adversarial,
         Property::MalformedInput,
+        Property::BackwardEquivalence,
+        Property::BatchedBackwardEquivalence,
+        Property::ScoreGradientRowsSumToZero,
+        Property::BackwardHiddenKeys,
+        Property::BackwardFullyMaskedRows,
+        Property::GqaGradientsAreGroupSums,
+        Property::GradOutScaling,
+        Property::BackwardDeterminism,
     ];
 
     /// The test name: what the property proves.
@@ -106,6 +140,14 @@ impl Property {
             Property::Determinism => "output_bits_do_not_depend_on_thread_count",
             Property::Adversarial => "adversarial_values_stay_finite_and_within_bound",
             Property::MalformedInput => "malformed_input_is_the_reference_error",
+            Property::BackwardEquivalence => "gradients_match_reference_within_derived_bound",
+            Property::BatchedBackwardEquivalence => "batched_gqa_gradients_match_reference",
+            Property::ScoreGradientRowsSumToZero => "score_gradient_rows_sum_to_zero",
+            Property::BackwardHiddenKeys => "keys_no_query_sees_get_exactly_zero_gradient",
+            Property::BackwardFullyMaskedRows => "fully_masked_rows_have_zero_query_gradient",
+            Property::GqaGradientsAreGroupSums => "gqa_gradients_are_group_sums_of_mha",
+            Property::GradOutScaling => "scaling_grad_out_scales_gradients_bit_for_bit",
+            Property::BackwardDeterminism => "gradient_bits_do_not_depend_on_thread_count",
         }
     }
 
@@ -116,8 +158,40 @@ impl Property {
             Property::EntropyCollapse => 1,
             Property::Determinism => 128,
             Property::MalformedInput => 128,
+            // The backward properties run the f64 reference backward, O(n_q·n_k·d) per
+            // head with every intermediate materialised.
+            Property::BatchedBackwardEquivalence
+            | Property::GqaGradientsAreGroupSums
+            | Property::BackwardDeterminism => 32,
+            Property::BackwardEquivalence
+            | Property::ScoreGradientRowsSumToZero
+            | Property::BackwardHiddenKeys
+            | Property::BackwardFullyMaskedRows
+            | Property::GradOutScaling => 96,
             _ => 512,
         }
+    }
+
+    /// Whether the property checks the backward pass (and is skipped for an engine
+    /// without one).
+    ///
+    /// ```
+    /// use attn_oracle::Property;
+    /// assert!(Property::GradOutScaling.is_backward());
+    /// assert!(!Property::Equivalence.is_backward());
+    /// ```
+    pub fn is_backward(self) -> bool {
+        matches!(
+            self,
+            Property::BackwardEquivalence
+                | Property::BatchedBackwardEquivalence
+                | Property::ScoreGradientRowsSumToZero
+                | Property::BackwardHiddenKeys
+                | Property::BackwardFullyMaskedRows
+                | Property::GqaGradientsAreGroupSums
+                | Property::GradOutScaling
+                | Property::BackwardDeterminism
+        )
     }
 }
 

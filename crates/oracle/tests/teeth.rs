@@ -1,9 +1,14 @@
-//! The suite has teeth: a small streaming f32 engine passes every property, and each of
-//! the classic kernel bugs planted in it is caught by the properties that should catch
-//! it. Run with `--nocapture` to see each failure and its shrunk input.
+//! The suite has teeth: a small streaming f32 engine (forward and backward) passes every
+//! property, and each of the classic kernel bugs planted in it is caught by the properties
+//! that should catch it. Run with `--nocapture` to see each failure and its shrunk input.
 
-use attn_core::{HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_batch, validate_head};
-use attn_oracle::{Compute, Dtype, Engine, ErrorModel, Failure, Property, SuiteConfig};
+use attn_core::{
+    HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_batch, validate_batch_backward,
+    validate_head, validate_head_backward,
+};
+use attn_oracle::{
+    BatchGradients, Compute, Dtype, Engine, ErrorModel, Failure, Gradients, Property, SuiteConfig,
+};
 use faer::{Mat, MatRef};
 
 /// A bug planted in the toy engine.
@@ -22,6 +27,19 @@ enum Bug {
     ZeroTimesHiddenV,
     /// The exponentials are not shifted by the running maximum.
     NoMaxSubtraction,
+    /// Backward: `dS = P ∘ dP`, without the `− D` term.
+    MissingD,
+    /// Backward: dK computed from `dS` transposed (`dS_ji` for `dS_ij` where both exist).
+    TransposedDs,
+    /// Backward: dQ and dK not multiplied by the scale.
+    ForgottenScale,
+    /// Backward: `P` recomputed for every key, the causal, window, padding and boolean
+    /// masks skipped (the forward and its LSE are right).
+    MaskSkippedInRecompute,
+    /// Backward: the dK and dV of a GQA group summed per thread in scheduling order (head
+    /// `g` of the group into thread `g mod t`'s partial sum, partials then added), so
+    /// that the bits depend on the thread count.
+    GroupSumInThreadOrder,
 }
 
 /// Online softmax over key blocks of 4, in f32.
@@ -67,6 +85,9 @@ impl Toy {
         let visible = self.visible(options, n_q, n_k, key_len);
         let bias = |i: usize, j: usize| options.additive_mask.map_or(0.0, |m| m[(i, j)]);
         let score = |i: usize, j: usize| {
+            if bias(i, j) == f32::NEG_INFINITY {
+                return f32::NEG_INFINITY; // hidden: nothing about the key is computed
+            }
             let dot: f32 = (0..d_k).map(|t| q[(i, t)] * k[(j, t)]).sum();
             scale * dot + bias(i, j)
         };
@@ -160,6 +181,113 @@ impl Toy {
     }
 }
 
+impl Toy {
+    /// The backward pass, literally: `P` recomputed from the LSE key block by key block,
+    /// `D` from the stored output, `dS` materialised, then dQ and dK from it, in f32.
+    #[allow(clippy::too_many_arguments)]
+    fn head_backward(
+        &self,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+        grad_out: MatRef<'_, f32>,
+        out: MatRef<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+        key_len: Option<usize>,
+    ) -> Result<Gradients> {
+        let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
+        let scale = options.scale_for(d_k)?;
+        let visible = if self.0 == Bug::MaskSkippedInRecompute {
+            Mat::from_fn(n_q, n_k, |_, _| true)
+        } else {
+            self.visible(options, n_q, n_k, key_len)
+        };
+        let bias = |i: usize, j: usize| options.additive_mask.map_or(0.0, |m| m[(i, j)]);
+        let d: Vec<f32> = (0..n_q)
+            .map(|i| {
+                if self.0 == Bug::MissingD {
+                    0.0
+                } else {
+                    (0..d_v).map(|c| grad_out[(i, c)] * out[(i, c)]).sum()
+                }
+            })
+            .collect();
+        // dS_ij for the (i, j) computed; a hidden key is skipped, never multiplied by 0.
+        let mut ds = Mat::<f32>::zeros(n_q, n_k);
+        let mut seen = Mat::<bool>::from_fn(n_q, n_k, |_, _| false);
+        let mut dv = Mat::<f32>::zeros(n_k, d_v);
+        for i in 0..n_q {
+            if lse[i] == f32::NEG_INFINITY {
+                continue; // sees no key
+            }
+            for start in (0..n_k).step_by(BLOCK) {
+                for j in start..(start + BLOCK).min(n_k) {
+                    if !visible[(i, j)] || bias(i, j) == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let dot: f32 = (0..d_k).map(|t| q[(i, t)] * k[(j, t)]).sum();
+                    let p = (scale * dot + bias(i, j) - lse[i]).exp();
+                    for c in 0..d_v {
+                        dv[(j, c)] += p * grad_out[(i, c)];
+                    }
+                    let dp: f32 = (0..d_v).map(|c| grad_out[(i, c)] * v[(j, c)]).sum();
+                    ds[(i, j)] = p * (dp - d[i]);
+                    seen[(i, j)] = true;
+                }
+            }
+        }
+        let s = if self.0 == Bug::ForgottenScale {
+            1.0
+        } else {
+            scale
+        };
+        let mut dq = Mat::<f32>::zeros(n_q, d_k);
+        let mut dk = Mat::<f32>::zeros(n_k, d_k);
+        for i in 0..n_q {
+            for j in (0..n_k).filter(|&j| seen[(i, j)]) {
+                let ds_k = if self.0 == Bug::TransposedDs {
+                    if j < n_q && i < n_k { ds[(j, i)] } else { 0.0 }
+                } else {
+                    ds[(i, j)]
+                };
+                for c in 0..d_k {
+                    dq[(i, c)] += s * ds[(i, j)] * k[(j, c)];
+                    dk[(j, c)] += s * ds_k * q[(i, c)];
+                }
+            }
+        }
+        Ok(Gradients::new(dq, dk, dv))
+    }
+
+    /// The sum over a group's heads of their dK (or dV), in head order, or, with
+    /// [`Bug::GroupSumInThreadOrder`], per thread of the current rayon pool.
+    fn group_sum(&self, parts: &[&Mat<f32>]) -> Mat<f32> {
+        let (rows, cols) = (parts[0].nrows(), parts[0].ncols());
+        let add = |acc: &mut Mat<f32>, m: &Mat<f32>| {
+            for j in 0..rows {
+                for c in 0..cols {
+                    acc[(j, c)] += m[(j, c)];
+                }
+            }
+        };
+        let threads = if self.0 == Bug::GroupSumInThreadOrder {
+            rayon::current_num_threads().max(1)
+        } else {
+            1
+        };
+        let mut partials = vec![Mat::<f32>::zeros(rows, cols); threads];
+        for (g, m) in parts.iter().enumerate() {
+            add(&mut partials[g % threads], m);
+        }
+        let mut sum = Mat::<f32>::zeros(rows, cols);
+        for p in &partials {
+            add(&mut sum, p);
+        }
+        sum
+    }
+}
+
 impl Engine for Toy {
     fn name(&self) -> String {
         format!("toy-{:?}", self.0)
@@ -215,14 +343,102 @@ impl Engine for Toy {
         }
         Ok(out)
     }
+
+    fn attention_backward(
+        &self,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+        grad_out: MatRef<'_, f32>,
+        out: MatRef<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+    ) -> Option<Result<Gradients>> {
+        let run = || {
+            validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
+            self.head_backward(q, k, v, grad_out, out, lse, options, options.key_length(0))
+        };
+        Some(run())
+    }
+
+    fn attention_backward_batched(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        grad_out: Tensor4Ref<'_, f32>,
+        out: Tensor4Ref<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+    ) -> Option<Result<BatchGradients>> {
+        let run = || {
+            let (shape, _) = validate_batch_backward(q, k, v, grad_out, out, lse.len(), options)?;
+            let (n_q, n_k) = (shape.head.n_q, shape.head.n_k);
+            let (d_k, d_v) = (shape.head.d_k, shape.head.d_v);
+            let mut dq = Tensor4::zeros([shape.batch, shape.h_q, n_q, d_k]);
+            let mut dk = Tensor4::zeros([shape.batch, shape.h_kv, n_k, d_k]);
+            let mut dv = Tensor4::zeros([shape.batch, shape.h_kv, n_k, d_v]);
+            for b in 0..shape.batch {
+                let mut heads = Vec::with_capacity(shape.h_q);
+                for h in 0..shape.h_q {
+                    let kv = shape.kv_head(h);
+                    let at = (b * shape.h_q + h) * n_q;
+                    let g = self.head_backward(
+                        q.head(b, h)?,
+                        k.head(b, kv)?,
+                        v.head(b, kv)?,
+                        grad_out.head(b, h)?,
+                        out.head(b, h)?,
+                        &lse[at..at + n_q],
+                        options,
+                        options.key_length(b),
+                    )?;
+                    dq.as_mut().head_mut(b, h)?.copy_from(&g.dq);
+                    heads.push(g);
+                }
+                for kv in 0..shape.h_kv {
+                    let group: Vec<&Gradients> = (0..shape.h_q)
+                        .filter(|&h| shape.kv_head(h) == kv)
+                        .map(|h| &heads[h])
+                        .collect();
+                    let sk = self.group_sum(&group.iter().map(|g| &g.dk).collect::<Vec<_>>());
+                    let sv = self.group_sum(&group.iter().map(|g| &g.dv).collect::<Vec<_>>());
+                    dk.as_mut().head_mut(b, kv)?.copy_from(&sk);
+                    dv.as_mut().head_mut(b, kv)?.copy_from(&sv);
+                }
+            }
+            Ok(BatchGradients::new(dq, dk, dv))
+        };
+        Some(run())
+    }
 }
 
-/// Every property against the toy with `bug`; returns the failures.
+impl Bug {
+    /// Whether the bug is in the backward pass (the forward is then right).
+    fn in_backward(self) -> bool {
+        matches!(
+            self,
+            Bug::MissingD
+                | Bug::TransposedDs
+                | Bug::ForgottenScale
+                | Bug::MaskSkippedInRecompute
+                | Bug::GroupSumInThreadOrder
+        )
+    }
+}
+
+/// The properties against the toy with `bug` (96 cases each, 48 for the backward ones,
+/// whose f64 reference is costlier; a forward bug is run against the forward properties
+/// only); returns the failures.
 fn failures(bug: Bug) -> Vec<Failure> {
-    let config = SuiteConfig::quick(96);
+    let (forward, backward) = (SuiteConfig::quick(96), SuiteConfig::quick(48));
     Property::ALL
         .iter()
-        .filter_map(|&p| attn_oracle::check_property(&Toy(bug), p, &config).err())
+        .filter(|p| bug == Bug::None || bug.in_backward() || !p.is_backward())
+        .filter_map(|&p| {
+            let config = if p.is_backward() { &backward } else { &forward };
+            attn_oracle::check_property(&Toy(bug), p, config).err()
+        })
         .collect()
 }
 
@@ -295,4 +511,51 @@ fn missing_max_subtraction_is_caught() {
         Bug::NoMaxSubtraction,
         &[Property::Adversarial, Property::RowShift],
     );
+}
+
+#[test]
+fn missing_d_term_is_caught() {
+    caught_by(
+        Bug::MissingD,
+        &[
+            Property::BackwardEquivalence,
+            Property::BatchedBackwardEquivalence,
+            Property::ScoreGradientRowsSumToZero,
+        ],
+    );
+}
+
+#[test]
+fn transposed_score_gradient_is_caught() {
+    caught_by(
+        Bug::TransposedDs,
+        &[
+            Property::BackwardEquivalence,
+            Property::BatchedBackwardEquivalence,
+        ],
+    );
+}
+
+#[test]
+fn forgotten_scale_in_the_backward_is_caught() {
+    caught_by(
+        Bug::ForgottenScale,
+        &[
+            Property::BackwardEquivalence,
+            Property::BatchedBackwardEquivalence,
+        ],
+    );
+}
+
+#[test]
+fn mask_skipped_in_the_recompute_is_caught() {
+    caught_by(
+        Bug::MaskSkippedInRecompute,
+        &[Property::BackwardEquivalence, Property::BackwardHiddenKeys],
+    );
+}
+
+#[test]
+fn group_sum_in_thread_order_is_caught() {
+    caught_by(Bug::GroupSumInThreadOrder, &[Property::BackwardDeterminism]);
 }

@@ -18,14 +18,16 @@ fn probabilities_body<const FMA: bool>(
     for j in 0..cols {
         let col = &mut s[j * ld..j * ld + rows];
         for (x, &l) in col.iter_mut().zip(&lse2[..rows]) {
-            // +inf saturates as in the forward; -inf (hidden) stays and gives 0. A score
-            // cannot exceed its row's LSE: capping at 0 keeps P ≤ 1 where rounding (or an
-            // LSE from elsewhere) says otherwise. NaN passes both tests and stays NaN.
+            // +inf saturates as in the forward. A score cannot exceed its row's LSE:
+            // capping at 0 keeps P ≤ 1 where rounding (or an LSE from elsewhere) says
+            // otherwise. NaN passes both tests and stays NaN.
+            let hidden = *x == f32::NEG_INFINITY;
             let s = if *x > f32::MAX { f32::MAX } else { *x };
             let t = s - l;
             let p = exp2_approx::<FMA>(if t > 0.0 { 0.0 } else { t });
-            // A row that sees no key (LSE -inf) has P = 0, not 2^(s + inf).
-            *x = if l == f32::NEG_INFINITY { 0.0 } else { p };
+            // A hidden key has P = 0 whatever the LSE (a NaN row's LSE is NaN), and so has
+            // every key of a row that sees none (LSE -inf), not 2^(s + inf).
+            *x = if hidden || l == f32::NEG_INFINITY { 0.0 } else { p };
         }
     }
 }
@@ -77,6 +79,10 @@ mod tests {
         let mut nan = [f32::NAN];
         probabilities(&mut nan, 1, 1, 1, &[0.0]);
         assert!(nan[0].is_nan());
+        // A NaN row (its LSE NaN) still gives its hidden keys weight 0.
+        let mut row = [1.0, f32::NEG_INFINITY];
+        probabilities(&mut row, 1, 1, 2, &[f32::NAN]);
+        assert!(row[0].is_nan() && row[1] == 0.0);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use core::ops::Range;
 
 use attn_core::{Options, Result, Tensor4, Tensor4Ref, validate_head};
 use attn_optimized::{Element, KEY_TILE, PartialState, QUERY_TILE, SPLIT_KEYS};
-use attn_oracle::{Compute, Dtype, Engine, ErrorModel, MergePlan};
+use attn_oracle::{BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan};
 use faer::{Mat, MatRef};
 
 /// `attn-optimized` with storage type `T` (`f32`, `half::f16` or `half::bf16`): inputs
@@ -158,6 +158,77 @@ impl<T: Element> Engine for OptimizedEngine<T> {
                 },
             )?;
             Ok(state.into_parts())
+        };
+        Some(run())
+    }
+
+    fn attention_backward(
+        &self,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+        grad_out: MatRef<'_, f32>,
+        out: MatRef<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+    ) -> Option<Result<Gradients>> {
+        // Operands in T; the gradients are written in f32 by the `_into` form (T's own
+        // rounding is checked by the engine's tests: half gradients are the f32 ones
+        // rounded once).
+        let run = || -> Result<Gradients> {
+            let t = |m: MatRef<'_, f32>| narrow::<T>(m);
+            let (qt, kt, vt, dot, ot) = (t(q), t(k), t(v), t(grad_out), t(out));
+            let mut dq = Mat::<f32>::zeros(q.nrows(), q.ncols());
+            let mut dk = Mat::<f32>::zeros(k.nrows(), k.ncols());
+            let mut dv = Mat::<f32>::zeros(v.nrows(), v.ncols());
+            attn_optimized::attention_backward_into(
+                dq.as_mut(),
+                dk.as_mut(),
+                dv.as_mut(),
+                dot.as_ref(),
+                qt.as_ref(),
+                kt.as_ref(),
+                vt.as_ref(),
+                ot.as_ref(),
+                lse,
+                options,
+            )?;
+            Ok(Gradients::new(dq, dk, dv))
+        };
+        Some(run())
+    }
+
+    fn attention_backward_batched(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        grad_out: Tensor4Ref<'_, f32>,
+        out: Tensor4Ref<'_, f32>,
+        lse: &[f32],
+        options: &Options<'_>,
+    ) -> Option<Result<BatchGradients>> {
+        let run = || -> Result<BatchGradients> {
+            let data = [q, k, v, grad_out, out].map(narrow_tensor::<T>);
+            let [qd, kd, vd, dod, od] = data;
+            let (qd, kd, vd, dod, od) = (qd?, kd?, vd?, dod?, od?);
+            fn view<'a, T>(d: &'a [T], t: Tensor4Ref<'_, f32>) -> Result<Tensor4Ref<'a, T>> {
+                Tensor4Ref::new(d, t.dims(), t.strides())
+            }
+            let g = attn_optimized::attention_backward_batched(
+                view(&dod, grad_out)?,
+                view(&qd, q)?,
+                view(&kd, k)?,
+                view(&vd, v)?,
+                view(&od, out)?,
+                lse,
+                options,
+            )?;
+            let wide = |t: Tensor4<T>| {
+                let dims = t.dims();
+                Tensor4::from_vec(t.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)
+            };
+            Ok(BatchGradients::new(wide(g.dq)?, wide(g.dk)?, wide(g.dv)?))
         };
         Some(run())
     }

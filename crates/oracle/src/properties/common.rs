@@ -1,15 +1,20 @@
 //! What every property module uses: the check result, the shapes an engine is tested on,
-//! the reference and its bound for one head, and the comparison of a head with them.
+//! the reference and its bound for one head, the comparison of a head with them, the
+//! cases whose rows see no key, and the thread pools of the thread-count properties.
 
-use attn_core::Options;
+use std::sync::OnceLock;
+
+use attn_core::{Causal, Options, SlidingWindow};
 use attn_reference::Materialized;
 use faer::{Mat, MatRef};
+use proptest::prelude::*;
+use proptest::sample::select;
 use proptest::test_runner::TestCaseError;
 
-use crate::Engine;
 use crate::bound::{HeadBound, head_bound_merged};
-use crate::case::{HeadCase, HeadInputs, Shapes};
+use crate::case::{AdditiveRecipe, Bias, BoolRecipe, HeadCase, HeadInputs, Shapes, head_case};
 use crate::suite::record_tightness;
+use crate::{Dtype, Engine};
 
 pub(crate) type Check = Result<(), TestCaseError>;
 
@@ -189,4 +194,117 @@ pub(crate) fn equivalent(
 /// (properties 5 and 9, on different cases).
 pub(crate) fn matches_reference(engine: &dyn Engine, case: &HeadCase, what: &str) -> Check {
     equivalent(engine, &case.build(engine.storage()), what).map(|_| ())
+}
+
+// ---------------------------------------------------------------------------------------
+// Rows with no visible key (the forward's and the backward's property 3).
+
+/// How a case is forced to have rows with no visible key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowHider {
+    /// `n_k = 0`.
+    NoKeys,
+    /// Key padding to length 0.
+    KeyLengthZero,
+    /// Bottom-right causal with more queries than keys: the first `n_q − n_k` rows see
+    /// nothing.
+    BottomRightShort,
+    /// A window `(0, 0)` aligned bottom-right with more queries than keys: the first
+    /// `n_q − n_k` rows are aligned before the first key.
+    WindowPastTheKeys,
+    /// Row 0 (and some others) hidden by the boolean mask.
+    BoolRows,
+    /// Row 0 (and some others) `-inf` everywhere in the additive mask.
+    AdditiveRows,
+}
+
+pub(crate) fn masked_rows_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, RowHider)> {
+    (
+        head_case(shapes),
+        select(vec![
+            RowHider::NoKeys,
+            RowHider::KeyLengthZero,
+            RowHider::BottomRightShort,
+            RowHider::WindowPastTheKeys,
+            RowHider::BoolRows,
+            RowHider::AdditiveRows,
+        ]),
+    )
+        .prop_map(|(mut c, h)| {
+            c.n_q = c.n_q.max(1);
+            match h {
+                RowHider::NoKeys => c.n_k = 0,
+                RowHider::KeyLengthZero => c.masks.key_len_permille = Some(0),
+                RowHider::BottomRightShort => {
+                    c.n_q = c.n_q.max(c.n_k + 1);
+                    c.masks.causal = Some(Causal::BottomRight);
+                }
+                RowHider::WindowPastTheKeys => {
+                    c.n_q = c.n_q.max(c.n_k + 1);
+                    c.masks.window =
+                        Some(SlidingWindow::new(Some(0), Some(0), Causal::BottomRight));
+                }
+                RowHider::BoolRows => {
+                    let mut b = c.masks.bool_mask.unwrap_or(BoolRecipe {
+                        allow: true,
+                        visible_percent: 70,
+                        hidden_rows_percent: 0,
+                    });
+                    b.hidden_rows_percent = b.hidden_rows_percent.max(30);
+                    c.masks.bool_mask = Some(b);
+                }
+                RowHider::AdditiveRows => {
+                    let mut a = c.masks.additive.unwrap_or(AdditiveRecipe {
+                        bias: Bias::Small,
+                        neg_inf_percent: 0,
+                        hidden_rows_percent: 0,
+                    });
+                    a.hidden_rows_percent = a.hidden_rows_percent.max(30);
+                    c.masks.additive = Some(a);
+                }
+            }
+            (c, h)
+        })
+        .boxed()
+}
+
+/// Builds a [`masked_rows_case`] for `dtype`, with row 0 hidden by the element-wise masks
+/// that were asked to hide rows (the recipe's percentages may have missed it).
+pub(crate) fn masked_rows_inputs(case: &HeadCase, hider: RowHider, dtype: Dtype) -> HeadInputs {
+    let mut inputs = case.build(dtype);
+    let n_k = inputs.k.nrows();
+    match hider {
+        RowHider::BoolRows => {
+            if let Some((allow, m)) = inputs.masks.bool_mask.as_mut() {
+                for j in 0..n_k {
+                    m[(0, j)] = !*allow;
+                }
+            }
+        }
+        RowHider::AdditiveRows => {
+            if let Some(m) = inputs.masks.additive.as_mut() {
+                for j in 0..n_k {
+                    m[(0, j)] = f32::NEG_INFINITY;
+                }
+            }
+        }
+        _ => {}
+    }
+    inputs
+}
+
+// ---------------------------------------------------------------------------------------
+// Thread counts (the forward's and the backward's property 8).
+
+/// Rayon pools of 1, 2 and 3 threads, built once.
+pub(crate) fn pools() -> &'static [rayon::ThreadPool; 3] {
+    static POOLS: OnceLock<[rayon::ThreadPool; 3]> = OnceLock::new();
+    POOLS.get_or_init(|| {
+        [1, 2, 3].map(|t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .expect("a thread pool")
+        })
+    })
 }

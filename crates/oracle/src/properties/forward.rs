@@ -2,8 +2,6 @@
 //! with the reference (5), the invariances (6), partial states and their merge (7), and
 //! determinism across thread counts (8). The √d_k statistics (4) are in [`crate::stats`].
 
-use std::sync::OnceLock;
-
 use attn_core::{HeadMask, KeyPadding, Options, Tensor4};
 use attn_reference::Materialized;
 use faer::{Mat, MatRef};
@@ -13,7 +11,7 @@ use proptest::test_runner::TestCaseError;
 
 use super::common::{
     Check, all_rows, batch_shapes, bound, compare_head, engine_err, equivalent, fail,
-    matches_reference, reference, run_head, scale_of, views,
+    matches_reference, pools, reference, run_head, scale_of, views,
 };
 use crate::bound::{HeadBound, head_bound_merged};
 use crate::case::{
@@ -650,18 +648,6 @@ pub(crate) fn split_keys(engine: &dyn Engine, (case, cut_points): SplitCase) -> 
 
 // ---------------------------------------------------------------------------------------
 // 8: determinism.
-
-fn pools() -> &'static [rayon::ThreadPool; 3] {
-    static POOLS: OnceLock<[rayon::ThreadPool; 3]> = OnceLock::new();
-    POOLS.get_or_init(|| {
-        [1, 2, 3].map(|t| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(t)
-                .build()
-                .expect("a thread pool")
-        })
-    })
-}
 
 /// Larger shapes than the other properties (the engine alone runs them): lengths up to
 /// twice the largest tile, plus a batched case.

@@ -8,19 +8,19 @@
 //! - `forward`: the forward pass on ordinary inputs (weights, equivalence, invariances,
 //!   partial states, determinism);
 //! - `robustness`: the forward pass at the edges of its input (non-finite values in hidden
-//!   rows, rows that see nothing, adversarial magnitudes, malformed calls).
-//!
-//! The properties of the backward pass ([`Engine::attention_backward`] and
-//! [`Engine::attention_backward_batched`], issue 14) will go in a `backward` module beside
-//! them, dispatched from here like the others and skipped for engines whose backward
-//! methods return `None`, as the merge properties are without `attention_split`.
+//!   rows, rows that see nothing, adversarial magnitudes, malformed calls);
+//! - `backward`: the backward pass ([`Engine::attention_backward`] and
+//!   [`Engine::attention_backward_batched`], issue 14), skipped for engines whose backward
+//!   methods return `None`, as the merge properties are without `attention_split`.
 
+mod backward;
 mod common;
 mod forward;
 mod robustness;
 
-pub use common::compare_head;
-pub use robustness::{Defect, RowHider};
+pub use backward::{BatchGradCase, GradCase, KeyHider};
+pub use common::{RowHider, compare_head};
+pub use robustness::Defect;
 
 use crate::case::{adversarial_case, batch_case, head_case};
 use crate::suite::{Failure, Property, SuiteConfig, run};
@@ -39,6 +39,9 @@ pub fn check_property(
     config: &SuiteConfig,
 ) -> Result<(), Failure> {
     let shapes = shapes(engine);
+    if property.is_backward() {
+        return check_backward(engine, property, config);
+    }
     match property {
         Property::RowsSumToOne => run(
             engine,
@@ -65,7 +68,7 @@ pub fn check_property(
             engine,
             property,
             config,
-            robustness::masked_rows_case(&shapes),
+            common::masked_rows_case(&shapes),
             robustness::fully_masked_rows,
         ),
         Property::EntropyCollapse => stats::entropy_collapse(engine).map_err(|message| Failure {
@@ -158,6 +161,95 @@ pub fn check_property(
             robustness::malformed_case(),
             robustness::malformed_input,
         ),
+        _ => unreachable!("backward properties are dispatched by check_backward"),
+    }
+}
+
+/// The backward properties: skipped (with a note) for an engine without the backward
+/// pass they need.
+fn check_backward(
+    engine: &dyn Engine,
+    property: Property,
+    config: &SuiteConfig,
+) -> Result<(), Failure> {
+    let batched_only = matches!(
+        property,
+        Property::BatchedBackwardEquivalence | Property::GqaGradientsAreGroupSums
+    );
+    let supported = if batched_only {
+        backward::supports_backward_batched(engine)
+    } else {
+        backward::supports_backward(engine)
+    };
+    if !supported {
+        eprintln!(
+            "attn-oracle: engine `{}` has no {}backward pass; `{}` skipped",
+            engine.name(),
+            if batched_only { "batched " } else { "" },
+            property.name()
+        );
+        return Ok(());
+    }
+    let shapes = backward::backward_shapes(engine);
+    let batch_shapes = backward::backward_batch_shapes(&shapes);
+    match property {
+        Property::BackwardEquivalence => run(
+            engine,
+            property,
+            config,
+            backward::grad_case(&shapes),
+            backward::equivalence,
+        ),
+        Property::BatchedBackwardEquivalence => run(
+            engine,
+            property,
+            config,
+            backward::batch_grad_case(&batch_shapes, 1..=3),
+            backward::batched_equivalence,
+        ),
+        Property::ScoreGradientRowsSumToZero => run(
+            engine,
+            property,
+            config,
+            backward::grad_case(&shapes),
+            backward::score_gradient_rows_sum_to_zero,
+        ),
+        Property::BackwardHiddenKeys => run(
+            engine,
+            property,
+            config,
+            backward::hidden_key_case(&shapes),
+            backward::hidden_keys,
+        ),
+        Property::BackwardFullyMaskedRows => run(
+            engine,
+            property,
+            config,
+            backward::masked_rows_grad_case(&shapes),
+            backward::fully_masked_rows,
+        ),
+        Property::GqaGradientsAreGroupSums => run(
+            engine,
+            property,
+            config,
+            backward::batch_grad_case(&batch_shapes, 2..=4),
+            backward::gqa_sums,
+        ),
+        Property::GradOutScaling => run(
+            engine,
+            property,
+            config,
+            backward::grad_scaling_case(&shapes),
+            backward::grad_out_scaling,
+        ),
+        Property::BackwardDeterminism => run(
+            engine,
+            property,
+            config,
+            backward::determinism_case(&shapes),
+            backward::determinism,
+        ),
+        _ => unreachable!("forward properties are dispatched by check_property"),
     }
 }
 

@@ -2,17 +2,17 @@
 //! rows a query cannot see (2), rows that see no key at all (3), adversarial magnitudes
 //! (9), and malformed calls, which must be the reference's error and never a panic.
 
-use attn_core::{BoolMask, Causal, HeadMask, Options, SlidingWindow, Tensor4Ref};
+use attn_core::{BoolMask, HeadMask, Options, Tensor4Ref};
 use faer::Mat;
 use proptest::prelude::*;
 use proptest::sample::select;
 
 use super::common::{
-    Check, bound, compare_head, engine_err, equivalent, fail, matches_reference, reference,
-    run_head,
+    Check, RowHider, bound, compare_head, engine_err, equivalent, fail, masked_rows_inputs,
+    matches_reference, reference, run_head,
 };
 use crate::Engine;
-use crate::case::{AdditiveRecipe, Bias, BoolRecipe, HeadCase, Rng, Shapes, head_case};
+use crate::case::{HeadCase, Rng, Shapes, head_case};
 
 // ---------------------------------------------------------------------------------------
 // 2: poisoned hidden keys.
@@ -75,96 +75,9 @@ pub(crate) fn hidden_keys_never_leak(
 // ---------------------------------------------------------------------------------------
 // 3: fully masked rows.
 
-/// How a case is forced to have rows with no visible key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RowHider {
-    /// `n_k = 0`.
-    NoKeys,
-    /// Key padding to length 0.
-    KeyLengthZero,
-    /// Bottom-right causal with more queries than keys: the first `n_q − n_k` rows see
-    /// nothing.
-    BottomRightShort,
-    /// A window `(0, 0)` aligned bottom-right with more queries than keys: the first
-    /// `n_q − n_k` rows are aligned before the first key.
-    WindowPastTheKeys,
-    /// Row 0 (and some others) hidden by the boolean mask.
-    BoolRows,
-    /// Row 0 (and some others) `-inf` everywhere in the additive mask.
-    AdditiveRows,
-}
-
-pub(crate) fn masked_rows_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, RowHider)> {
-    (
-        head_case(shapes),
-        select(vec![
-            RowHider::NoKeys,
-            RowHider::KeyLengthZero,
-            RowHider::BottomRightShort,
-            RowHider::WindowPastTheKeys,
-            RowHider::BoolRows,
-            RowHider::AdditiveRows,
-        ]),
-    )
-        .prop_map(|(mut c, h)| {
-            c.n_q = c.n_q.max(1);
-            match h {
-                RowHider::NoKeys => c.n_k = 0,
-                RowHider::KeyLengthZero => c.masks.key_len_permille = Some(0),
-                RowHider::BottomRightShort => {
-                    c.n_q = c.n_q.max(c.n_k + 1);
-                    c.masks.causal = Some(Causal::BottomRight);
-                }
-                RowHider::WindowPastTheKeys => {
-                    c.n_q = c.n_q.max(c.n_k + 1);
-                    c.masks.window =
-                        Some(SlidingWindow::new(Some(0), Some(0), Causal::BottomRight));
-                }
-                RowHider::BoolRows => {
-                    let mut b = c.masks.bool_mask.unwrap_or(BoolRecipe {
-                        allow: true,
-                        visible_percent: 70,
-                        hidden_rows_percent: 0,
-                    });
-                    b.hidden_rows_percent = b.hidden_rows_percent.max(30);
-                    c.masks.bool_mask = Some(b);
-                }
-                RowHider::AdditiveRows => {
-                    let mut a = c.masks.additive.unwrap_or(AdditiveRecipe {
-                        bias: Bias::Small,
-                        neg_inf_percent: 0,
-                        hidden_rows_percent: 0,
-                    });
-                    a.hidden_rows_percent = a.hidden_rows_percent.max(30);
-                    c.masks.additive = Some(a);
-                }
-            }
-            (c, h)
-        })
-        .boxed()
-}
-
 pub(crate) fn fully_masked_rows(engine: &dyn Engine, (case, hider): (HeadCase, RowHider)) -> Check {
-    let mut inputs = case.build(engine.storage());
+    let inputs = masked_rows_inputs(&case, hider, engine.storage());
     let n_k = inputs.k.nrows();
-    // Make sure row 0 is hidden by the element-wise masks that were asked to hide rows.
-    match hider {
-        RowHider::BoolRows => {
-            if let Some((allow, m)) = inputs.masks.bool_mask.as_mut() {
-                for j in 0..n_k {
-                    m[(0, j)] = !*allow;
-                }
-            }
-        }
-        RowHider::AdditiveRows => {
-            if let Some(m) = inputs.masks.additive.as_mut() {
-                for j in 0..n_k {
-                    m[(0, j)] = f32::NEG_INFINITY;
-                }
-            }
-        }
-        _ => {}
-    }
     let (o, lse, r, _) = equivalent(engine, &inputs, "fully masked rows")?;
     if r.lse[0] != f64::NEG_INFINITY {
         return Err(fail(format!(
