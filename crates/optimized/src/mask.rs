@@ -44,9 +44,10 @@ pub(crate) fn key_blocks<'a, T>(
 /// Masks a column-major score tile (leading dimension `br`) of query rows `rows` and keys
 /// `cols`. When the block straddles a structural boundary (`coverage` is `Partial`), the
 /// keys outside each row's range are hidden (`-inf`) and only the visible ones see the
-/// element-wise masks: a structurally hidden key is hidden whatever its bias says. The
-/// element-wise masks saturate the scores they touch ([`saturate`]); the softmax pass
-/// saturates overflowed scores of the other blocks.
+/// element-wise masks: a structurally hidden key is hidden whatever its bias says. Every
+/// visible score of a masked block is saturated ([`saturate`]) before any key is hidden,
+/// so `-inf` there means hidden; the softmax pass saturates overflowed scores of the
+/// blocks with nothing hidden.
 pub(crate) fn mask_tile<T>(
     s: &mut [f32],
     br: usize,
@@ -55,6 +56,15 @@ pub(crate) fn mask_tile<T>(
     coverage: TileCoverage,
 ) {
     if coverage == TileCoverage::Partial {
+        if !head.mask.has_elementwise() {
+            // Saturate first, then hide: a visible score that overflowed to -inf must not
+            // pass for a hidden key in the softmax (the element-wise masks saturate the
+            // visible scores they touch themselves). Column by column, so it vectorises.
+            let nr = rows.len();
+            for col in s.chunks_mut(br).take(cols.len()) {
+                col[..nr].iter_mut().for_each(|x| *x = saturate(*x));
+            }
+        }
         for (i, row) in rows.enumerate() {
             let r = head.key_range(row);
             let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
@@ -127,6 +137,8 @@ pub(crate) fn mask_row<T>(
             *x = f32::NEG_INFINITY;
         } else if elementwise {
             mask_entry(x, head, row, j);
+        } else {
+            *x = saturate(*x); // visible: an overflow to -inf is not a hidden key
         }
     }
 }

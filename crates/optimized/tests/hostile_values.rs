@@ -259,6 +259,28 @@ fn visible_scores_beyond_f32_saturate() {
 }
 
 #[test]
+fn a_score_overflowing_below_in_a_masked_block_saturates_instead_of_hiding() {
+    // Causal: every block on the diagonal hides some keys. Every visible score overflows
+    // to -inf in f32: each row is the average of the values it sees (all saturated at the
+    // same -L), not an empty row — in the forward's GEMM and row tiles alike.
+    for (n_q, n_k) in [(6, 6), (1, 5), (130, 130), (3, 600)] {
+        let q = Mat::<f32>::from_fn(n_q, 4, |_, _| 1e30);
+        let k = Mat::<f32>::from_fn(n_k, 4, |_, _| -1e30);
+        let v = data(n_k, 4, 10);
+        let opts = Options::default().with_causal(Causal::BottomRight);
+        let off = n_k - n_q;
+        let (o, lse) = attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .expect("optimized");
+        let mean = Mat::<f32>::from_fn(n_q, 4, |i, c| {
+            let seen = i + off + 1;
+            (0..seen).map(|j| v[(j, c)]).sum::<f32>() / seen as f32
+        });
+        assert_close(&format!("n_q={n_q} n_k={n_k}"), o.as_ref(), mean.as_ref(), 1e-5);
+        assert!(lse.iter().all(|l| l.is_finite()), "{lse:?}");
+    }
+}
+
+#[test]
 fn a_minus_inf_bias_hides_a_non_finite_key_like_a_boolean_mask() {
     for (n_q, n_k) in [(9, 9), (1, 9), (1, 700), (130, 600)] {
         let q = data(n_q, 8, 11);
