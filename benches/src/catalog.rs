@@ -1,9 +1,11 @@
-//! The engines and element types the benchmarks know, and how far each engine is swept.
+//! The engines, element types and passes the benchmarks know, how far each engine is
+//! swept, and the FLOPs each pass is credited with.
 //!
 //! This module has no dependencies so that `xtask` can validate its command line and plan a
 //! sweep without compiling any engine. Whether an (engine, dtype) pair actually runs is
-//! decided in one place only, the dispatch in `runner::run_engine`: a pair it has no arm
-//! for is reported as unsupported, never timed.
+//! decided in one place per pass, the dispatches `runner::run_engine` (forward) and
+//! `runner::run_backward`: a pair they have no arm for is reported as unsupported, never
+//! timed.
 
 use std::fmt;
 
@@ -62,17 +64,20 @@ impl Engine {
         !matches!(self, Engine::Optimized)
     }
 
-    /// Bytes the engine keeps per score of one head, used to cap its sweep; 0 for a
-    /// streaming engine.
+    /// Bytes the engine keeps per score of one head in `pass`, used to cap its sweep; 0
+    /// for a streaming engine.
     ///
-    /// The reference holds, for every head of the call at once, the f64 products, scores
-    /// and weights (`3 × 8` bytes, plus slack for the f64 copies of its operands); the
-    /// baseline holds one f32 `n_k × n_q` matrix per head in flight.
-    fn bytes_per_score(self) -> usize {
-        match self {
-            Engine::Reference => 32,
-            Engine::Baseline => 4,
-            Engine::Optimized => 0,
+    /// The reference's forward holds, for every head of the call at once, the f64
+    /// products, scores and weights (`3 × 8` bytes, plus slack for the f64 copies of its
+    /// operands); its backward keeps every head's scores, weights, `dP` and `dS` (`4 × 8`)
+    /// plus the products of the head being computed. The baseline holds one f32
+    /// `n_k × n_q` matrix per head in flight (it has no backward pass).
+    fn bytes_per_score(self, pass: Pass) -> usize {
+        match (self, pass) {
+            (Engine::Reference, Pass::Forward) => 32,
+            (Engine::Reference, Pass::Backward) => 40,
+            (Engine::Baseline, _) => 4,
+            (Engine::Optimized, _) => 0,
         }
     }
 
@@ -88,30 +93,34 @@ impl Engine {
         }
     }
 
-    /// The largest `n` (a power of two, at most `max_n`) this engine is swept to, so that
-    /// a materialising engine's score matrices stay within [`SCORE_MEMORY_BUDGET`]; `None`
-    /// when even `min_n` does not fit. `n` is both the query and the key count of
-    /// [`Workload::SelfAttention`], the key count of [`Workload::Decode`].
+    /// The largest `n` (a power of two, at most `max_n`) this engine's `pass` is swept to,
+    /// so that a materialising engine's score matrices stay within
+    /// [`SCORE_MEMORY_BUDGET`]; `None` when even `min_n` does not fit. `n` is both the
+    /// query and the key count of [`Workload::SelfAttention`], the key count of
+    /// [`Workload::Decode`].
     ///
     /// ```
-    /// use attn_benches::catalog::{Engine, Workload::*};
+    /// use attn_benches::catalog::{Engine, Pass::*, Workload::*};
     /// // 8 heads of 1024² f64 scores fit the budget, 2048² do not.
-    /// assert_eq!(Engine::Reference.cap(SelfAttention, 256, 16384, 8, 2), Some(1024));
+    /// assert_eq!(Engine::Reference.cap(Forward, SelfAttention, 256, 16384, 8, 2), Some(1024));
+    /// // The reference's backward keeps more per score; 1024² still fits.
+    /// assert_eq!(Engine::Reference.cap(Backward, SelfAttention, 256, 16384, 8, 2), Some(1024));
     /// // Two heads in flight of 8192² f32 scores (512 MiB).
-    /// assert_eq!(Engine::Baseline.cap(SelfAttention, 256, 16384, 8, 2), Some(8192));
-    /// assert_eq!(Engine::Optimized.cap(SelfAttention, 256, 16384, 8, 2), Some(16384));
+    /// assert_eq!(Engine::Baseline.cap(Forward, SelfAttention, 256, 16384, 8, 2), Some(8192));
+    /// assert_eq!(Engine::Optimized.cap(Backward, SelfAttention, 256, 16384, 8, 2), Some(16384));
     /// // One query's scores are a single row.
-    /// assert_eq!(Engine::Reference.cap(Decode, 4096, 1 << 18, 8, 2), Some(1 << 18));
+    /// assert_eq!(Engine::Reference.cap(Forward, Decode, 4096, 1 << 18, 8, 2), Some(1 << 18));
     /// ```
     pub fn cap(
         self,
+        pass: Pass,
         workload: Workload,
         min_n: usize,
         max_n: usize,
         heads: usize,
         threads: usize,
     ) -> Option<usize> {
-        let per_score = self.bytes_per_score() * self.heads_in_flight(heads, threads).max(1);
+        let per_score = self.bytes_per_score(pass) * self.heads_in_flight(heads, threads).max(1);
         sweep(min_n, max_n).into_iter().rfind(|&n| {
             let scores = workload.queries(n).saturating_mul(n);
             scores.saturating_mul(per_score) <= SCORE_MEMORY_BUDGET
@@ -137,6 +146,66 @@ impl Workload {
             Workload::SelfAttention => n,
             Workload::Decode => 1,
         }
+    }
+}
+
+/// Which pass of attention a case times.
+///
+/// ```
+/// use attn_benches::catalog::Pass;
+/// assert_eq!(Pass::from_name("backward"), Some(Pass::Backward));
+/// assert_eq!(Pass::Forward.name(), "forward");
+/// assert_eq!(Pass::default(), Pass::Forward);
+/// ```
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Pass {
+    /// `O = softmax(scale·QKᵀ + M)·V` (and, for the reference, every intermediate).
+    #[default]
+    Forward,
+    /// The gradients `dQ`, `dK`, `dV` from the upstream gradient `dO`, the operands and
+    /// the forward's output and LSE (made before the measured call).
+    Backward,
+}
+
+impl Pass {
+    /// Every pass, in report order.
+    pub const ALL: [Pass; 2] = [Pass::Forward, Pass::Backward];
+
+    /// The report name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Forward => "forward",
+            Pass::Backward => "backward",
+        }
+    }
+
+    /// Parses a name of [`Pass::name`].
+    pub fn from_name(name: &str) -> Option<Pass> {
+        Pass::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// The useful FLOPs of this pass: [`attention_flops`] or [`backward_flops`].
+    ///
+    /// ```
+    /// use attn_benches::catalog::{attention_flops, Pass};
+    /// let f = attention_flops(2, 64, 64, 16, true);
+    /// assert_eq!(Pass::Forward.flops(2, 64, 64, 16, true), f);
+    /// assert_eq!(Pass::Backward.flops(2, 64, 64, 16, true), 2.5 * f);
+    /// ```
+    pub fn flops(self, heads: usize, n_q: usize, n_k: usize, d: usize, causal: bool) -> f64 {
+        match self {
+            Pass::Forward => attention_flops(heads, n_q, n_k, d, causal),
+            Pass::Backward => backward_flops(heads, n_q, n_k, d, causal),
+        }
+    }
+}
+
+impl fmt::Display for Pass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -246,6 +315,18 @@ pub fn attention_flops(heads: usize, n_q: usize, n_k: usize, d: usize, causal: b
         n_q as f64 * n_k as f64
     };
     heads as f64 * visible * 4.0 * d as f64
+}
+
+/// Floating-point operations of the backward pass of `heads` heads (`d_k = d_v = d`): the
+/// recompute of S, then dV, dP, dQ and dK, `2·(3·d_k + 2·d_v)` per visible (query, key)
+/// pair, 2.5 times the forward's [`attention_flops`].
+///
+/// ```
+/// use attn_benches::catalog::backward_flops;
+/// assert_eq!(backward_flops(1, 2, 2, 4, false), 4.0 * 2.0 * 5.0 * 4.0);
+/// ```
+pub fn backward_flops(heads: usize, n_q: usize, n_k: usize, d: usize, causal: bool) -> f64 {
+    attention_flops(heads, n_q, n_k, d, causal) * 2.5
 }
 
 /// Bytes of K and V that `heads` heads with `n_k` keys of width `d` hold: what one decoding

@@ -6,7 +6,7 @@
 //! - [`roof`]: the machine's limits, faer's f32 GEMM rate and the memory read bandwidth.
 //! - [`inputs`]: deterministic, seeded operands.
 //! - [`runner`]: one case of the report (memory of the first run, median of timed runs),
-//!   and the single dispatch from (engine, dtype) to code.
+//!   and the dispatch from (engine, dtype) to code, for the forward and the backward.
 //! - [`training`]: backward-pass inputs (the forward's output and LSE made once) and calls.
 //! - [`catalog`], [`protocol`]: the engine names and sweep caps, and the JSON spoken between
 //!   `xtask` and the release-built `attn-bench-runner` child. They need no engine, so

@@ -7,22 +7,29 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::catalog::{Dtype, Engine};
+use crate::catalog::{Dtype, Engine, Pass};
 
 /// One attention case to time: `heads` heads (batch 1) of `n_q` queries against `n_k`
-/// keys, widths `d_k = d_v = d`.
+/// keys, widths `d_k = d_v = d`, forward or backward.
 ///
 /// ```
-/// use attn_benches::catalog::{Dtype, Engine};
+/// use attn_benches::catalog::{Dtype, Engine, Pass};
 /// use attn_benches::protocol::CaseRequest;
 /// let req = CaseRequest::new(Engine::Baseline, Dtype::F32, 512, 64);
 /// let json = serde_json::to_string(&req).unwrap();
 /// assert_eq!(serde_json::from_str::<CaseRequest>(&json).unwrap(), req);
+/// // A request without a pass (from an older driver) is a forward case.
+/// let old = json.replace(r#""pass":"forward","#, "");
+/// assert_eq!(serde_json::from_str::<CaseRequest>(&old).unwrap().pass, Pass::Forward);
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CaseRequest {
     /// The engine to run.
     pub engine: Engine,
+    /// The forward pass, or the backward pass on inputs that already hold the forward's
+    /// output and LSE.
+    #[serde(default)]
+    pub pass: Pass,
     /// Storage type of Q, K, V and O.
     pub dtype: Dtype,
     /// Top-left causal mask (`Causal::TopLeft`) when true, no mask otherwise.
@@ -57,6 +64,7 @@ impl CaseRequest {
     pub fn new(engine: Engine, dtype: Dtype, n: usize, d: usize) -> Self {
         Self {
             engine,
+            pass: Pass::Forward,
             dtype,
             causal: false,
             heads: 1,
@@ -122,7 +130,8 @@ pub struct CaseReport {
     /// Resident bytes after the inputs were built, before the first run.
     pub rss_inputs_bytes: Option<u64>,
     /// Growth of the peak resident set over `rss_inputs_bytes` during the first run:
-    /// the memory the engine itself needed (scores, scratch, output).
+    /// the memory the engine itself needed (scores, scratch, output; for the backward
+    /// pass its intermediates and the gradients).
     pub peak_growth_bytes: Option<u64>,
     /// False when the kernel did not let the peak be reset after the inputs were built,
     /// so `peak_growth_bytes` is an upper bound rather than the run's own peak.

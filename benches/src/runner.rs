@@ -7,11 +7,12 @@ use std::time::Instant;
 use attn_core::{Causal, Error, Options};
 use half::{bf16, f16};
 
-use crate::catalog::{Dtype, Engine, attention_flops};
+use crate::catalog::{Dtype, Engine, Pass};
 use crate::inputs::Qkv;
 use crate::memory::{reset_peak, residency};
 use crate::protocol::{CaseReport, CaseRequest, RoofReport, RoofRequest, Status, median};
 use crate::roof::{GemmRoof, gemm_gflops, pool, read_bandwidth_gbs};
+use crate::training::Steps;
 
 /// Inputs of one case in the element type under test.
 ///
@@ -122,6 +123,73 @@ pub fn run_engine(engine: Engine, inputs: &Buffers, options: &Options<'_>) -> Re
     }
 }
 
+/// Runs `engine`'s backward pass once on `inputs` (operands, upstream gradient and the
+/// forward's output and LSE) in the current rayon pool and drops the gradients.
+///
+/// The backward counterpart of [`run_engine`], and like it the one place that says which
+/// engine has a backward pass in which element type.
+///
+/// ```
+/// use attn_benches::catalog::{Dtype, Engine};
+/// use attn_benches::runner::{run_backward, RunError};
+/// use attn_benches::training::Steps;
+/// use attn_core::Options;
+/// let opts = Options::default();
+/// let s = Steps::random(Dtype::Bf16, 1, 4, 4, 8, 0, &opts).unwrap();
+/// assert!(run_backward(Engine::Optimized, &s, &opts).is_ok());
+/// assert!(run_backward(Engine::Reference, &s, &opts).is_ok());
+/// assert!(matches!(run_backward(Engine::Baseline, &s, &opts), Err(RunError::Unsupported(_))));
+/// ```
+pub fn run_backward(engine: Engine, inputs: &Steps, options: &Options<'_>) -> Result<(), RunError> {
+    use Steps as S;
+    match (engine, inputs) {
+        // The reference widens every storage type to f64.
+        (Engine::Reference, S::F32(_) | S::F16(_) | S::Bf16(_)) => {
+            Ok(inputs.reference_backward(options)?)
+        }
+        (Engine::Optimized, S::F32(_) | S::F16(_) | S::Bf16(_)) => Ok(inputs.backward(options)?),
+        (Engine::Baseline, _) => Err(RunError::Unsupported(
+            "the hand-written baseline has no backward pass",
+        )),
+    }
+}
+
+/// The inputs of one case: operands for a forward case; operands, upstream gradient and
+/// the forward's results for a backward case.
+enum CaseInputs {
+    Forward(Buffers),
+    Backward(Steps),
+}
+
+impl CaseInputs {
+    /// Deterministic inputs of `request`'s pass and dtype with `heads` heads of `n_q`
+    /// queries and `n_k` keys (a backward case computes the optimized forward here, so
+    /// that its output and LSE exist before anything is measured).
+    fn random(
+        request: &CaseRequest,
+        [heads, n_q, n_k]: [usize; 3],
+        options: &Options<'_>,
+    ) -> Result<Self, Error> {
+        let r = request;
+        Ok(match r.pass {
+            Pass::Forward => {
+                CaseInputs::Forward(Buffers::random(r.dtype, heads, n_q, n_k, r.d, r.seed))
+            }
+            Pass::Backward => CaseInputs::Backward(Steps::random(
+                r.dtype, heads, n_q, n_k, r.d, r.seed, options,
+            )?),
+        })
+    }
+
+    /// One call of `engine` on these inputs.
+    fn run(&self, engine: Engine, options: &Options<'_>) -> Result<(), RunError> {
+        match self {
+            CaseInputs::Forward(x) => run_engine(engine, x, options),
+            CaseInputs::Backward(s) => run_backward(engine, s, options),
+        }
+    }
+}
+
 /// Keeps the output alive until here (so its allocation counts) and then drops it.
 fn keep<T>(result: Result<T, Error>) -> Result<(), RunError> {
     std::hint::black_box(result?);
@@ -138,20 +206,26 @@ pub fn case_options(causal: bool) -> Options<'static> {
     }
 }
 
-/// Runs one case in a pool of `request.threads` threads: builds the inputs, measures the
-/// first run's peak memory growth and time, then times up to `request.runs` more runs
-/// while they fit in `request.budget_s`, each right after a GEMM of the roof when
-/// `request.roof_gemm_n` is set. A first run longer than the budget ends the case as a
-/// timeout (with its time and memory in the report).
+/// Runs one case in a pool of `request.threads` threads: builds the inputs (for a
+/// backward case also the forward's output and LSE), measures the first run's peak memory
+/// growth and time, then times up to `request.runs` more runs while they fit in
+/// `request.budget_s`, each right after a GEMM of the roof when `request.roof_gemm_n` is
+/// set. A first run longer than the budget ends the case as a timeout (with its time and
+/// memory in the report).
 ///
 /// ```
-/// use attn_benches::catalog::{Dtype, Engine};
+/// use attn_benches::catalog::{Dtype, Engine, Pass};
 /// use attn_benches::protocol::{CaseRequest, Status};
-/// let report = attn_benches::runner::run_case(&CaseRequest::new(Engine::Baseline, Dtype::F32, 32, 8));
+/// use attn_benches::runner::run_case;
+/// let report = run_case(&CaseRequest::new(Engine::Baseline, Dtype::F32, 32, 8));
 /// assert_eq!(report.status, Status::Ok);
 /// assert_eq!(report.samples_s.len(), 5);
-/// let report = attn_benches::runner::run_case(&CaseRequest::new(Engine::Baseline, Dtype::Bf16, 32, 8));
+/// let report = run_case(&CaseRequest::new(Engine::Baseline, Dtype::Bf16, 32, 8));
 /// assert_eq!(report.status, Status::Unsupported);
+/// let backward = CaseRequest { pass: Pass::Backward, ..CaseRequest::new(Engine::Optimized, Dtype::F16, 32, 8) };
+/// assert_eq!(run_case(&backward).status, Status::Ok);
+/// let backward = CaseRequest { engine: Engine::Baseline, ..backward };
+/// assert_eq!(run_case(&backward).status, Status::Unsupported);
 /// ```
 pub fn run_case(request: &CaseRequest) -> CaseReport {
     let r = request;
@@ -159,8 +233,11 @@ pub fn run_case(request: &CaseRequest) -> CaseReport {
     pool(r.threads).install(|| {
         // A tiny call first: it tells whether the pair is supported before the real inputs
         // are built, and starts the pool's threads so their stacks are not counted below.
-        let probe = Buffers::random(r.dtype, 1, 2, 2, r.d, r.seed);
-        match run_engine(r.engine, &probe, &options) {
+        let probe = match CaseInputs::random(r, [1, 2, 2], &options) {
+            Ok(probe) => probe,
+            Err(e) => return CaseReport::without_timings(Status::Failed, e.to_string()),
+        };
+        match probe.run(r.engine, &options) {
             Ok(()) => {}
             Err(RunError::Unsupported(why)) => {
                 return CaseReport::without_timings(Status::Unsupported, why);
@@ -176,11 +253,16 @@ pub fn run_case(request: &CaseRequest) -> CaseReport {
             g
         });
 
-        let inputs = Buffers::random(r.dtype, r.heads, r.n_q, r.n_k, r.d, r.seed);
+        // Everything the call reads exists before the peak is reset: for a backward case
+        // that includes the upstream gradient and the forward's output and LSE.
+        let inputs = match CaseInputs::random(r, [r.heads, r.n_q, r.n_k], &options) {
+            Ok(inputs) => inputs,
+            Err(e) => return CaseReport::without_timings(Status::Failed, e.to_string()),
+        };
         let peak_exact = reset_peak();
         let before = residency();
         let start = Instant::now();
-        let first = run_engine(r.engine, &inputs, &options);
+        let first = inputs.run(r.engine, &options);
         let warmup_s = start.elapsed().as_secs_f64();
         let after = residency();
         if let Err(e) = first {
@@ -210,7 +292,7 @@ pub fn run_case(request: &CaseRequest) -> CaseReport {
         }
         // At least one timed run; then more while the next one (with its GEMM) is expected
         // to fit.
-        let flops = attention_flops(r.heads, r.n_q, r.n_k, r.d, r.causal);
+        let flops = r.pass.flops(r.heads, r.n_q, r.n_k, r.d, r.causal);
         let mut fractions = Vec::new();
         let mut spent = 0.0;
         while report.samples_s.len() < r.runs.max(1) {
@@ -224,7 +306,7 @@ pub fn run_case(request: &CaseRequest) -> CaseReport {
                 report.roof_gflops.push(g.flops() / roof_s / 1e9);
             }
             let start = Instant::now();
-            if let Err(e) = run_engine(r.engine, &inputs, &options) {
+            if let Err(e) = inputs.run(r.engine, &options) {
                 report.status = Status::Failed;
                 report.message = Some(e.to_string());
                 return report;

@@ -9,6 +9,8 @@ use half::{bf16, f16};
 use crate::catalog::Dtype;
 use crate::inputs::{Qkv, random_vec};
 
+pub use crate::catalog::backward_flops;
+
 /// One head set's operands, the upstream gradient and the forward's results, in `T`.
 #[derive(Debug, Clone)]
 pub struct Step<T> {
@@ -33,6 +35,28 @@ impl<T: Element> Step<T> {
     pub fn backward(&self, options: &Options<'_>) -> Result<(), Error> {
         let x = &self.x;
         let g = attn_optimized::attention_backward_batched(
+            self.d_out(),
+            x.q(),
+            x.k(),
+            x.v(),
+            self.out.as_ref(),
+            &self.lse,
+            options,
+        )?;
+        std::hint::black_box(g);
+        Ok(())
+    }
+
+    /// The reference's backward pass (f64, `S`, `P`, `dP` and `dS` of every head
+    /// materialised); the gradients are dropped. It checks `out` and the LSE like an
+    /// engine but recomputes its own exact forward, so the optimized forward's results
+    /// made with the inputs serve it as well.
+    pub fn reference_backward(&self, options: &Options<'_>) -> Result<(), Error>
+    where
+        T: attn_reference::Element + Default,
+    {
+        let x = &self.x;
+        let g = attn_reference::attention_backward_batched(
             self.d_out(),
             x.q(),
             x.k(),
@@ -72,6 +96,7 @@ impl<T: Element> Step<T> {
 /// use attn_core::Options;
 /// let s = Steps::random(Dtype::F16, 2, 16, 16, 8, 1, &Options::default()).unwrap();
 /// assert!(s.backward(&Options::default()).is_ok());
+/// assert!(s.reference_backward(&Options::default()).is_ok());
 /// ```
 #[derive(Debug, Clone)]
 pub enum Steps {
@@ -121,6 +146,15 @@ impl Steps {
         }
     }
 
+    /// [`Step::reference_backward`].
+    pub fn reference_backward(&self, options: &Options<'_>) -> Result<(), Error> {
+        match self {
+            Steps::F32(s) => s.reference_backward(options),
+            Steps::F16(s) => s.reference_backward(options),
+            Steps::Bf16(s) => s.reference_backward(options),
+        }
+    }
+
     /// [`Step::forward_backward`].
     pub fn forward_backward(&self, options: &Options<'_>) -> Result<(), Error> {
         match self {
@@ -129,16 +163,4 @@ impl Steps {
             Steps::Bf16(s) => s.forward_backward(options),
         }
     }
-}
-
-/// Floating-point operations of the backward pass of `heads` heads (`d_k = d_v = d`): the
-/// recompute of S, then dV, dP, dQ and dK, `2·(3·d_k + 2·d_v)` per visible (query, key)
-/// pair, 2.5 times the forward's [`crate::catalog::attention_flops`].
-///
-/// ```
-/// use attn_benches::training::backward_flops;
-/// assert_eq!(backward_flops(1, 2, 2, 4, false), 4.0 * 2.0 * 5.0 * 4.0);
-/// ```
-pub fn backward_flops(heads: usize, n_q: usize, n_k: usize, d: usize, causal: bool) -> f64 {
-    crate::catalog::attention_flops(heads, n_q, n_k, d, causal) * 2.5
 }

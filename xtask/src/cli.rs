@@ -80,6 +80,13 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with = "causal")]
     pub decode: bool,
 
+    /// Also sweep the backward pass (dQ, dK, dV from the upstream gradient, the operands
+    /// and the forward's output and LSE, made before the measured call) of every engine
+    /// that has one, in every swept dtype and with the same mask; reported in sections and
+    /// plots of its own, with its FLOPs counted as 2.5 × the forward's.
+    #[arg(long, conflicts_with = "decode")]
+    pub backward: bool,
+
     /// Storage types to sweep, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "f32", value_parser = dtype_parser())]
     pub dtype: Vec<Dtype>,
@@ -99,7 +106,7 @@ pub struct BenchArgs {
 
     /// CI smoke test: n ∈ {64, 128}, 1 head, d = 16, tiny roofs; fails unless every
     /// supported case runs and the whole report is written. Overrides the size flags
-    /// (combines with --causal, --decode, --dtype and --engines).
+    /// (combines with --causal, --decode, --backward, --dtype and --engines).
     #[arg(long, conflicts_with = "quick")]
     pub check: bool,
 
@@ -129,6 +136,8 @@ pub struct Settings {
     pub engines: Vec<Engine>,
     pub dtypes: Vec<Dtype>,
     pub workload: Workload,
+    /// Backward cases after the forward ones.
+    pub backward: bool,
     pub causal: bool,
     pub min_n: usize,
     pub max_n: usize,
@@ -167,6 +176,7 @@ impl BenchArgs {
             } else {
                 Workload::SelfAttention
             },
+            backward: self.backward,
             causal: self.causal,
             min_n: self
                 .min_n
@@ -265,6 +275,7 @@ mod tests {
             "bench --budget=-1",
             "bench --check --quick",
             "bench --decode --causal",
+            "bench --decode --backward",
         ] {
             let err = parse(args).expect_err(args);
             assert_eq!(err.exit_code(), 2, "{args}");
@@ -278,6 +289,16 @@ mod tests {
         assert_eq!(s.dtypes, vec![Dtype::F32]);
         assert_eq!((s.min_n, s.max_n, s.heads, s.d), (256, 16384, 8, 64));
         assert!(!s.causal);
+        assert!(!s.backward);
+    }
+
+    #[test]
+    fn backward_combines_with_check_and_causal() {
+        let s = parse("bench --check --backward --causal")
+            .unwrap()
+            .resolve();
+        assert_eq!((s.mode, s.backward, s.causal), ("check", true, true));
+        assert_eq!(s.workload, Workload::SelfAttention);
     }
 
     #[test]

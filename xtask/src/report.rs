@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use attn_benches::catalog::{Dtype, Engine, Workload};
+use attn_benches::catalog::{Dtype, Engine, Pass, Workload};
 use attn_benches::protocol::Status;
 use serde::{Deserialize, Serialize};
 
@@ -15,6 +15,10 @@ pub struct Record {
     /// Self-attention (`n_q = n_k`) or decoding (`n_q = 1`).
     pub workload: Workload,
     pub engine: Engine,
+    /// Forward or backward (reports written before `--backward` existed hold forward
+    /// cases only).
+    #[serde(default)]
+    pub pass: Pass,
     pub dtype: Dtype,
     pub causal: bool,
     pub heads: usize,
@@ -28,7 +32,8 @@ pub struct Record {
     pub samples_s: Vec<f64>,
     /// The first (warm-up) run, seconds; its peak memory is `peak_mib`.
     pub warmup_s: Option<f64>,
-    /// Useful FLOPs (`4·n_q·n_k·d` per head, causal counts the visible pairs) per second.
+    /// Useful FLOPs (`4·n_q·n_k·d` per head for the forward, 2.5 times that for the
+    /// backward; causal counts the visible pairs) per second.
     pub gflops: Option<f64>,
     /// Median GFLOP/s of the GEMMs timed right before each timed run of this case.
     pub roof_gflops: Option<f64>,
@@ -98,11 +103,13 @@ pub struct Roofs {
     pub bandwidth: Roof,
 }
 
-/// The fitted exponents of one engine and dtype.
+/// The fitted exponents of one engine, pass and dtype.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Fit {
     pub workload: Workload,
     pub engine: Engine,
+    #[serde(default)]
+    pub pass: Pass,
     pub dtype: Dtype,
     pub causal: bool,
     /// The sweep points the fit used (the upper half of the successful ones).
@@ -115,7 +122,8 @@ pub struct Fit {
     pub memory_coefficient: Option<f64>,
     /// 2 for self-attention (each of the n² scores is computed), 1 for decoding.
     pub expected_time_exponent: f64,
-    /// Self-attention: 2 for engines that keep `n × n` matrices, 1 for streaming ones.
+    /// Self-attention, either pass: 2 for engines that keep `n × n` matrices, 1 for
+    /// streaming ones.
     /// Decoding: 1 for materialising engines (a row of `n_k` scores per head); none for a
     /// streaming engine, whose growth over the inputs is its output plus fixed scratch.
     pub expected_memory_exponent: Option<f64>,
@@ -144,6 +152,9 @@ impl Fit {
 pub struct RunSettings {
     pub mode: String,
     pub workload: Workload,
+    /// Whether the backward pass was swept too.
+    #[serde(default)]
+    pub backward: bool,
     pub engines: Vec<Engine>,
     pub dtypes: Vec<Dtype>,
     pub causal: bool,
@@ -174,21 +185,22 @@ pub struct Report {
     pub fits: Vec<Fit>,
 }
 
-/// Fits every (engine, dtype) group of successful records.
+/// Fits every (pass, engine, dtype) group of successful records, in the order the groups
+/// first appear.
 pub fn fits(records: &[Record]) -> Vec<Fit> {
-    let mut groups: Vec<(Workload, Engine, Dtype, bool)> = records
-        .iter()
-        .map(|r| (r.workload, r.engine, r.dtype, r.causal))
-        .collect();
-    groups.dedup();
+    let key = |r: &Record| (r.workload, r.pass, r.engine, r.dtype, r.causal);
+    let mut groups: Vec<(Workload, Pass, Engine, Dtype, bool)> = Vec::new();
+    for r in records {
+        if !groups.contains(&key(r)) {
+            groups.push(key(r));
+        }
+    }
     groups
         .into_iter()
-        .filter_map(|(workload, engine, dtype, causal)| {
+        .filter_map(|(workload, pass, engine, dtype, causal)| {
             let mut ok: Vec<&Record> = records
                 .iter()
-                .filter(|r| {
-                    (r.workload, r.engine, r.dtype, r.causal) == (workload, engine, dtype, causal)
-                })
+                .filter(|r| key(r) == (workload, pass, engine, dtype, causal))
                 .filter(|r| r.status == Status::Ok && r.median_s.is_some())
                 .collect();
             if ok.is_empty() {
@@ -211,6 +223,7 @@ pub fn fits(records: &[Record]) -> Vec<Fit> {
             Some(Fit {
                 workload,
                 engine,
+                pass,
                 dtype,
                 causal,
                 n_used: used.iter().map(|r| r.n_k).collect(),
@@ -252,11 +265,11 @@ pub fn seconds(s: f64) -> String {
 
 /// The rows of the case table. Runs of unsupported cases of one engine collapse into one
 /// row spanning their n.
-fn case_rows(records: &[Record]) -> Vec<[String; 9]> {
+fn case_rows(records: &[&Record]) -> Vec<[String; 9]> {
     let mut rows = Vec::new();
     let mut i = 0;
     while i < records.len() {
-        let r = &records[i];
+        let r = records[i];
         let mut j = i + 1;
         if r.status == Status::Unsupported {
             while j < records.len()
@@ -313,7 +326,7 @@ const CASE_HEADER: [&str; 9] = [
     "engine", "dtype", "mask", "n", "median", "rate", "of roof", "peak MiB", "status",
 ];
 
-fn fit_rows(fits: &[Fit]) -> Vec<[String; 6]> {
+fn fit_rows(fits: &[&Fit]) -> Vec<[String; 6]> {
     fits.iter()
         .map(|f| {
             [
@@ -440,22 +453,50 @@ fn roof_line(roof: &Roof) -> String {
     }
 }
 
-/// The terminal summary: roofs, cases, exponents.
+/// The passes a report holds cases of, in report order: the forward always, the backward
+/// when it was swept.
+fn passes(report: &Report) -> Vec<Pass> {
+    Pass::ALL
+        .into_iter()
+        .filter(|&p| p == Pass::Forward || report.records.iter().any(|r| r.pass == p))
+        .collect()
+}
+
+/// The records of one pass, in sweep order.
+fn records_of(report: &Report, pass: Pass) -> Vec<&Record> {
+    report.records.iter().filter(|r| r.pass == pass).collect()
+}
+
+/// The fits of one pass.
+fn fits_of(report: &Report, pass: Pass) -> Vec<&Fit> {
+    report.fits.iter().filter(|f| f.pass == pass).collect()
+}
+
+/// The terminal summary: roofs, cases, exponents; the backward pass's after the forward's.
 pub fn terminal(report: &Report) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "{}", roof_line(&report.roofs.gemm));
-    let _ = writeln!(s, "{}\n", roof_line(&report.roofs.bandwidth));
-    s.push_str(&text_table(
-        CASE_HEADER,
-        &case_rows(&report.records),
-        &[0, 1, 2],
-    ));
-    s.push('\n');
-    s.push_str(&text_table(
-        FIT_HEADER,
-        &fit_rows(&report.fits),
-        &[0, 1, 2, 3],
-    ));
+    let _ = writeln!(s, "{}", roof_line(&report.roofs.bandwidth));
+    for pass in passes(report) {
+        if pass == Pass::Backward {
+            s.push_str(
+                "\nbackward pass (dQ, dK, dV from dO, Q, K, V, O and LSE; FLOPs counted as 2.5 × \
+                 the forward's):\n",
+            );
+        }
+        s.push('\n');
+        s.push_str(&text_table(
+            CASE_HEADER,
+            &case_rows(&records_of(report, pass)),
+            &[0, 1, 2],
+        ));
+        s.push('\n');
+        s.push_str(&text_table(
+            FIT_HEADER,
+            &fit_rows(&fits_of(report, pass)),
+            &[0, 1, 2, 3],
+        ));
+    }
     s
 }
 
@@ -466,13 +507,18 @@ pub fn markdown(report: &Report, plots: &[(&str, &str)]) -> String {
     let mut s = String::from("# attn scaling report\n\n");
     let _ = writeln!(
         s,
-        "`cargo xtask bench` ({} mode, {}): {} heads, d = {}, {} threads, mask {}, n from {} \
+        "`cargo xtask bench` ({} mode, {}{}): {} heads, d = {}, {} threads, mask {}, n from {} \
          to {} (capped per engine), {} timed runs per case after a warm-up (median reported), \
          {} s budget per case. Whole run: {:.0} s.\n",
         st.mode,
         match st.workload {
             Workload::SelfAttention => "self-attention, n_q = n_k = n",
             Workload::Decode => "decoding, n_q = 1, n_k = n",
+        },
+        if st.backward {
+            "; forward and backward passes"
+        } else {
+            ""
         },
         st.heads,
         st.d,
@@ -520,7 +566,7 @@ pub fn markdown(report: &Report, plots: &[(&str, &str)]) -> String {
     );
     s.push_str(&markdown_table(
         CASE_HEADER,
-        &case_rows(&report.records),
+        &case_rows(&records_of(report, Pass::Forward)),
         &[0, 1, 2],
     ));
     s.push_str("\n## Growth exponents\n\n");
@@ -530,9 +576,40 @@ pub fn markdown(report: &Report, plots: &[(&str, &str)]) -> String {
     );
     s.push_str(&markdown_table(
         FIT_HEADER,
-        &fit_rows(&report.fits),
+        &fit_rows(&fits_of(report, Pass::Forward)),
         &[0, 1, 2, 3],
     ));
+    if passes(report).contains(&Pass::Backward) {
+        s.push_str("\n## Backward pass\n\n");
+        s.push_str(
+            "Each case times one backward call: `dQ`, `dK` and `dV` from the upstream gradient \
+             `dO`, the operands and the forward's output and LSE, all made (the forward by the \
+             optimized engine) before the measured region. The reference recomputes its own \
+             f64 forward and keeps `S`, `P`, `dP` and `dS` of every head (`n_q × n_k` each); \
+             the optimized engine recomputes score tiles and keeps only `O(n·d)` per head. \
+             *rate*: `backward FLOPs = 2.5 × 4·n_q·n_k·d` per head (the recompute of `S`, \
+             then `dV`, `dP`, `dQ` and `dK`; causal: the visible pairs only) over the median \
+             time; *of roof* against the same interleaved f32 GEMM as the forward cases. \
+             *peak MiB*: the growth of the peak resident set over those inputs during the first \
+             backward call (the gradients, the engine's partials and scratch, the reference's \
+             matrices).\n\n",
+        );
+        s.push_str(&markdown_table(
+            CASE_HEADER,
+            &case_rows(&records_of(report, Pass::Backward)),
+            &[0, 1, 2],
+        ));
+        s.push_str("\n### Backward growth exponents\n\n");
+        s.push_str(
+            "Fitted as the forward's. Expected: time ≈ n² for every engine; memory ≈ n for the \
+             optimized engine, ≈ n² for the reference.\n\n",
+        );
+        s.push_str(&markdown_table(
+            FIT_HEADER,
+            &fit_rows(&fits_of(report, Pass::Backward)),
+            &[0, 1, 2, 3],
+        ));
+    }
     if !plots.is_empty() {
         s.push_str("\n## Plots\n\n");
         for (file, title) in plots {
@@ -550,6 +627,7 @@ mod tests {
         Record {
             workload: Workload::SelfAttention,
             engine,
+            pass: Pass::Forward,
             dtype: Dtype::F32,
             causal: false,
             heads: 1,
@@ -581,10 +659,115 @@ mod tests {
             record(Engine::Optimized, 512, Status::Unsupported, None),
             record(Engine::Optimized, 1024, Status::Unsupported, None),
         ];
-        let rows = case_rows(&records);
+        let rows = case_rows(&records.iter().collect::<Vec<_>>());
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[1][3], "256–1024");
         assert_eq!(rows[1][8], "unsupported (why)");
+    }
+
+    fn report(records: Vec<Record>, backward: bool) -> Report {
+        let roof = |unit: &str| Roof {
+            what: "roof".into(),
+            unit: unit.into(),
+            samples: vec![1.0],
+            median: Some(1.0),
+            error: None,
+        };
+        Report {
+            generated_by: "test".into(),
+            finished_unix_s: 0,
+            runtime_s: 1.0,
+            settings: RunSettings {
+                mode: "check".into(),
+                workload: Workload::SelfAttention,
+                backward,
+                engines: vec![Engine::Reference, Engine::Optimized],
+                dtypes: vec![Dtype::F32],
+                causal: false,
+                min_n: 256,
+                max_n: 2048,
+                heads: 1,
+                d: 64,
+                threads: 2,
+                runs: 3,
+                budget_s: 5.0,
+            },
+            machine: Machine {
+                cpu: "cpu".into(),
+                cores: 2,
+                simd: Vec::new(),
+                memory_gib: None,
+                os: "os".into(),
+                rustc: "rustc".into(),
+            },
+            load_average: [None, None],
+            roofs: Roofs {
+                gemm: roof("GFLOP/s"),
+                bandwidth: roof("GB/s"),
+            },
+            fits: fits(&records),
+            records,
+        }
+    }
+
+    fn backward(mut r: Record) -> Record {
+        r.pass = Pass::Backward;
+        r
+    }
+
+    #[test]
+    fn the_passes_are_fitted_and_reported_apart() {
+        let quadratic = |engine, n: usize| record(engine, n, Status::Ok, Some((n * n) as f64));
+        let mut records: Vec<Record> = [256, 512].map(|n| quadratic(Engine::Optimized, n)).to_vec();
+        // Backward memory of the streaming engine grows as n.
+        records.extend([256, 512, 1024].map(|n| {
+            let mut r = backward(quadratic(Engine::Optimized, n));
+            r.peak_mib = Some(n as f64 / MIB);
+            r
+        }));
+        records.push(backward(quadratic(Engine::Reference, 256)));
+        records.push(backward(quadratic(Engine::Reference, 512)));
+        let report = report(records, true);
+        let keys: Vec<_> = report.fits.iter().map(|f| (f.pass, f.engine)).collect();
+        assert_eq!(
+            keys,
+            [
+                (Pass::Forward, Engine::Optimized),
+                (Pass::Backward, Engine::Optimized),
+                (Pass::Backward, Engine::Reference),
+            ]
+        );
+        let streaming = &report.fits[1];
+        assert_eq!(streaming.n_used, vec![512, 1024]);
+        assert!((streaming.memory_exponent.unwrap() - 1.0).abs() < 1e-9);
+        assert_eq!(streaming.expected_memory_exponent, Some(1.0));
+        assert_eq!(report.fits[2].expected_memory_exponent, Some(2.0));
+
+        let md = markdown(&report, &[]);
+        let (forward, back) = md
+            .split_once("## Backward pass")
+            .expect("a backward section");
+        assert_eq!(forward.matches("| optimized | f32 | none |").count(), 2 + 1);
+        assert_eq!(back.matches("| optimized | f32 | none |").count(), 3 + 1);
+        assert_eq!(back.matches("| reference | f32 | none |").count(), 2 + 1);
+        assert!(terminal(&report).contains("backward pass"));
+    }
+
+    #[test]
+    fn a_forward_report_has_no_backward_section_and_old_json_reads_as_forward() {
+        let records = vec![record(Engine::Optimized, 256, Status::Ok, Some(1.0))];
+        let report = report(records, false);
+        assert!(!markdown(&report, &[]).contains("Backward"));
+        assert!(!terminal(&report).contains("backward"));
+        // A report.json written before `--backward` existed has no pass anywhere.
+        let mut json = serde_json::to_value(&report).unwrap();
+        json["records"][0].as_object_mut().unwrap().remove("pass");
+        json["fits"][0].as_object_mut().unwrap().remove("pass");
+        json["settings"].as_object_mut().unwrap().remove("backward");
+        let old: Report = serde_json::from_value(json).unwrap();
+        assert_eq!(old.records[0].pass, Pass::Forward);
+        assert_eq!(old.fits[0].pass, Pass::Forward);
+        assert!(!old.settings.backward);
     }
 
     #[test]

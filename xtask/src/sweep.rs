@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
-use attn_benches::catalog::{Dtype, Engine, Workload, attention_flops, kv_bytes, sweep};
+use attn_benches::catalog::{Dtype, Engine, Pass, Workload, kv_bytes, sweep};
 use attn_benches::protocol::{CaseReport, CaseRequest, RoofReport, RoofRequest, Status, median};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -33,22 +33,37 @@ fn report_dir(settings: &Settings) -> PathBuf {
     })
 }
 
-/// One planned case: an (engine, dtype) pair at one n.
+/// One planned case: an (engine, pass, dtype) triple at one n.
 struct Planned {
     engine: Engine,
+    pass: Pass,
     dtype: Dtype,
     n: usize,
 }
 
+/// Every forward case, then (with `--backward`) every backward case, each pass in
+/// dtype, engine and n order.
 fn plan(s: &Settings) -> Vec<Planned> {
+    let passes: &[Pass] = if s.backward {
+        &[Pass::Forward, Pass::Backward]
+    } else {
+        &[Pass::Forward]
+    };
     let mut cases = Vec::new();
-    for &dtype in &s.dtypes {
-        for &engine in &s.engines {
-            let cap = engine
-                .cap(s.workload, s.min_n, s.max_n, s.heads, s.threads)
-                .unwrap_or(0);
-            for n in sweep(s.min_n, cap) {
-                cases.push(Planned { engine, dtype, n });
+    for &pass in passes {
+        for &dtype in &s.dtypes {
+            for &engine in &s.engines {
+                let cap = engine
+                    .cap(pass, s.workload, s.min_n, s.max_n, s.heads, s.threads)
+                    .unwrap_or(0);
+                for n in sweep(s.min_n, cap) {
+                    cases.push(Planned {
+                        engine,
+                        pass,
+                        dtype,
+                        n,
+                    });
+                }
             }
         }
     }
@@ -120,16 +135,26 @@ pub fn run(s: &Settings) -> Result<(), String> {
     }
 
     let mut records = Vec::with_capacity(cases.len());
-    // An (engine, dtype) pair stops at its first unsupported, failed or timed-out case.
-    let mut stopped: Vec<((Engine, Dtype), Status, String)> = Vec::new();
+    // An (engine, pass, dtype) triple stops at its first unsupported, failed or timed-out
+    // case.
+    let mut stopped: Vec<((Engine, Pass, Dtype), Status, String)> = Vec::new();
     for case in &cases {
-        let name = match s.workload {
-            Workload::SelfAttention => format!("{} {} n={}", case.engine, case.dtype, case.n),
-            Workload::Decode => format!("{} {} decode n_k={}", case.engine, case.dtype, case.n),
+        let key = (case.engine, case.pass, case.dtype);
+        let name = match (s.workload, case.pass) {
+            (Workload::SelfAttention, Pass::Forward) => {
+                format!("{} {} n={}", case.engine, case.dtype, case.n)
+            }
+            (Workload::SelfAttention, Pass::Backward) => {
+                format!("{} {} backward n={}", case.engine, case.dtype, case.n)
+            }
+            (Workload::Decode, _) => {
+                format!("{} {} decode n_k={}", case.engine, case.dtype, case.n)
+            }
         };
         bar.set_message(name.clone());
         let request = CaseRequest {
             engine: case.engine,
+            pass: case.pass,
             dtype: case.dtype,
             causal: s.causal,
             heads: s.heads,
@@ -143,10 +168,7 @@ pub fn run(s: &Settings) -> Result<(), String> {
             // Decoding is judged against the bandwidth, not the GEMM.
             roof_gemm_n: (s.workload == Workload::SelfAttention).then_some(s.gemm_n),
         };
-        let outcome = match stopped
-            .iter()
-            .find(|(k, _, _)| *k == (case.engine, case.dtype))
-        {
+        let outcome = match stopped.iter().find(|(k, _, _)| *k == key) {
             Some((_, Status::Unsupported, why)) => {
                 CaseReport::without_timings(Status::Unsupported, why.clone())
             }
@@ -166,12 +188,12 @@ pub fn run(s: &Settings) -> Result<(), String> {
                 match outcome.status {
                     Status::Ok | Status::Skipped => {}
                     Status::Unsupported => stopped.push((
-                        (case.engine, case.dtype),
+                        key,
                         Status::Unsupported,
                         outcome.message.clone().unwrap_or_default(),
                     )),
                     status => stopped.push((
-                        (case.engine, case.dtype),
+                        key,
                         status,
                         format!("n = {} already ended with {}", case.n, status.name()),
                     )),
@@ -181,9 +203,9 @@ pub fn run(s: &Settings) -> Result<(), String> {
         };
         let record = record(s, &request, outcome);
         if record.status != Status::Unsupported
-            || records
-                .last()
-                .is_none_or(|r: &Record| r.engine != record.engine)
+            || records.last().is_none_or(|r: &Record| {
+                (r.engine, r.pass, r.dtype) != (record.engine, record.pass, record.dtype)
+            })
         {
             say(progress_line(&name, &record));
         }
@@ -245,6 +267,7 @@ pub fn run(s: &Settings) -> Result<(), String> {
         settings: RunSettings {
             mode: s.mode.into(),
             workload: s.workload,
+            backward: s.backward,
             engines: s.engines.clone(),
             dtypes: s.dtypes.clone(),
             causal: s.causal,
@@ -279,9 +302,12 @@ pub fn run(s: &Settings) -> Result<(), String> {
 }
 
 fn record(s: &Settings, req: &CaseRequest, outcome: CaseReport) -> Record {
-    let gflops = outcome
-        .median_s
-        .map(|t| attention_flops(req.heads, req.n_q, req.n_k, req.d, req.causal) / t / 1e9);
+    let gflops = outcome.median_s.map(|t| {
+        req.pass
+            .flops(req.heads, req.n_q, req.n_k, req.d, req.causal)
+            / t
+            / 1e9
+    });
     let gbs = outcome
         .median_s
         .filter(|_| s.workload == Workload::Decode)
@@ -289,6 +315,7 @@ fn record(s: &Settings, req: &CaseRequest, outcome: CaseReport) -> Record {
     Record {
         workload: s.workload,
         engine: req.engine,
+        pass: req.pass,
         dtype: req.dtype,
         causal: req.causal,
         heads: req.heads,
@@ -334,7 +361,7 @@ fn write(report: &Report, dir: &Path) -> Result<(), String> {
     std::fs::write(dir.join("report.json"), json)
         .map_err(|e| format!("cannot write report.json: {e}"))?;
     plot::write_all(report, dir).map_err(|e| format!("cannot draw the plots: {e}"))?;
-    let md = report::markdown(report, &plot::plots(report.settings.workload));
+    let md = report::markdown(report, &plot::plots(&report.settings));
     std::fs::write(dir.join("report.md"), md)
         .map_err(|e| format!("cannot write report.md: {e}"))?;
     Ok(())
@@ -346,8 +373,9 @@ fn check(report: &Report, dir: &Path) -> Result<(), String> {
     for r in &report.records {
         if !matches!(r.status, Status::Ok | Status::Unsupported) {
             problems.push(format!(
-                "{} {} n={}: {} {}",
+                "{} {} {} n={}: {} {}",
                 r.engine,
+                r.pass,
                 r.dtype,
                 r.n_k,
                 r.status.name(),
@@ -357,6 +385,14 @@ fn check(report: &Report, dir: &Path) -> Result<(), String> {
     }
     if !report.records.iter().any(|r| r.status == Status::Ok) {
         problems.push("no case ran".into());
+    }
+    if report.settings.backward
+        && !report
+            .records
+            .iter()
+            .any(|r| r.pass == Pass::Backward && r.status == Status::Ok)
+    {
+        problems.push("no backward case ran".into());
     }
     for roof in [&report.roofs.gemm, &report.roofs.bandwidth] {
         if roof.median.is_none() {
@@ -369,7 +405,7 @@ fn check(report: &Report, dir: &Path) -> Result<(), String> {
     }
     let files = ["report.md", "report.json"]
         .into_iter()
-        .chain(plot::plots(report.settings.workload).map(|p| p.0));
+        .chain(plot::plots(&report.settings).into_iter().map(|p| p.0));
     for file in files {
         match std::fs::metadata(dir.join(file)) {
             Ok(m) if m.len() > 0 => {}
