@@ -269,13 +269,19 @@ fn a_score_overflowing_below_in_a_masked_block_saturates_instead_of_hiding() {
         let v = data(n_k, 4, 10);
         let opts = Options::default().with_causal(Causal::BottomRight);
         let off = n_k - n_q;
-        let (o, lse) = attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-            .expect("optimized");
+        let (o, lse) =
+            attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+                .expect("optimized");
         let mean = Mat::<f32>::from_fn(n_q, 4, |i, c| {
             let seen = i + off + 1;
             (0..seen).map(|j| v[(j, c)]).sum::<f32>() / seen as f32
         });
-        assert_close(&format!("n_q={n_q} n_k={n_k}"), o.as_ref(), mean.as_ref(), 1e-5);
+        assert_close(
+            &format!("n_q={n_q} n_k={n_k}"),
+            o.as_ref(),
+            mean.as_ref(),
+            1e-5,
+        );
         assert!(lse.iter().all(|l| l.is_finite()), "{lse:?}");
     }
 }

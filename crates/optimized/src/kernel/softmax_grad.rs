@@ -27,7 +27,11 @@ fn probabilities_body<const FMA: bool>(
             let p = exp2_approx::<FMA>(if t > 0.0 { 0.0 } else { t });
             // A hidden key has P = 0 whatever the LSE (a NaN row's LSE is NaN), and so has
             // every key of a row that sees none (LSE -inf), not 2^(s + inf).
-            *x = if hidden || l == f32::NEG_INFINITY { 0.0 } else { p };
+            *x = if hidden || l == f32::NEG_INFINITY {
+                0.0
+            } else {
+                p
+            };
         }
     }
 }
