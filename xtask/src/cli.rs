@@ -22,6 +22,9 @@ pub enum Command {
     /// The scaling report: time and peak memory against sequence length for every engine,
     /// the GEMM and bandwidth roofs, fitted exponents; written to target/bench-report/.
     Bench(BenchArgs),
+    /// Every test: `cargo test --workspace`, then the Python extension's pytest suite
+    /// (a virtualenv in target/python-venv, maturin, NumPy, pytest). `--skip cargo,python`.
+    Test(crate::test::TestArgs),
 }
 
 fn engine_parser() -> impl TypedValueParser<Value = Engine> {
@@ -259,7 +262,20 @@ mod tests {
         let argv = std::iter::once("xtask").chain(args.split_whitespace());
         Cli::try_parse_from(argv).map(|cli| match cli.command {
             Command::Bench(args) => args,
+            Command::Test(_) => panic!("`{args}` parsed as `test`"),
         })
+    }
+
+    #[test]
+    fn test_takes_its_steps_and_pytest_arguments() {
+        let argv = ["xtask", "test", "--skip", "python", "--", "-k", "kv_cache"];
+        match Cli::try_parse_from(argv).expect("valid").command {
+            Command::Test(t) => {
+                assert_eq!(t.skip, vec![crate::test::Step::Python]);
+                assert_eq!(t.pytest_args, ["-k", "kv_cache"]);
+            }
+            Command::Bench(_) => panic!("parsed as bench"),
+        }
     }
 
     #[test]

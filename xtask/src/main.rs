@@ -6,6 +6,9 @@
 //! machine's roofs in the same run, fits the growth exponents and writes
 //! `target/bench-report/` (`report.md`, `report.json`, SVG plots).
 //!
+//! `cargo xtask test` runs every test: `cargo test --workspace`, then the Python
+//! extension's pytest suite in a virtualenv it creates (`test.rs`).
+//!
 //! This binary is built in debug by the alias, so it never times anything itself: it builds
 //! the `attn-bench-runner` binary of `attn-benches` in release and runs it once per case.
 
@@ -16,6 +19,7 @@ mod machine;
 mod plot;
 mod report;
 mod sweep;
+mod test;
 
 use std::process::ExitCode;
 
@@ -37,5 +41,12 @@ fn main() -> ExitCode {
                 }
             }
         }
+        cli::Command::Test(args) => match test::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xtask test: {e}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }

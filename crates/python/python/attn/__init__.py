@@ -1,0 +1,55 @@
+"""attn: CPU attention with torch's ``scaled_dot_product_attention`` semantics.
+
+``attn.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+is_causal=False, *, scale=None, enable_gqa=False)`` takes the arguments of
+``torch.nn.functional.scaled_dot_product_attention`` and computes with attn's streaming
+(FlashAttention-2 style) engine in Rust: NumPy arrays (float32, float16) in, NumPy arrays
+out; torch CPU tensors (float32, float16, bfloat16) in, torch tensors out, read in place
+through DLPack. torch is optional: this module imports and works without it.
+
+Also here: ``attention_with_lse`` (the output and the log-sum-exp of each row),
+``attention_backward`` (dQ, dK, dV), ``KVCache`` (decoding), ``isa()`` and
+``num_threads()``. ``attn.torch`` (when torch is installed) holds
+``scaled_dot_product_attention`` as a ``torch.autograd.Function``; the plain call routes
+tensors that require grad through it, so ``loss.backward()`` works.
+
+Where attn differs from torch (each function's docstring says more):
+
+- a key hidden by a mask contributes nothing: a NaN at a masked position never reaches the
+  output;
+- a fully masked row is 0, not NaN;
+- the log-sum-exp is available (``attention_with_lse``);
+- no dropout: ``dropout_p`` must be 0.0;
+- ``scale`` must be positive;
+- the last axis of query, key and value must be contiguous;
+- results do not depend on the number of threads.
+"""
+
+from ._attn import (
+    KVCache,
+    __version__,
+    attention_backward,
+    attention_with_lse,
+    isa,
+    num_threads,
+    scaled_dot_product_attention,
+)
+
+__all__ = [
+    "KVCache",
+    "__version__",
+    "attention_backward",
+    "attention_with_lse",
+    "isa",
+    "num_threads",
+    "scaled_dot_product_attention",
+]
+
+
+def __getattr__(name):
+    # `attn.torch` is imported on first use, so that `import attn` never imports torch.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

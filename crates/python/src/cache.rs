@@ -1,0 +1,370 @@
+//! `attn.KVCache`: attn's [`KvCache`] for decoding from Python.
+
+use attn_core::{Causal, Options, Tensor4, Tensor4Ref};
+use attn_optimized::{Growth, KvCache};
+use half::{bf16, f16};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::array::{Array, Dtype, is_torch_tensor};
+use crate::output::{SendPtr, Storage, check_returnable, finish};
+use crate::to_py_err;
+
+/// The cache in its storage type.
+#[derive(Debug)]
+enum Inner {
+    F32(KvCache<f32>),
+    F16(KvCache<f16>),
+    BF16(KvCache<bf16>),
+}
+
+/// Calls `$body` with `$c` bound to the typed cache and `$t` to its element type.
+macro_rules! typed {
+    ($inner:expr, $c:ident, $t:ident, $body:expr) => {
+        match $inner {
+            Inner::F32($c) => {
+                #[allow(unused)]
+                type $t = f32;
+                $body
+            }
+            Inner::F16($c) => {
+                #[allow(unused)]
+                type $t = f16;
+                $body
+            }
+            Inner::BF16($c) => {
+                #[allow(unused)]
+                type $t = bf16;
+                $body
+            }
+        }
+    };
+}
+
+/// The dtype a user names: ``"float32"``, ``numpy.float16``, ``torch.bfloat16``, ….
+fn dtype_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Dtype> {
+    let Some(obj) = obj else {
+        return Ok(Dtype::F32);
+    };
+    let name = if let Ok(s) = obj.extract::<String>() {
+        s
+    } else if obj.get_type().name()? == "dtype" && obj.hasattr("is_floating_point")? {
+        obj.str()?.to_string() // a torch dtype: "torch.float16"
+    } else {
+        obj.py()
+            .import("numpy")?
+            .call_method1("dtype", (obj,))?
+            .getattr("name")?
+            .to_string()
+    };
+    match name.trim_start_matches("torch.") {
+        "float32" | "float" => Ok(Dtype::F32),
+        "float16" | "half" => Ok(Dtype::F16),
+        "bfloat16" => Ok(Dtype::BF16),
+        other => Err(PyTypeError::new_err(format!(
+            "KVCache dtype {other}: attn caches float32, float16 or bfloat16"
+        ))),
+    }
+}
+
+/// A key/value cache for autoregressive decoding, backed by attn.
+///
+/// ``KVCache(batch, kv_heads, capacity, head_dim, value_dim=None, *, dtype="float32",
+/// growth="fixed")`` holds keys ``(batch, kv_heads, capacity, head_dim)`` and values
+/// ``(batch, kv_heads, capacity, value_dim)`` (``value_dim`` defaults to ``head_dim``) in
+/// float32, float16 or bfloat16 (a name, a NumPy dtype or a torch dtype), with a length per
+/// batch entry. ``growth="double"`` doubles the capacity when an append does not fit;
+/// ``"fixed"`` makes that an error.
+///
+/// ``append(key, value)`` adds ``t`` tokens to every entry (``(batch, kv_heads, t, d)``, of
+/// the cache's dtype); ``append_to(index, key, value)`` to one entry (``(1, kv_heads, t,
+/// d)``). ``attend(query)`` attends ``(batch, heads, n, head_dim)`` queries (``heads`` a
+/// multiple of ``kv_heads``: grouped-query attention) to each entry's cached tokens, which
+/// must include the new ones: with ``is_causal=True`` (the default) the causal mask is
+/// aligned bottom-right, query ``i`` seeing the cached positions up to ``len - n + i``.
+/// Results are NumPy arrays, or torch tensors for a torch query. An entry with no token
+/// gives rows of 0 (never NaN). The GIL is released while attn computes.
+#[pyclass(name = "KVCache", module = "attn")]
+#[derive(Debug)]
+pub(crate) struct PyKvCache {
+    inner: Inner,
+    dtype: Dtype,
+}
+
+/// A `(batch, heads, tokens, d)` input of the cache's dtype, as the engine's view.
+fn tokens<'py>(name: &'static str, obj: &Bound<'py, PyAny>, dtype: &Dtype) -> PyResult<Array<'py>> {
+    let a = Array::extract(name, obj)?;
+    if &a.dtype != dtype {
+        return Err(PyTypeError::new_err(format!(
+            "{name} has dtype {} but the cache holds {}",
+            a.dtype.name(),
+            dtype.name()
+        )));
+    }
+    if a.ndim() != 4 {
+        return Err(PyValueError::new_err(format!(
+            "{name} of shape {} must have 4 axes (batch, heads, tokens, features)",
+            a.shape_str()
+        )));
+    }
+    a.require_contiguous_rows()?;
+    if a.strides.iter().any(|&s| s < 0) {
+        a.compacted()
+    } else {
+        Ok(a)
+    }
+}
+
+/// The engine's view of a 4-axis input.
+///
+/// # Safety
+/// `a` must be an input of element type `T` whose buffer outlives the view, unwritten.
+unsafe fn view4<'a, T>(a: &Array<'_>) -> PyResult<Tensor4Ref<'a, T>> {
+    let dims = [a.shape[0], a.shape[1], a.shape[2], a.shape[3]];
+    let strides = [
+        a.strides[0] as usize,
+        a.strides[1] as usize,
+        a.strides[2] as usize,
+    ];
+    let len = if dims.contains(&0) {
+        0
+    } else {
+        1 + (dims[3] - 1) + (0..3).map(|i| (dims[i] - 1) * strides[i]).sum::<usize>()
+    };
+    let data: &[T] = if len == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller guarantees the view's elements are live elements of type `T`;
+        // non-negative strides keep them within `len` elements of the first.
+        unsafe { std::slice::from_raw_parts(a.ptr::<T>(), len) }
+    };
+    Tensor4Ref::new(data, dims, strides).map_err(to_py_err)
+}
+
+fn attend_typed<'py, T: Storage>(
+    py: Python<'py>,
+    cache: &KvCache<T>,
+    q: &Array<'py>,
+    opts: &Options<'_>,
+    with_lse: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: `q` was read as this cache's dtype, `T`, and lives through the call.
+    let view = unsafe { view4::<T>(q) }?;
+    let (out, lse): (Tensor4<T>, Vec<f32>) = py
+        .detach(|| {
+            if with_lse {
+                cache.attend_with_lse(view, opts)
+            } else {
+                cache.attend(view, opts).map(|o| (o, Vec::new()))
+            }
+        })
+        .map_err(to_py_err)?;
+    let dims = out.dims();
+    let (arr, ptr): (_, SendPtr<T>) = T::zeros(py, &dims)?;
+    let src = out.as_slice();
+    // SAFETY: `arr` is our own compact array of `dims`, as many elements as `src`.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), ptr.as_mut(), src.len()) };
+    let out = finish(arr, q.kind, &T::DTYPE)?;
+    if !with_lse {
+        return Ok(out);
+    }
+    let (larr, lptr) = f32::zeros(py, &dims[..3])?;
+    // SAFETY: as above, `dims[0] · dims[1] · dims[2]` f32 values.
+    unsafe { std::ptr::copy_nonoverlapping(lse.as_ptr(), lptr.as_mut(), lse.len()) };
+    let lse = finish(larr, q.kind, &Dtype::F32)?;
+    Ok(PyTuple::new(py, [out, lse])?.into_any())
+}
+
+impl PyKvCache {
+    fn attend_impl<'py>(
+        &self,
+        query: &Bound<'py, PyAny>,
+        is_causal: bool,
+        scale: Option<f64>,
+        with_lse: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = query.py();
+        let q = tokens("query", query, &self.dtype)?;
+        check_returnable(q.kind, &q.dtype)?;
+        let mut opts = Options::default();
+        if is_causal {
+            opts = opts.with_causal(Causal::BottomRight);
+        }
+        if let Some(s) = scale {
+            opts = opts.with_scale(s as f32);
+        }
+        typed!(
+            &self.inner,
+            c,
+            T,
+            attend_typed::<T>(py, c, &q, &opts, with_lse)
+        )
+    }
+
+    fn append_impl(
+        &mut self,
+        b: Option<usize>,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = key.py();
+        let k = tokens("key", key, &self.dtype)?;
+        let v = tokens("value", value, &self.dtype)?;
+        if is_torch_tensor(key)? != is_torch_tensor(value)? {
+            return Err(PyTypeError::new_err(
+                "key and value must both be torch tensors, or both NumPy arrays",
+            ));
+        }
+        typed!(&mut self.inner, c, T, {
+            // SAFETY: `k` and `v` were read as the cache's dtype, `T`, and live through the
+            // call.
+            let (kv, vv) = unsafe { (view4::<T>(&k)?, view4::<T>(&v)?) };
+            py.detach(|| match b {
+                None => c.append(kv, vv),
+                Some(b) => c.append_to(b, kv, vv),
+            })
+            .map_err(to_py_err)
+        })
+    }
+}
+
+#[pymethods]
+impl PyKvCache {
+    #[new]
+    #[pyo3(signature = (batch, kv_heads, capacity, head_dim, value_dim=None, *, dtype=None, growth="fixed"))]
+    fn new(
+        batch: usize,
+        kv_heads: usize,
+        capacity: usize,
+        head_dim: usize,
+        value_dim: Option<usize>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        growth: &str,
+    ) -> PyResult<Self> {
+        let growth = match growth {
+            "fixed" => Growth::Fixed,
+            "double" => Growth::Double,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "growth='{other}': expected \"fixed\" or \"double\""
+                )));
+            }
+        };
+        let dtype = dtype_of(dtype)?;
+        let d_v = value_dim.unwrap_or(head_dim);
+        let inner = match dtype {
+            Dtype::F32 => Inner::F32(
+                KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
+                    .map_err(to_py_err)?
+                    .with_growth(growth),
+            ),
+            Dtype::F16 => Inner::F16(
+                KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
+                    .map_err(to_py_err)?
+                    .with_growth(growth),
+            ),
+            _ => Inner::BF16(
+                KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
+                    .map_err(to_py_err)?
+                    .with_growth(growth),
+            ),
+        };
+        Ok(Self { inner, dtype })
+    }
+
+    /// Appends ``t`` tokens to every batch entry: ``key`` ``(batch, kv_heads, t, head_dim)``,
+    /// ``value`` ``(batch, kv_heads, t, value_dim)``. Nothing is appended on error.
+    fn append(&mut self, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.append_impl(None, key, value)
+    }
+
+    /// Appends ``t`` tokens to batch entry ``index`` only: ``(1, kv_heads, t, d)``.
+    fn append_to(
+        &mut self,
+        index: usize,
+        key: &Bound<'_, PyAny>,
+        value: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.append_impl(Some(index), key, value)
+    }
+
+    /// Attends ``query`` ``(batch, heads, n, head_dim)`` to each entry's cached tokens:
+    /// ``(batch, heads, n, value_dim)``. ``is_causal=True`` aligns the causal mask
+    /// bottom-right (the queries are the last ``n`` cached positions); ``scale`` defaults
+    /// to ``1/sqrt(head_dim)``.
+    #[pyo3(signature = (query, *, is_causal=true, scale=None))]
+    fn attend<'py>(
+        &self,
+        query: &Bound<'py, PyAny>,
+        is_causal: bool,
+        scale: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.attend_impl(query, is_causal, scale, false)
+    }
+
+    /// ``attend`` and the float32 natural-log LSE of each row, ``(batch, heads, n)``
+    /// (``-inf`` for a row that sees no key): ``(out, lse)``.
+    #[pyo3(signature = (query, *, is_causal=true, scale=None))]
+    fn attend_with_lse<'py>(
+        &self,
+        query: &Bound<'py, PyAny>,
+        is_causal: bool,
+        scale: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.attend_impl(query, is_causal, scale, true)
+    }
+
+    /// Forgets the tokens of batch entry ``index``, or of every entry (storage is kept).
+    #[pyo3(signature = (index=None))]
+    fn clear(&mut self, index: Option<usize>) -> PyResult<()> {
+        typed!(&mut self.inner, c, T, {
+            match index {
+                Some(b) => c.clear(b).map_err(to_py_err),
+                None => (0..c.dims()[0])
+                    .try_for_each(|b| c.clear(b))
+                    .map_err(to_py_err),
+            }
+        })
+    }
+
+    /// Tokens cached per batch entry.
+    #[getter]
+    fn lens(&self) -> Vec<usize> {
+        typed!(&self.inner, c, T, c.lens().to_vec())
+    }
+
+    /// Tokens each entry can hold without growing.
+    #[getter]
+    fn capacity(&self) -> usize {
+        typed!(&self.inner, c, T, c.capacity())
+    }
+
+    /// ``(batch, kv_heads, capacity, head_dim)``.
+    #[getter]
+    fn shape(&self) -> (usize, usize, usize, usize) {
+        let [b, h, c, d] = typed!(&self.inner, c, T, c.dims());
+        (b, h, c, d)
+    }
+
+    /// Features per cached value.
+    #[getter]
+    fn value_dim(&self) -> usize {
+        typed!(&self.inner, c, T, c.values().dims()[3])
+    }
+
+    /// The storage dtype's name.
+    #[getter]
+    fn dtype(&self) -> &str {
+        self.dtype.name()
+    }
+
+    fn __repr__(&self) -> String {
+        let (b, h, c, d) = self.shape();
+        format!(
+            "KVCache(batch={b}, kv_heads={h}, capacity={c}, head_dim={d}, dtype={:?}, lens={:?})",
+            self.dtype.name(),
+            self.lens()
+        )
+    }
+}

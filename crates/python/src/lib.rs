@@ -1,0 +1,68 @@
+//! attn from Python: the extension module `attn._attn`, behind the `attn` package
+//! (`python/attn/`), built with maturin (`pyproject.toml`) as one abi3 wheel for CPython ≥ 3.9.
+//!
+//! It gives NumPy and torch users `torch.nn.functional.scaled_dot_product_attention`'s call
+//! — the same argument names, defaults, shapes, broadcasting, masks and errors — computed
+//! by attn's streaming engine ([`attn_optimized`]):
+//!
+//! - `scaled_dot_product_attention`, `attention_with_lse` and `attention_backward`
+//!   (`sdpa.rs`), planned as batched engine calls over strided views (`plan.rs`);
+//! - `KVCache`, the engine's [`attn_optimized::KvCache`] for decoding (`cache.rs`);
+//! - inputs read in place (`array.rs`): NumPy arrays through NumPy's C API, torch tensors
+//!   and any other CPU producer through DLPack (`dlpack.rs`, the consumer);
+//! - results allocated as NumPy arrays and handed to torch without a copy (`output.rs`);
+//! - `attn.torch` (Python) wraps the forward and backward passes in a
+//!   `torch.autograd.Function`.
+//!
+//! The GIL is released while the engine computes; every error is a Python `ValueError` or
+//! `TypeError` carrying attn's message (operand and shapes), never a crash. The crate is
+//! built with PyO3's `extension-module` feature, so `cargo build` and `cargo test
+//! --workspace` need no Python; its tests are the pytest suite in `tests/`, run by
+//! `cargo xtask test`.
+
+mod array;
+mod cache;
+mod dlpack;
+mod output;
+mod plan;
+mod sdpa;
+
+use pyo3::exceptions::{PyMemoryError, PyValueError};
+use pyo3::prelude::*;
+
+/// attn's error as the Python exception a caller expects: `MemoryError` for an
+/// allocation that failed, `ValueError` for everything else (shapes, options, capacity).
+fn to_py_err(e: attn_core::Error) -> PyErr {
+    match e {
+        attn_core::Error::Allocation { .. } => PyMemoryError::new_err(e.to_string()),
+        _ => PyValueError::new_err(e.to_string()),
+    }
+}
+
+/// The instruction set attn's kernels run with on this CPU: `"avx512"`, `"avx2"` or
+/// `"baseline"`.
+#[pyfunction]
+fn isa() -> String {
+    format!("{:?}", attn_optimized::exp::isa()).to_lowercase()
+}
+
+/// The threads attn computes with: its rayon pool's (set ``RAYON_NUM_THREADS`` before
+/// the first call to choose; the default is one per core).
+#[pyfunction]
+fn num_threads() -> usize {
+    rayon::current_num_threads()
+}
+
+/// The extension module `attn._attn`.
+#[pymodule]
+#[pyo3(name = "_attn")]
+fn attn_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(sdpa::scaled_dot_product_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(sdpa::attention_with_lse, m)?)?;
+    m.add_function(wrap_pyfunction!(sdpa::attention_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(isa, m)?)?;
+    m.add_function(wrap_pyfunction!(num_threads, m)?)?;
+    m.add_class::<cache::PyKvCache>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

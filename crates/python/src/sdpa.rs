@@ -1,0 +1,953 @@
+//! The functions of the module: `scaled_dot_product_attention`, `attention_with_lse`,
+//! `attention_backward`. Each validates in Python's terms, plans the engine calls
+//! ([`Plan`]), allocates its results, and computes with the GIL released.
+
+use attn_core::{BoolMask, Causal, Options, Tensor4Mut, Tensor4Ref};
+use attn_optimized::{
+    attention_backward_batched_into, attention_batched_into, attention_batched_with_lse,
+};
+use faer::MatRef;
+use half::{bf16, f16};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyTuple;
+
+use crate::array::{Array, Dtype, Kind, is_torch_tensor, product, zeroed};
+use crate::output::{SendPtr, Storage, check_returnable, finish};
+use crate::plan::{Call, Plan, Strides};
+use crate::to_py_err;
+
+/// The keyword arguments every entry point shares, validated.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Flags {
+    pub causal: Option<Causal>,
+    pub scale: Option<f32>,
+    pub enable_gqa: bool,
+}
+
+/// Checks torch's rules for `dropout_p`, `is_causal` with a mask, the alignment keyword and
+/// the scale.
+pub(crate) fn flags(
+    dropout_p: f64,
+    is_causal: bool,
+    has_mask: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    causal_alignment: &str,
+) -> PyResult<Flags> {
+    if dropout_p != 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "dropout_p={dropout_p}: attn does not implement attention dropout; pass dropout_p=0.0"
+        )));
+    }
+    let align = match causal_alignment {
+        "top_left" => Causal::TopLeft,
+        "bottom_right" => Causal::BottomRight,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "causal_alignment='{other}': expected \"top_left\" (torch's is_causal) or \"bottom_right\""
+            )));
+        }
+    };
+    if align == Causal::BottomRight && !is_causal {
+        return Err(PyValueError::new_err(
+            "causal_alignment=\"bottom_right\" applies to the causal mask: pass is_causal=True with it",
+        ));
+    }
+    if is_causal && has_mask {
+        return Err(PyValueError::new_err(
+            "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True",
+        ));
+    }
+    let scale = scale.map(|s| s as f32);
+    if let Some(s) = scale {
+        Options::default()
+            .with_scale(s)
+            .scale_for(1)
+            .map_err(to_py_err)?;
+    }
+    Ok(Flags {
+        causal: is_causal.then_some(align),
+        scale,
+        enable_gqa,
+    })
+}
+
+/// `torch.is_grad_enabled()` (torch is imported: a tensor was passed).
+fn grad_enabled(py: Python<'_>) -> PyResult<bool> {
+    static IS_GRAD_ENABLED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    IS_GRAD_ENABLED
+        .get_or_try_init(py, || -> PyResult<_> {
+            Ok(py.import("torch")?.getattr("is_grad_enabled")?.unbind())
+        })?
+        .bind(py)
+        .call0()?
+        .is_truthy()
+}
+
+/// Whether a call must go through the autograd function: a torch operand requires grad
+/// while grad mode is on (such tensors cannot be exported through DLPack).
+fn needs_autograd(operands: &[Option<&Bound<'_, PyAny>>]) -> PyResult<bool> {
+    let mut any = false;
+    for obj in operands.iter().flatten() {
+        if is_torch_tensor(obj)?
+            && obj
+                .getattr(intern!(obj.py(), "requires_grad"))?
+                .is_truthy()?
+        {
+            any = true;
+        }
+    }
+    Ok(any && grad_enabled(operands[0].expect("query").py())?)
+}
+
+/// Hands a differentiable call to `attn.torch` (Python), which calls back without grad.
+#[allow(clippy::too_many_arguments)]
+fn via_autograd<'py>(
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    attn_mask: Option<&Bound<'py, PyAny>>,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    causal_alignment: &str,
+    with_lse: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = query.py();
+    py.import("attn.torch")?
+        .getattr("_autograd_attention")?
+        .call1((
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal,
+            scale,
+            enable_gqa,
+            causal_alignment,
+            with_lse,
+        ))
+}
+
+fn kind_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::NumPy => "a NumPy array",
+        Kind::Torch => "a torch.Tensor",
+        Kind::Other => "a DLPack tensor",
+    }
+}
+
+/// torch tensors go with torch tensors: the query decides the kind of the results.
+fn check_kinds(q: &Array<'_>, others: &[&Array<'_>]) -> PyResult<()> {
+    for a in others {
+        if (q.kind == Kind::Torch) != (a.kind == Kind::Torch) {
+            return Err(PyTypeError::new_err(format!(
+                "query is {} but {} is {}: pass torch tensors together, or NumPy arrays together",
+                kind_name(q.kind),
+                a.name,
+                kind_name(a.kind)
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_storage(q: &Array<'_>) -> PyResult<()> {
+    match q.dtype {
+        Dtype::F32 | Dtype::F16 | Dtype::BF16 => check_returnable(q.kind, &q.dtype),
+        _ => Err(PyTypeError::new_err(format!(
+            "query has dtype {}: attn computes on float32, float16 and bfloat16 storage",
+            q.dtype.name()
+        ))),
+    }
+}
+
+/// The operands of one dtype: `rest` must have the query's.
+fn check_same_dtype(
+    q: &Array<'_>,
+    k: &Array<'_>,
+    v: &Array<'_>,
+    rest: &[&Array<'_>],
+) -> PyResult<()> {
+    if k.dtype != q.dtype || v.dtype != q.dtype {
+        return Err(PyTypeError::new_err(format!(
+            "Expected query, key, and value to have the same dtype, but got query.dtype: {} key.dtype: {} and value.dtype: {} instead.",
+            q.dtype.name(),
+            k.dtype.name(),
+            v.dtype.name()
+        )));
+    }
+    for a in rest {
+        if a.dtype != q.dtype {
+            return Err(PyTypeError::new_err(format!(
+                "{} has dtype {} but query has {}: they must match",
+                a.name,
+                a.dtype.name(),
+                q.dtype.name()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Makes a mask usable by the engine: bool bytes 0/1, float widened to f32.
+fn prepare_mask<'py>(m: Array<'py>, q: &Array<'_>) -> PyResult<Array<'py>> {
+    match m.dtype {
+        Dtype::Bool => m.normalized_bool(),
+        Dtype::F32 => Ok(m),
+        Dtype::F16 | Dtype::BF16 if m.dtype == q.dtype => m.widened_to_f32(),
+        _ => Err(PyTypeError::new_err(format!(
+            "Expected attn_mask dtype to be bool or float or to match query dtype, but got attn_mask.dtype: {} and  query.dtype: {} instead.",
+            m.dtype.name(),
+            q.dtype.name()
+        ))),
+    }
+}
+
+/// A copy when an engine call would span a negative stride (attn's views step forward):
+/// the last four axes are the most a call spans (batch, head, sequence, features).
+fn forward_strides(a: Array<'_>) -> PyResult<Array<'_>> {
+    let n = a.ndim();
+    if a.strides[n.saturating_sub(4)..].iter().any(|&s| s < 0) {
+        a.compacted()
+    } else {
+        Ok(a)
+    }
+}
+
+/// Reads the query, key, value and mask and checks them together.
+fn read_operands<'py>(
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    attn_mask: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Array<'py>, Array<'py>, Array<'py>, Option<Array<'py>>)> {
+    let q = Array::extract("query", query)?;
+    let k = Array::extract("key", key)?;
+    let v = Array::extract("value", value)?;
+    let m = attn_mask
+        .map(|m| Array::extract("attn_mask", m))
+        .transpose()?;
+    let mut others = vec![&k, &v];
+    others.extend(m.as_ref());
+    check_kinds(&q, &others)?;
+    check_storage(&q)?;
+    check_same_dtype(&q, &k, &v, &[])?;
+    for a in [&q, &k, &v] {
+        a.require_contiguous_rows()?;
+    }
+    let m = m.map(|m| prepare_mask(m, &q)).transpose()?;
+    Ok((
+        forward_strides(q)?,
+        forward_strides(k)?,
+        forward_strides(v)?,
+        m,
+    ))
+}
+
+/// The mask's pointer, typed by its kind (bool or f32).
+#[derive(Clone, Copy)]
+enum MaskPtr {
+    None,
+    Bool(SendPtr<bool>),
+    Additive(SendPtr<f32>),
+}
+
+fn mask_ptr(m: Option<&Array<'_>>) -> MaskPtr {
+    match m {
+        None => MaskPtr::None,
+        Some(m) if m.dtype == Dtype::Bool => MaskPtr::Bool(SendPtr(m.ptr())),
+        Some(m) => MaskPtr::Additive(SendPtr(m.ptr())),
+    }
+}
+
+/// The number of elements a view of `dims` with (batch, head, seq) `strides` reaches from
+/// its first element: the length of the slice it needs.
+fn span(dims: [usize; 4], strides: [usize; 3]) -> usize {
+    if dims.contains(&0) {
+        return 0;
+    }
+    let mut last = dims[3] - 1;
+    for a in 0..3 {
+        last += (dims[a] - 1) * strides[a];
+    }
+    last + 1
+}
+
+fn usize_strides(s: [isize; 3]) -> attn_core::Result<[usize; 3]> {
+    let mut out = [0; 3];
+    for (o, &x) in out.iter_mut().zip(&s) {
+        *o = usize::try_from(x)
+            .map_err(|_| attn_core::Error::layout("view", "a negative stride reached a call"))?;
+    }
+    Ok(out)
+}
+
+/// A read-only engine view of an operand at element offset `off`.
+///
+/// # Safety
+/// `base + off` and every element the view reaches must be readable elements of a live
+/// buffer, not written for the view's lifetime.
+unsafe fn view<'a, T>(
+    base: SendPtr<T>,
+    off: isize,
+    dims: [usize; 4],
+    strides: [isize; 3],
+) -> attn_core::Result<Tensor4Ref<'a, T>> {
+    let strides = usize_strides(strides)?;
+    let len = span(dims, strides);
+    let data: &[T] = if len == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller guarantees the elements from `base + off` through the view's
+        // last one lie in one live buffer; `len` is exactly that range.
+        unsafe { std::slice::from_raw_parts(base.0.offset(off), len) }
+    };
+    Tensor4Ref::new(data, dims, strides)
+}
+
+/// A writable engine view of a compact buffer at element offset `off`.
+///
+/// # Safety
+/// The range must lie in a live buffer that nothing else reads or writes meanwhile.
+unsafe fn view_mut<'a, T>(
+    base: SendPtr<T>,
+    off: usize,
+    dims: [usize; 4],
+    strides: [usize; 3],
+) -> attn_core::Result<Tensor4Mut<'a, T>> {
+    let len = span(dims, strides);
+    let data: &mut [T] = if len == 0 {
+        &mut []
+    } else {
+        // SAFETY: as the caller guarantees: an exclusive range of a live buffer.
+        unsafe { std::slice::from_raw_parts_mut(base.as_mut().add(off), len) }
+    };
+    Tensor4Mut::new(data, dims, strides)
+}
+
+/// The options of one call: the plan's scale and causal mask, and its slice of the mask.
+///
+/// # Safety
+/// The mask pointer must address a live mask that the plan's strides describe.
+unsafe fn options<'a>(plan: &Plan, mask: MaskPtr, off: isize) -> Options<'a> {
+    let mut opts = Options {
+        scale: plan.scale,
+        causal: plan.causal,
+        ..Options::default()
+    };
+    let Some((row, col, _)) = plan.mask_strides() else {
+        return opts;
+    };
+    let (l, s) = (plan.l, plan.s);
+    let empty = l == 0 || s == 0;
+    match mask {
+        MaskPtr::None => {}
+        MaskPtr::Bool(p) => {
+            let ptr = if empty || p.0.is_null() {
+                std::ptr::NonNull::<bool>::dangling().as_ptr()
+            } else {
+                p.0.wrapping_offset(off)
+            };
+            // SAFETY: every (i, j) < (l, s) at `ptr + i·row + j·col` is a byte of the mask
+            // (0 or 1: normalised), alive for the call; an empty view reads nothing.
+            let m = unsafe { MatRef::from_raw_parts(ptr, l, s, row, col) };
+            opts = opts.with_bool_mask(BoolMask::allow(m));
+        }
+        MaskPtr::Additive(p) => {
+            let ptr = if empty || p.0.is_null() {
+                std::ptr::NonNull::<f32>::dangling().as_ptr()
+            } else {
+                p.0.wrapping_offset(off)
+            };
+            // SAFETY: every (i, j) < (l, s) at `ptr + i·row + j·col` is an f32 of the
+            // mask, alive for the call; an empty view reads nothing.
+            let m = unsafe { MatRef::from_raw_parts(ptr, l, s, row, col) };
+            opts = opts.with_additive_mask(m);
+        }
+    }
+    opts
+}
+
+/// The element offset of a call's first position in an operand with `strides`
+/// (`kv`: its head index is the call's kv head).
+fn offset(plan: &Plan, s: &Strides, call: &Call, kv: bool) -> isize {
+    plan.offset(&s.lead, &call.index, kv)
+}
+
+/// The views of one call: query, key, value and the options carrying its mask.
+type CallViews<'a, T> = (
+    Tensor4Ref<'a, T>,
+    Tensor4Ref<'a, T>,
+    Tensor4Ref<'a, T>,
+    Options<'a>,
+);
+
+/// The addresses of a call's operands: query, key, value and mask.
+struct Operands<T> {
+    q: SendPtr<T>,
+    k: SendPtr<T>,
+    v: SendPtr<T>,
+    mask: MaskPtr,
+}
+
+impl<T> Clone for Operands<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Operands<T> {}
+
+impl<T> Operands<T> {
+    fn of(q: &Array<'_>, k: &Array<'_>, v: &Array<'_>, m: Option<&Array<'_>>) -> Self {
+        Operands {
+            q: SendPtr(q.ptr()),
+            k: SendPtr(k.ptr()),
+            v: SendPtr(v.ptr()),
+            mask: mask_ptr(m),
+        }
+    }
+
+    /// The engine's views of one call's query, key and value, and its options.
+    ///
+    /// # Safety
+    /// The addresses must be those of the live operands the plan was made from, unwritten
+    /// while the views live.
+    unsafe fn call<'a>(&self, plan: &Plan, call: &Call) -> attn_core::Result<CallViews<'a, T>> {
+        let (bc, hc, hkc) = (plan.call_batch(), plan.call_heads(), plan.call_kv_heads());
+        let (l, s, e, ev) = (plan.l, plan.s, plan.e, plan.ev);
+        let mask_off = plan
+            .mask
+            .as_ref()
+            .map_or(0, |m| plan.offset(&m.lead, &call.index, false));
+        let (qo, ko, vo) = (
+            offset(plan, &plan.q, call, false),
+            offset(plan, &plan.k, call, true),
+            offset(plan, &plan.v, call, true),
+        );
+        let (qs, ks, vs) = (
+            plan.call_strides(&plan.q),
+            plan.call_strides(&plan.k),
+            plan.call_strides(&plan.v),
+        );
+        // SAFETY: the caller's guarantee; the plan's offsets and strides reach only elements
+        // of each operand (and of the mask), as it checked them against their shapes.
+        unsafe {
+            Ok((
+                view(self.q, qo, [bc, hc, l, e], qs)?,
+                view(self.k, ko, [bc, hkc, s, e], ks)?,
+                view(self.v, vo, [bc, hkc, s, ev], vs)?,
+                options(plan, self.mask, mask_off),
+            ))
+        }
+    }
+}
+
+/// The forward computation over every call, writing `out` (compact `lead + (L, Ev)`) and,
+/// when given, `lse` (compact `lead + (L,)`).
+///
+/// # Safety
+/// `ops` must address the live operands of `plan`, unwritten during the call; `out` and
+/// `lse` our own compact results of the plan's shapes, touched by nothing else.
+unsafe fn run_forward<T: Storage>(
+    plan: &Plan,
+    ops: Operands<T>,
+    out: SendPtr<T>,
+    lse: Option<SendPtr<f32>>,
+) -> attn_core::Result<()> {
+    let (bc, hc) = (plan.call_batch(), plan.call_heads());
+    let (l, ev) = (plan.l, plan.ev);
+    let [lb, lh] = plan.lin_strides(false);
+    let row = l * ev;
+    for call in plan.calls() {
+        // SAFETY: the caller's guarantee on `ops`.
+        let (q, k, v, opts) = unsafe { ops.call(plan, &call) }?;
+        let Some(lse) = lse else {
+            let dims = [bc, hc, l, ev];
+            // SAFETY: this call's rows of our compact output, written by it alone (the
+            // calls run one after the other).
+            let o = unsafe { view_mut(out, call.lin * row, dims, [lb * row, lh * row, ev]) }?;
+            attention_batched_into(o, q, k, v, &opts)?;
+            continue;
+        };
+        let (o, ls) = attention_batched_with_lse(q, k, v, &opts)?;
+        let o = o.as_slice();
+        for b in 0..bc {
+            for h in 0..hc {
+                let (src, dst) = (b * hc + h, call.lin + b * lb + h * lh);
+                // SAFETY: `dst` is one of this call's positions in our compact results,
+                // `src` one of the engine's; the lengths are a row of each.
+                unsafe {
+                    let (o_dst, l_dst) = (out.as_mut().add(dst * row), lse.as_mut().add(dst * l));
+                    std::ptr::copy_nonoverlapping(o.as_ptr().add(src * row), o_dst, row);
+                    std::ptr::copy_nonoverlapping(ls.as_ptr().add(src * l), l_dst, l);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn forward_typed<'py, T: Storage>(
+    py: Python<'py>,
+    plan: &Plan,
+    q: &Array<'py>,
+    k: &Array<'py>,
+    v: &Array<'py>,
+    m: Option<&Array<'py>>,
+    with_lse: bool,
+) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
+    let (out, out_ptr) = T::zeros(py, &plan.out_shape())?;
+    let lse = with_lse
+        .then(|| f32::zeros(py, &plan.lse_shape()))
+        .transpose()?;
+    let ops = Operands::<T>::of(q, k, v, m);
+    let lse_ptr = lse.as_ref().map(|(_, p)| *p);
+    // SAFETY: the operands are the arrays the plan was made from, alive (borrowed) until we
+    // return; `out` and `lse` were just allocated with the plan's shapes.
+    py.detach(|| unsafe { run_forward(plan, ops, out_ptr, lse_ptr) })
+        .map_err(to_py_err)?;
+    let kind = q.kind;
+    let out = finish(out, kind, &T::DTYPE)?;
+    let lse = lse.map(|(a, _)| finish(a, kind, &Dtype::F32)).transpose()?;
+    Ok((out, lse))
+}
+
+/// The forward pass of every entry point, once the autograd route is excluded.
+#[allow(clippy::too_many_arguments)]
+fn forward<'py>(
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    attn_mask: Option<&Bound<'py, PyAny>>,
+    f: Flags,
+    with_lse: bool,
+) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
+    let py = query.py();
+    let (q, k, v, m) = read_operands(query, key, value, attn_mask)?;
+    let plan = Plan::new(&q, &k, &v, m.as_ref(), f.enable_gqa, f.causal, f.scale)?;
+    match q.dtype {
+        Dtype::F32 => forward_typed::<f32>(py, &plan, &q, &k, &v, m.as_ref(), with_lse),
+        Dtype::F16 => forward_typed::<f16>(py, &plan, &q, &k, &v, m.as_ref(), with_lse),
+        _ => forward_typed::<bf16>(py, &plan, &q, &k, &v, m.as_ref(), with_lse),
+    }
+}
+
+/// Scaled dot-product attention with the semantics of
+/// `torch.nn.functional.scaled_dot_product_attention`, computed by attn's streaming engine.
+///
+/// ``query`` ``(..., L, E)``, ``key`` ``(..., S, E)``, ``value`` ``(..., S, Ev)``: NumPy
+/// arrays (float32, float16) or torch CPU tensors (float32, float16, bfloat16), read in
+/// place (DLPack for tensors); the result ``(..., L, Ev)`` is of the query's kind and dtype.
+/// The leading axes broadcast; the last of them is the head axis. ``attn_mask`` broadcasts
+/// to ``(..., L, S)``: boolean (True = takes part in attention) or float (added to the
+/// scores; float32 or the query's dtype). ``is_causal`` is torch's top-left causal mask
+/// (an error together with ``attn_mask``); ``scale`` defaults to ``1/sqrt(E)``;
+/// ``enable_gqa`` lets key and value have fewer heads than the query (query head ``i``
+/// reads kv head ``i // (Hq // Hkv)``).
+///
+/// Beyond torch: ``causal_alignment="bottom_right"`` (with ``is_causal=True``) aligns the
+/// causal mask to the last key, as decoding and FlashAttention ≥ 2.1 do (query ``i`` sees
+/// keys ``j <= i + S - L``).
+///
+/// Where attn differs from torch:
+///
+/// - A key hidden by any mask contributes nothing: a NaN or infinity in its score, bias
+///   or value row never reaches the output (torch computes ``0 * NaN``).
+/// - A row that sees no key (fully masked, or ``S == 0``) is 0, never NaN.
+/// - No dropout: ``dropout_p`` other than 0.0 is a ValueError.
+/// - ``scale`` must be positive (torch accepts any float).
+/// - The innermost axis of query, key and value must be contiguous (stride 1); other
+///   strides, broadcast (stride 0) included, are read in place. Negative strides (NumPy
+///   views such as ``x[::-1]``) and unaligned NumPy buffers are copied once.
+/// - Results are deterministic: they do not depend on the number of threads.
+/// - The LSE is available: see ``attention_with_lse``.
+///
+/// Errors are ValueError (shapes, options) and TypeError (dtypes, kinds of input), with the
+/// operand and its shape in the message. Torch tensors that require grad (with grad mode on)
+/// go through ``attn.torch``'s autograd function, so ``loss.backward()`` works. The GIL is
+/// released while attn computes.
+#[pyfunction]
+#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left"))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scaled_dot_product_attention<'py>(
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    attn_mask: Option<&Bound<'py, PyAny>>,
+    dropout_p: f64,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    causal_alignment: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let f = flags(
+        dropout_p,
+        is_causal,
+        attn_mask.is_some(),
+        scale,
+        enable_gqa,
+        causal_alignment,
+    )?;
+    if needs_autograd(&[Some(query), Some(key), Some(value), attn_mask])? {
+        return via_autograd(
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal,
+            scale,
+            enable_gqa,
+            causal_alignment,
+            false,
+        );
+    }
+    forward(query, key, value, attn_mask, f, false).map(|(o, _)| o)
+}
+
+/// ``scaled_dot_product_attention`` that also returns the natural-log log-sum-exp of each
+/// row of scores: ``(out, lse)``, ``lse`` of shape ``(..., L)`` in float32 (``-inf`` for a
+/// row that sees no key). The arguments and the differences from torch are those of
+/// ``scaled_dot_product_attention``. With torch tensors that require grad, ``out`` is
+/// differentiable and ``lse`` is not.
+#[pyfunction]
+#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left"))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_with_lse<'py>(
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    attn_mask: Option<&Bound<'py, PyAny>>,
+    dropout_p: f64,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    causal_alignment: &str,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = query.py();
+    let f = flags(
+        dropout_p,
+        is_causal,
+        attn_mask.is_some(),
+        scale,
+        enable_gqa,
+        causal_alignment,
+    )?;
+    if needs_autograd(&[Some(query), Some(key), Some(value), attn_mask])? {
+        return via_autograd(
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal,
+            scale,
+            enable_gqa,
+            causal_alignment,
+            true,
+        )?
+        .cast_into::<PyTuple>()
+        .map_err(Into::into);
+    }
+    let (o, lse) = forward(query, key, value, attn_mask, f, true)?;
+    PyTuple::new(py, [o, lse.expect("asked for the LSE")])
+}
+
+// ---------------------------------------------------------------------------------------
+// The backward pass.
+
+/// A gradient accumulated in f32 over `full` (the broadcast shape), summed down to an
+/// operand's `own` shape and rounded once to `T`.
+fn reduce_into<T: Storage>(
+    full: &[f32],
+    full_shape: &[usize],
+    own_shape: &[usize],
+    dst: *mut T,
+) -> PyResult<()> {
+    let rank = full_shape.len();
+    let own = {
+        let mut o = vec![1; rank - own_shape.len()];
+        o.extend_from_slice(own_shape);
+        o
+    };
+    // Compact strides of the own shape over the full axes, 0 on summed axes.
+    let mut strides = vec![0usize; rank];
+    let mut step = 1;
+    for a in (0..rank).rev() {
+        strides[a] = if own[a] == full_shape[a] { step } else { 0 };
+        step *= own[a];
+    }
+    let count: usize = own.iter().product();
+    let direct = own == full_shape;
+    let mut acc = if direct {
+        Vec::new()
+    } else {
+        zeroed::<f32>("a gradient", Some(count))?
+    };
+    if !direct {
+        let mut index = vec![0usize; rank];
+        for &x in full {
+            let o: usize = index.iter().zip(&strides).map(|(i, s)| i * s).sum();
+            acc[o] += x;
+            for a in (0..rank).rev() {
+                index[a] += 1;
+                if index[a] < full_shape[a] {
+                    break;
+                }
+                index[a] = 0;
+            }
+        }
+    }
+    let src = if direct { full } else { &acc };
+    for (i, &x) in src.iter().enumerate().take(count) {
+        // SAFETY: `dst` is our own compact result of `count` elements.
+        unsafe { *dst.add(i) = T::from_f32(x) };
+    }
+    Ok(())
+}
+
+/// Strides over `lead + (rows,)` of an array of exactly that shape (the output, dO, LSE).
+fn output_strides(a: &Array<'_>, lead_len: usize) -> Strides {
+    Strides {
+        lead: a.strides[..lead_len].to_vec(),
+        seq: a.strides[lead_len],
+    }
+}
+
+/// One call's gradients and LSE, reused by every call.
+struct Scratch {
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(plan: &Plan) -> PyResult<Self> {
+        let (bc, hc, hkc) = (plan.call_batch(), plan.call_heads(), plan.call_kv_heads());
+        let (l, s, e, ev) = (plan.l, plan.s, plan.e, plan.ev);
+        Ok(Scratch {
+            dq: zeroed("the backward pass's scratch", product(&[bc, hc, l, e]))?,
+            dk: zeroed("the backward pass's scratch", product(&[bc, hkc, s, e]))?,
+            dv: zeroed("the backward pass's scratch", product(&[bc, hkc, s, ev]))?,
+            lse: zeroed("the backward pass's scratch", product(&[bc, hc, l]))?,
+        })
+    }
+}
+
+/// The addresses of the backward pass's own operands: dO, O and the LSE.
+struct Upstream<T> {
+    go: SendPtr<T>,
+    o: SendPtr<T>,
+    lse: SendPtr<f32>,
+}
+
+/// The gradients of every call, accumulated in compact f32 buffers over the broadcast
+/// shapes: dQ over `lead + (L, E)`, dK and dV over `kv_lead + (S, E | Ev)`.
+///
+/// # Safety
+/// `ops` and `up` must address the live operands of `plan` (dO and O of the output's
+/// shape with strides `go_s`, `o_s`, the LSE with `lse_s`), unwritten during the call.
+unsafe fn run_backward<T: Storage>(
+    plan: &Plan,
+    ops: Operands<T>,
+    up: Upstream<T>,
+    (go_s, o_s, lse_s): (&Strides, &Strides, &Strides),
+    (dq_acc, dk_acc, dv_acc): (&mut [f32], &mut [f32], &mut [f32]),
+    scratch: Scratch,
+) -> attn_core::Result<()> {
+    let (bc, hc, hkc) = (plan.call_batch(), plan.call_heads(), plan.call_kv_heads());
+    let (l, s, e, ev) = (plan.l, plan.s, plan.e, plan.ev);
+    let [lb, lh] = plan.lin_strides(false);
+    let [kb, kh] = plan.lin_strides(true);
+    let (go_strides, o_strides) = (plan.call_strides(go_s), plan.call_strides(o_s));
+    let lse_strides = plan.call_strides(lse_s);
+    let Scratch {
+        mut dq,
+        mut dk,
+        mut dv,
+        mut lse,
+    } = scratch;
+    for call in plan.calls() {
+        // SAFETY: the caller's guarantee on `ops`.
+        let (q, k, v, opts) = unsafe { ops.call(plan, &call) }?;
+        let (go_off, o_off) = (
+            offset(plan, go_s, &call, false),
+            offset(plan, o_s, &call, false),
+        );
+        // SAFETY: the caller's guarantee on `up`: dO and O have the output's shape, so the
+        // call's output positions are theirs.
+        let (go, o) = unsafe {
+            (
+                view(up.go, go_off, [bc, hc, l, ev], go_strides)?,
+                view(up.o, o_off, [bc, hc, l, ev], o_strides)?,
+            )
+        };
+        let lse_off = offset(plan, lse_s, &call, false);
+        for b in 0..bc {
+            for h in 0..hc {
+                for i in 0..l {
+                    let at = lse_off
+                        + b as isize * lse_strides[0]
+                        + h as isize * lse_strides[1]
+                        + i as isize * lse_strides[2];
+                    // SAFETY: (b, h, i) is a position of the LSE, which has the plan's
+                    // `lead + (L,)` shape and is alive.
+                    lse[(b * hc + h) * l + i] = unsafe { *up.lse.0.offset(at) };
+                }
+            }
+        }
+        let dqv = Tensor4Mut::new(&mut dq, [bc, hc, l, e], [hc * l * e, l * e, e])?;
+        let dkv = Tensor4Mut::new(&mut dk, [bc, hkc, s, e], [hkc * s * e, s * e, e])?;
+        let dvv = Tensor4Mut::new(&mut dv, [bc, hkc, s, ev], [hkc * s * ev, s * ev, ev])?;
+        attention_backward_batched_into(dqv, dkv, dvv, go, q, k, v, o, &lse, &opts)?;
+        for b in 0..bc {
+            for h in 0..hc {
+                let (src, dst) = ((b * hc + h) * l * e, (call.lin + b * lb + h * lh) * l * e);
+                add(&mut dq_acc[dst..dst + l * e], &dq[src..src + l * e]);
+            }
+            for h in 0..hkc {
+                let base = call.lin_kv + b * kb + h * kh;
+                let (src, dst) = ((b * hkc + h) * s * e, base * s * e);
+                add(&mut dk_acc[dst..dst + s * e], &dk[src..src + s * e]);
+                let (src, dst) = ((b * hkc + h) * s * ev, base * s * ev);
+                add(&mut dv_acc[dst..dst + s * ev], &dv[src..src + s * ev]);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn add(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += s;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_typed<'py, T: Storage>(
+    py: Python<'py>,
+    plan: &Plan,
+    q: &Array<'py>,
+    k: &Array<'py>,
+    v: &Array<'py>,
+    go: &Array<'py>,
+    o: &Array<'py>,
+    lse: &Array<'py>,
+    m: Option<&Array<'py>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let r = plan.lead.len();
+    let (go_s, o_s) = (output_strides(go, r), output_strides(o, r));
+    // The LSE has no feature axis: its positions are its "rows" of one element.
+    let lse_s = output_strides(lse, r);
+    let ops = Operands::<T>::of(q, k, v, m);
+    let up = Upstream {
+        go: SendPtr(go.ptr::<T>()),
+        o: SendPtr(o.ptr::<T>()),
+        lse: SendPtr(lse.ptr::<f32>()),
+    };
+    let full = |lead: &[usize], rows: usize, d: usize| {
+        let mut s = lead.to_vec();
+        s.extend([rows, d]);
+        s
+    };
+    let shapes = [
+        full(&plan.lead, plan.l, plan.e),
+        full(&plan.kv_lead, plan.s, plan.e),
+        full(&plan.kv_lead, plan.s, plan.ev),
+    ];
+    let mut dq = zeroed::<f32>("dQ", product(&shapes[0]))?;
+    let mut dk = zeroed::<f32>("dK", product(&shapes[1]))?;
+    let mut dv = zeroed::<f32>("dV", product(&shapes[2]))?;
+    let scratch = Scratch::new(plan)?;
+    let strides = (&go_s, &o_s, &lse_s);
+    // SAFETY: the operands are the arrays the plan was made from (dO, O and the LSE checked
+    // against its shapes), alive (borrowed) until we return.
+    py.detach(|| unsafe {
+        run_backward(plan, ops, up, strides, (&mut dq, &mut dk, &mut dv), scratch)
+    })
+    .map_err(to_py_err)?;
+    let mut results = Vec::with_capacity(3);
+    for ((grad, shape), a) in [&dq, &dk, &dv].into_iter().zip(&shapes).zip([q, k, v]) {
+        let (arr, ptr) = T::zeros(py, &a.shape)?;
+        reduce_into::<T>(grad, shape, &a.shape, ptr.as_mut())?;
+        results.push(finish(arr, q.kind, &T::DTYPE)?);
+    }
+    PyTuple::new(py, results)
+}
+
+/// The gradients of a loss with respect to ``query``, ``key`` and ``value``, given the
+/// upstream gradient ``grad_out`` (dO, shaped like the output) and what
+/// ``attention_with_lse`` returned for the same operands and options: its output ``out``
+/// and float32 ``lse``. Returns ``(dq, dk, dv)`` shaped and typed like the operands (a
+/// broadcast operand's gradient is summed over the axes it was broadcast along; a kv head
+/// shared by a group of query heads gets the sum over the group).
+///
+/// The mask arguments must be those of the forward call. The gradient of ``attn_mask`` is
+/// not computed. A hidden key gets no gradient, and a row that sees no key gives ``dq = 0``
+/// (never NaN). Gradients are accumulated in float32 and rounded once. The GIL is released
+/// while attn computes.
+#[pyfunction]
+#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask=None, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left"))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_backward<'py>(
+    grad_out: &Bound<'py, PyAny>,
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    lse: &Bound<'py, PyAny>,
+    attn_mask: Option<&Bound<'py, PyAny>>,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    causal_alignment: &str,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = query.py();
+    let f = flags(
+        0.0,
+        is_causal,
+        attn_mask.is_some(),
+        scale,
+        enable_gqa,
+        causal_alignment,
+    )?;
+    let (q, k, v, m) = read_operands(query, key, value, attn_mask)?;
+    let go = Array::extract("grad_out", grad_out)?;
+    let o = Array::extract("out", out)?;
+    let ls = Array::extract("lse", lse)?;
+    check_kinds(&q, &[&go, &o, &ls])?;
+    check_same_dtype(&q, &k, &v, &[&go, &o])?;
+    if ls.dtype != Dtype::F32 {
+        return Err(PyTypeError::new_err(format!(
+            "lse has dtype {}: it must be the float32 LSE that attention_with_lse returned",
+            ls.dtype.name()
+        )));
+    }
+    go.require_contiguous_rows()?;
+    o.require_contiguous_rows()?;
+    let plan = Plan::new(&q, &k, &v, m.as_ref(), f.enable_gqa, f.causal, f.scale)?;
+    let (out_shape, lse_shape) = (plan.out_shape(), plan.lse_shape());
+    for (a, want) in [(&go, &out_shape), (&o, &out_shape), (&ls, &lse_shape)] {
+        if &a.shape != want {
+            return Err(PyValueError::new_err(format!(
+                "{} has shape {} but the attention output's is {}",
+                a.name,
+                a.shape_str(),
+                crate::array::shape_str(want)
+            )));
+        }
+    }
+    let (go, o, ls) = (
+        forward_strides(go)?,
+        forward_strides(o)?,
+        forward_strides(ls)?,
+    );
+    match q.dtype {
+        Dtype::F32 => backward_typed::<f32>(py, &plan, &q, &k, &v, &go, &o, &ls, m.as_ref()),
+        Dtype::F16 => backward_typed::<f16>(py, &plan, &q, &k, &v, &go, &o, &ls, m.as_ref()),
+        _ => backward_typed::<bf16>(py, &plan, &q, &k, &v, &go, &o, &ls, m.as_ref()),
+    }
+}

@@ -1,0 +1,325 @@
+//! `cargo xtask test`: every test of the workspace, on a fresh machine, in one command.
+//!
+//! The command runs a list of steps in order and stops at the first that fails:
+//!
+//! 1. `cargo`: `cargo test --workspace` (every crate's tests, doctests and properties, and
+//!    tidy);
+//! 2. `python`: the extension module `attn` (crates/python) and its pytest suite. The step
+//!    creates a virtualenv under the target directory (`target/python-venv`) with the
+//!    interpreter given by `--python`, `$PYTHON` or `python3`, installs
+//!    `crates/python/requirements-test.txt` into it (maturin, NumPy, pytest: again only
+//!    when that file changes), builds and installs the extension with
+//!    `maturin develop --release` (sharing the release build of the workspace's crates),
+//!    and runs `pytest crates/python/tests`. pytest's "no tests collected" (exit 5) is a
+//!    failure: a suite that ran nothing has not passed.
+//!
+//! A step is a [`Step`] variant with a name, a line of help and a function that first
+//! installs what it needs and then runs its tests (the `python` step's virtualenv is the
+//! pattern). A step that needs a system package — MPI, say — installs it the same way
+//! before its tests: check for the tool (`mpirun --version`), `apt-get install -y` the
+//! package when it is missing, then run (`mpirun -n 2 …`); add the variant to
+//! [`Step::ALL`] in the order it runs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::{Args, ValueEnum};
+
+use crate::child::workspace_root;
+
+/// Flags of `cargo xtask test`.
+#[derive(Debug, Args)]
+pub struct TestArgs {
+    /// Steps to leave out, comma-separated.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    pub skip: Vec<Step>,
+
+    /// The interpreter that creates the virtualenv of the `python` step (Python ≥ 3.9)
+    /// [default: $PYTHON, else python3]. An existing virtualenv is reused.
+    #[arg(long, value_name = "PATH")]
+    pub python: Option<PathBuf>,
+
+    /// Arguments for pytest, after `--` (for instance `-- -k kv_cache -x`).
+    #[arg(last = true, value_name = "PYTEST_ARGS")]
+    pub pytest_args: Vec<String>,
+}
+
+/// One step of `cargo xtask test`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Step {
+    /// `cargo test --workspace`.
+    Cargo,
+    /// The Python extension's pytest suite, in its own virtualenv.
+    Python,
+}
+
+impl Step {
+    /// Every step, in the order they run.
+    pub const ALL: [Step; 2] = [Step::Cargo, Step::Python];
+
+    fn name(self) -> &'static str {
+        match self {
+            Step::Cargo => "cargo",
+            Step::Python => "python",
+        }
+    }
+
+    fn about(self) -> &'static str {
+        match self {
+            Step::Cargo => "cargo test --workspace",
+            Step::Python => "the Python extension (crates/python): virtualenv, maturin, pytest",
+        }
+    }
+
+    fn run(self, ctx: &Context<'_>) -> Result<(), String> {
+        match self {
+            Step::Cargo => cargo_tests(ctx),
+            Step::Python => python_tests(ctx),
+        }
+    }
+}
+
+/// What every step sees.
+struct Context<'a> {
+    root: PathBuf,
+    target: PathBuf,
+    args: &'a TestArgs,
+}
+
+/// Runs the steps that `args` does not skip, in order; the first failure ends the run.
+pub fn run(args: &TestArgs) -> Result<(), String> {
+    let root = workspace_root();
+    let ctx = Context {
+        target: target_dir(&root),
+        root,
+        args,
+    };
+    let steps: Vec<Step> = Step::ALL
+        .into_iter()
+        .filter(|s| !args.skip.contains(s))
+        .collect();
+    for (i, step) in steps.iter().enumerate() {
+        println!(
+            "xtask test: step {}/{} `{}`: {}",
+            i + 1,
+            steps.len(),
+            step.name(),
+            step.about()
+        );
+        step.run(&ctx)
+            .map_err(|e| format!("step `{}` failed: {e}", step.name()))?;
+    }
+    Ok(())
+}
+
+/// The target directory: `$CARGO_TARGET_DIR` (relative to the workspace root) or
+/// `target/`.
+fn target_dir(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => root.join(dir),
+        None => root.join("target"),
+    }
+}
+
+/// The cargo that runs us (`cargo xtask` sets `CARGO`), or the one on the path.
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+/// Runs `cmd`, its output going to the terminal; `Ok(exit code)` once it has run.
+fn status(cmd: &mut Command) -> Result<i32, String> {
+    let what = format!("{cmd:?}");
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    Ok(status.code().unwrap_or(-1))
+}
+
+/// Runs `cmd` and fails unless it exits 0.
+fn checked(cmd: &mut Command, what: &str) -> Result<(), String> {
+    match status(cmd)? {
+        0 => Ok(()),
+        code => Err(format!("{what} failed (exit status {code})")),
+    }
+}
+
+fn cargo_tests(ctx: &Context<'_>) -> Result<(), String> {
+    checked(
+        Command::new(cargo())
+            .current_dir(&ctx.root)
+            .args(["test", "--workspace"]),
+        "cargo test --workspace",
+    )
+}
+
+/// The virtualenv's own interpreter.
+fn venv_python(venv: &Path) -> PathBuf {
+    if cfg!(windows) {
+        venv.join("Scripts").join("python.exe")
+    } else {
+        venv.join("bin").join("python")
+    }
+}
+
+fn python_tests(ctx: &Context<'_>) -> Result<(), String> {
+    let crate_dir = ctx.root.join("crates").join("python");
+    let venv = ctx.target.join("python-venv");
+    let python = venv_python(&venv);
+    if !python.exists() {
+        create_venv(ctx, &venv)?;
+    }
+    install_requirements(&python, &venv, &crate_dir.join("requirements-test.txt"))?;
+    let bin = python
+        .parent()
+        .expect("the interpreter is in bin/")
+        .to_path_buf();
+    let path = std::env::join_paths(std::iter::once(bin.clone()).chain(
+        std::env::var_os("PATH").map_or_else(Vec::new, |p| std::env::split_paths(&p).collect()),
+    ))
+    .map_err(|e| format!("cannot extend PATH with {}: {e}", bin.display()))?;
+    // maturin installs into the virtualenv named by VIRTUAL_ENV, as `activate` would set it.
+    checked(
+        Command::new(&python)
+            .current_dir(&crate_dir)
+            .env("VIRTUAL_ENV", &venv)
+            .env("PATH", &path)
+            .args(["-m", "maturin", "develop", "--release"]),
+        "building the extension (maturin develop --release)",
+    )?;
+    let code = status(
+        Command::new(&python)
+            .current_dir(&ctx.root)
+            .env("VIRTUAL_ENV", &venv)
+            .env("PATH", &path)
+            .args(["-m", "pytest", "crates/python/tests", "-rs"])
+            .args(&ctx.args.pytest_args),
+    )?;
+    pytest_outcome(code)
+}
+
+/// pytest's exit status as a result: 5 ("no tests collected") fails too.
+fn pytest_outcome(code: i32) -> Result<(), String> {
+    match code {
+        0 => Ok(()),
+        5 => Err(
+            "pytest collected no tests (exit status 5): the Python tests did not run; check crates/python/tests and any pytest arguments given after `--`"
+                .into(),
+        ),
+        1 => Err("pytest: some tests failed (exit status 1)".into()),
+        code => Err(format!(
+            "pytest did not complete (exit status {code}: interrupted, internal or usage error)"
+        )),
+    }
+}
+
+fn create_venv(ctx: &Context<'_>, venv: &Path) -> Result<(), String> {
+    let base: PathBuf = ctx
+        .args
+        .python
+        .clone()
+        .or_else(|| std::env::var_os("PYTHON").map(PathBuf::from))
+        .unwrap_or_else(|| "python3".into());
+    let version_ok = status(Command::new(&base).args([
+        "-c",
+        "import sys; sys.exit(0 if sys.version_info >= (3, 9) else 3)",
+    ]))
+    .map_err(|e| format!("{e} (install Python ≥ 3.9, or name one with --python)"))?;
+    if version_ok != 0 {
+        return Err(format!(
+            "{} is not Python ≥ 3.9 (name another with --python)",
+            base.display()
+        ));
+    }
+    println!("xtask test: creating the virtualenv {}", venv.display());
+    checked(
+        Command::new(&base).arg("-m").arg("venv").arg(venv),
+        &format!(
+            "creating a virtualenv with {} (on Debian, the venv module is apt-get install python3-venv)",
+            base.display()
+        ),
+    )
+}
+
+/// Installs the requirements unless the virtualenv already has this very list (its copy,
+/// `attn-requirements.txt`, is written after a successful install).
+fn install_requirements(python: &Path, venv: &Path, requirements: &Path) -> Result<(), String> {
+    let wanted = std::fs::read_to_string(requirements)
+        .map_err(|e| format!("cannot read {}: {e}", requirements.display()))?;
+    let stamp = venv.join("attn-requirements.txt");
+    if std::fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
+        return Ok(());
+    }
+    checked(
+        Command::new(python)
+            .args(["-m", "pip", "install", "--disable-pip-version-check", "-r"])
+            .arg(requirements),
+        &format!("pip install -r {}", requirements.display()),
+    )?;
+    std::fs::write(&stamp, wanted).map_err(|e| format!("cannot write {}: {e}", stamp.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        test: TestArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<TestArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("test").chain(args.iter().copied())).map(|c| c.test)
+    }
+
+    #[test]
+    fn flags_parse() {
+        let a = parse(&[]).unwrap();
+        assert!(a.skip.is_empty() && a.python.is_none() && a.pytest_args.is_empty());
+        let a = parse(&[
+            "--skip",
+            "cargo",
+            "--python",
+            "/usr/bin/python3.11",
+            "--",
+            "-k",
+            "kv",
+            "-x",
+        ])
+        .unwrap();
+        assert_eq!(a.skip, [Step::Cargo]);
+        assert_eq!(a.python.as_deref(), Some(Path::new("/usr/bin/python3.11")));
+        assert_eq!(a.pytest_args, ["-k", "kv", "-x"]);
+        assert_eq!(parse(&["--skip", "cargo,python"]).unwrap().skip, Step::ALL);
+        assert!(parse(&["--skip", "mpi"]).is_err());
+    }
+
+    #[test]
+    fn steps_are_named_as_the_flag_spells_them() {
+        for step in Step::ALL {
+            let value = step.to_possible_value().expect("every step is a value");
+            assert_eq!(value.get_name(), step.name());
+        }
+    }
+
+    #[test]
+    fn pytest_exit_statuses() {
+        assert!(pytest_outcome(0).is_ok());
+        assert!(pytest_outcome(1).unwrap_err().contains("some tests failed"));
+        assert!(
+            pytest_outcome(5)
+                .unwrap_err()
+                .contains("collected no tests")
+        );
+        assert!(pytest_outcome(2).unwrap_err().contains("did not complete"));
+    }
+
+    #[test]
+    fn target_dir_follows_cargo() {
+        // Only the default: setting CARGO_TARGET_DIR here would race with other tests.
+        if std::env::var_os("CARGO_TARGET_DIR").is_none() {
+            assert_eq!(target_dir(Path::new("/w")), Path::new("/w/target"));
+        }
+    }
+}
