@@ -5,7 +5,9 @@
 //! (+ `PartialState::merge`), `attention_batched`, `attention_batched_with`,
 //! `attention_batched_with_lse`, `attention_batched_into`, `PartialState::merge` on its own,
 //! `KvCache::{new, append, append_to, clear, attend, attend_with_lse, attend_with}` and
-//! `MultiHeadAttention::{forward, forward_cross}`, in f32, f16 and bf16.
+//! `MultiHeadAttention::{forward, forward_cross, forward_train, backward}` and the backward
+//! pass (`attention_backward`, `attention_backward_into`, `attention_backward_batched`,
+//! `attention_backward_batched_into`), in f32, f16 and bf16.
 //!
 //! Every call runs under `catch_unwind` ([`returns`]): a panic fails the property with the
 //! input. Huge shapes (up to `usize::MAX` through zero-stride views) run in a child process
@@ -50,6 +52,14 @@
 //! | `huge_batched_shapes_fail_before_any_work` | the same for `[B, H, S, D]` dims up to `usize::MAX` on every axis (items 9–11) |
 //! | `huge_kv_cache_sizes_are_errors` | huge caches, broadcast appends of 2^40..`usize::MAX` tokens, huge queries (item 8) |
 //! | `huge_multi_head_inputs_are_errors` | a layer over 2^40.. broadcast rows (item 11) |
+//! | `backward_moderate_inputs_match_the_reference` | single-head backward (owned and `_into`, f32 or storage-type gradients, every view) on the forward's own `(O, LSE)`: gradients shaped like their operands, dQ of rows that see nothing and dK/dV of keys no row sees exactly 0, finite rows within `head_backward_bound` of the reference; malformed `dO`/`O`/LSE/dK name the operand |
+//! | `backward_poison_at_hidden_keys_and_empty_rows_reaches_no_gradient` | NaN/±inf/overflowing K, V, bias at keys hidden by structure, `-inf` or a boolean mask, and NaN Q/dO rows of rows that see nothing (plus a NaN/±inf in one dO entry): reach only the gradient rows the contract lets them |
+//! | `backward_extreme_options_keep_the_contract` | the same checks with windows/key lengths at the extremes and `f32::MIN`/`±f32::MAX` biases |
+//! | `backward_anything_with_arbitrary_forward_results_returns` | everything at once, with arbitrary (non-finite) `O` and LSE: returns, errors name the operand, zero rows stay exactly 0 |
+//! | `batched_backward_moderate_and_poisoned_inputs_keep_the_contract` | batched/GQA backward (owned and `_into`, every layout incl. broadcast): per-head dQ, group-summed dK/dV against the summed references and bounds, hidden poisons |
+//! | `batched_backward_anything_returns` | batched backward, everything at once, malformed operands and arbitrary `O`/LSE |
+//! | `huge_backward_shapes_fail_before_any_work` | broadcast views up to `usize::MAX` rows through `attention_backward`: `Error::Allocation` (dQ/dK/dV) or the operand's error, no abort |
+//! | `multi_head_backward_with_mismatched_activations_is_an_error` | `MultiHeadAttention::backward` with another layer's activations, other inputs, a `dY` of the wrong shape: typed errors naming the operand |
 //!
 //! Default case counts keep the whole file under ~30 s on 2 cores in the test profile;
 //! `PROPTEST_CASES` replaces them for deep runs. Failures persist under
@@ -60,18 +70,20 @@ use std::time::Duration;
 use attn_core::MultiHeadWeights;
 use attn_optimized::{
     BoolMask, Causal, Element, Growth, KvCache, MultiHeadAttention, Options, PartialState,
-    SPLIT_KEYS, SlidingWindow, SplitKv, Tensor4Mut, Tensor4Ref, attention, attention_batched,
-    attention_batched_into, attention_batched_with, attention_batched_with_lse, attention_into,
-    attention_with_lse, partial_attention,
+    SPLIT_KEYS, SlidingWindow, SplitKv, Tensor4Mut, Tensor4Ref, attention, attention_backward,
+    attention_backward_batched, attention_backward_batched_into, attention_backward_into,
+    attention_batched, attention_batched_into, attention_batched_with, attention_batched_with_lse,
+    attention_into, attention_with_lse, partial_attention,
 };
 use attn_oracle::hostile::{
-    BatchExpected, Expected, Fill, Hiding, HostileBatch, HostileConfig, HostileHead, HostileInputs,
-    HostileTensor, HugeBatch, HugeHead, Len, Outputs, Profile, Rejection, RowClass, Special,
-    StoredMat, StoredOut, TensorView, UNALLOCATABLE, View, broadcast_rows, broadcast_tensor,
-    check_batched, check_batched_released, check_error, check_head, check_merge, expect_batched,
-    expect_head, extreme_scales, extreme_window_side, hostile_batch, hostile_head, huge_batch,
-    huge_head, isolated, len, merge_case, product, returns, run_property, scale_is_valid,
-    structurally_visible,
+    BatchExpected, Expected, Fill, GradExpected, Hiding, HostileBatch, HostileConfig, HostileHead,
+    HostileInputs, HostileTensor, HugeBatch, HugeHead, Len, Outputs, Profile, Rejection, RowClass,
+    Special, StoredMat, StoredOut, TensorView, UNALLOCATABLE, View, broadcast_rows,
+    broadcast_tensor, check_batched, check_batched_backward, check_batched_released, check_error,
+    check_head, check_head_backward, check_merge, expect_batched, expect_batched_backward,
+    expect_head, expect_head_backward, extreme_scales, extreme_window_side, hostile_batch,
+    hostile_head, huge_batch, huge_head, isolated, len, merge_case, product, returns, run_property,
+    scale_is_valid, structurally_visible,
 };
 use attn_oracle::{Compute, Dtype, ErrorModel};
 use faer::{Mat, MatRef};
@@ -2402,4 +2414,745 @@ fn huge_multi_head_inputs_are_errors() {
             },
         ));
     });
+}
+
+// ---------------------------------------------------------------------------------------
+// The backward pass: attention_backward, attention_backward_into,
+// attention_backward_batched, attention_backward_batched_into.
+
+/// A defect of the backward's own operands (or of the caller's gradient buffers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GradDefect {
+    GradOutRows,
+    GradOutCols,
+    OutRows,
+    LseLength,
+    /// `_into` only: dK one row short.
+    DkRows,
+}
+
+/// Which backward entry point, with what forward result.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct GradCall {
+    /// `_into` (else the allocating call), with f32 gradients or the storage type.
+    into: Option<(View, bool)>,
+    /// The forward's own `(out, lse)` (else arbitrary, non-finite values included).
+    forward: bool,
+    defect: Option<GradDefect>,
+    /// A poison (and the row it goes in) planted in `dO`: it may reach that row's dQ and
+    /// the dK, dV of the keys the row sees, nothing else.
+    grad_poison: Option<(u32, Special)>,
+}
+
+fn grad_call(forward: bool) -> BoxedStrategy<GradCall> {
+    (
+        proptest::option::weighted(0.5, (select(View::ALL.to_vec()), any::<bool>())),
+        Just(forward),
+        proptest::option::weighted(
+            0.1,
+            select(vec![
+                GradDefect::GradOutRows,
+                GradDefect::GradOutCols,
+                GradDefect::OutRows,
+                GradDefect::LseLength,
+                GradDefect::DkRows,
+            ]),
+        ),
+        // Non-finite only: a finite extreme in dO is a legitimate (overflowing) value.
+        proptest::option::weighted(
+            0.3,
+            (
+                any::<u32>(),
+                select(vec![Special::Nan, Special::PosInf, Special::NegInf]),
+            ),
+        ),
+    )
+        .prop_map(|(into, forward, defect, grad_poison)| GradCall {
+            into,
+            forward,
+            defect,
+            grad_poison,
+        })
+        .boxed()
+}
+
+/// Backward calls are ~2.5× the forward's work and the reference materialises `n_q × n_k`:
+/// shorter heads.
+fn backward_head(profile: Profile) -> BoxedStrategy<HostileHead> {
+    hostile_head(profile)
+        .prop_map(|mut h| {
+            h.n_q = h.n_q.min(129);
+            h.n_k = h.n_k.min(257);
+            h
+        })
+        .boxed()
+}
+
+fn run_grad_case(case: &HostileHead, call: GradCall) -> Result<(), String> {
+    with_dtype!(case.dtype, T => run_grad::<T>(case, call))
+}
+
+fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String> {
+    let inputs = case.build();
+    let [qs, ks, vs] = inputs.stored(T::from_f32);
+    let (q, k, v) = (qs.view(), ks.view(), vs.view());
+    let (qf, kf, vf) = (inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref());
+    let opts = inputs.options();
+    let storage = dtype_of::<T>();
+    let [n_q, n_k, d_k, d_v] = inputs.dims();
+    let mut g = Gen(case.seed ^ 0x0DD5_EED5);
+    // The forward's own result where it succeeds, else (or on request) arbitrary values.
+    let forward = if call.forward {
+        match returns("attention_with_lse", || attention_with_lse(q, k, v, &opts))? {
+            Ok((o, l)) => Some((widen(o.as_ref()), l)),
+            Err(_) => None,
+        }
+    } else {
+        None
+    };
+    let forward_given = forward.is_some();
+    let (mut out, mut lse) = forward.unwrap_or_else(|| {
+        let o = g.mat(n_q, d_v, Fill::NonFinite, storage);
+        let l = (0..n_q)
+            .map(|_| g.fill(Fill::NonFinite, Dtype::F32) * 10.0)
+            .collect();
+        (o, l)
+    });
+    let mut grad = g.mat(n_q, d_v, Fill::Unit, storage);
+    // The rows that see nothing get a poisoned dO too (their Q already is, if planted).
+    let poison = storage.round(f32::NAN);
+    for &i in &inputs.planted.queries {
+        for c in 0..d_v {
+            grad[(i, c)] = poison;
+        }
+    }
+    if let Some((pick, value)) = call.grad_poison
+        && n_q > 0
+        && d_v > 0
+    {
+        grad[(pick as usize % n_q, pick as usize / n_q % d_v)] = storage.round(value.value());
+    }
+    let resize = |m: &Mat<f32>, r: usize, c: usize| {
+        Mat::from_fn(r, c, |i, j| {
+            if i < m.nrows() && j < m.ncols() {
+                m[(i, j)]
+            } else {
+                0.5
+            }
+        })
+    };
+    match call.defect {
+        Some(GradDefect::GradOutRows) => grad = resize(&grad, n_q + 1, d_v),
+        Some(GradDefect::GradOutCols) => grad = resize(&grad, n_q, d_v + 1),
+        Some(GradDefect::OutRows) => out = resize(&out, n_q + 1, d_v),
+        Some(GradDefect::LseLength) => lse.push(0.0),
+        _ => {}
+    }
+    let view = case.views[0];
+    let grad_s = StoredMat::new(grad.as_ref(), view, T::from_f32);
+    let out_s = StoredMat::new(out.as_ref(), view, T::from_f32);
+    let (grad_t, out_t) = (grad_s.view(), out_s.view());
+    let (gf, of) = (grad.as_ref(), out.as_ref());
+    let check = |name: &str,
+                 out_type: Dtype,
+                 allocates: bool,
+                 extra: Option<Rejection>,
+                 got: Result<[Mat<f32>; 3], attn_core::Error>| {
+        let mut want = expect_head_backward(
+            qf,
+            kf,
+            vf,
+            gf,
+            of,
+            &lse,
+            &opts,
+            &model(out_type),
+            allocates,
+            forward_given,
+        );
+        if let Some(r) = extra {
+            want = match want {
+                GradExpected::Reject(mut rs) => {
+                    rs.push(r);
+                    GradExpected::Reject(rs)
+                }
+                _ => GradExpected::Reject(vec![r]),
+            };
+        }
+        want.release(&inputs.planted);
+        let got = got
+            .as_ref()
+            .map(|[a, b, c]| [a.as_ref(), b.as_ref(), c.as_ref()])
+            .map_err(Clone::clone);
+        check_head_backward(&want, got).map_err(|m| format!("{name}: {m}"))
+    };
+    // A valid problem too large to run is skipped (the generators keep it rare).
+    if matches!(
+        expect_head_backward(
+            qf,
+            kf,
+            vf,
+            gf,
+            of,
+            &lse,
+            &opts,
+            &model(storage),
+            false,
+            false
+        ),
+        GradExpected::TooMuchWork
+    ) {
+        return Ok(());
+    }
+    match call.into {
+        None => {
+            let got = returns("attention_backward", || {
+                attention_backward(grad_t, q, k, v, out_t, &lse, &opts)
+            })?;
+            let got = got.map(|g| {
+                [
+                    widen(g.dq.as_ref()),
+                    widen(g.dk.as_ref()),
+                    widen(g.dv.as_ref()),
+                ]
+            });
+            check("attention_backward", storage, true, None, got)
+        }
+        Some((gview, f32_grads)) => {
+            let dk_rows = if call.defect == Some(GradDefect::DkRows) {
+                n_k.saturating_sub(1).max(usize::from(n_k == 0))
+            } else {
+                n_k
+            };
+            let extra = (dk_rows != n_k).then(|| Rejection::named("dK is n_k × d_k", &["dK"]));
+            #[allow(clippy::type_complexity)] // the call's arguments, passed through
+            fn run_into<T: Element, G: Element>(
+                shapes: [(usize, usize); 3],
+                gview: View,
+                args: (
+                    MatRef<'_, T>,
+                    MatRef<'_, T>,
+                    MatRef<'_, T>,
+                    MatRef<'_, T>,
+                    MatRef<'_, T>,
+                    &[f32],
+                    &Options<'_>,
+                ),
+            ) -> Result<Result<[Mat<f32>; 3], attn_core::Error>, String> {
+                let fill = G::from_f32(f32::NAN);
+                let mut dq = StoredOut::new(shapes[0].0, shapes[0].1, gview, fill);
+                let mut dk = StoredOut::new(shapes[1].0, shapes[1].1, gview, fill);
+                let mut dv = StoredOut::new(shapes[2].0, shapes[2].1, gview, fill);
+                let (grad, q, k, v, out, lse, opts) = args;
+                let r = returns("attention_backward_into", || {
+                    attention_backward_into(
+                        dq.view_mut(),
+                        dk.view_mut(),
+                        dv.view_mut(),
+                        grad,
+                        q,
+                        k,
+                        v,
+                        out,
+                        lse,
+                        opts,
+                    )
+                })?;
+                Ok(r.map(|()| [dq.read(G::to_f32), dk.read(G::to_f32), dv.read(G::to_f32)]))
+            }
+            let shapes = [(n_q, d_k), (dk_rows, d_k), (n_k, d_v)];
+            let args = (grad_t, q, k, v, out_t, lse.as_slice(), &opts);
+            if f32_grads {
+                let got = run_into::<T, f32>(shapes, gview, args)?;
+                // The bound's output rounding is the storage type's: O was rounded to it.
+                check(
+                    "attention_backward_into (f32 gradients)",
+                    storage,
+                    false,
+                    extra,
+                    got,
+                )
+            } else {
+                let got = run_into::<T, T>(shapes, gview, args)?;
+                check("attention_backward_into", storage, false, extra, got)
+            }
+        }
+    }
+}
+
+fn backward_property(name: &str, heads: BoxedStrategy<HostileHead>, forward: bool, cases: u32) {
+    assert_holds(run_property(
+        name,
+        &config(),
+        cases,
+        (heads, grad_call(forward)),
+        |(case, call)| run_grad_case(case, *call),
+    ));
+}
+
+#[test]
+fn backward_moderate_inputs_match_the_reference() {
+    backward_property(
+        "backward_moderate",
+        backward_head(Profile::Moderate),
+        true,
+        384,
+    );
+}
+
+#[test]
+fn backward_poison_at_hidden_keys_and_empty_rows_reaches_no_gradient() {
+    backward_property(
+        "backward_poison",
+        prop_oneof![
+            backward_head(Profile::Poison(Hiding::Structural)),
+            backward_head(Profile::Poison(Hiding::NegInfBias)),
+            backward_head(Profile::Poison(Hiding::BoolMask)),
+        ]
+        .boxed(),
+        true,
+        512,
+    );
+}
+
+#[test]
+fn backward_extreme_options_keep_the_contract() {
+    backward_property(
+        "backward_extreme_options",
+        prop_oneof![
+            backward_head(Profile::Windows),
+            backward_head(Profile::ExtremeBias),
+        ]
+        .boxed(),
+        true,
+        384,
+    );
+}
+
+#[test]
+fn backward_anything_with_arbitrary_forward_results_returns() {
+    backward_property(
+        "backward_anything",
+        prop_oneof![
+            backward_head(Profile::Anything),
+            backward_head(Profile::Poison(Hiding::Structural)),
+        ]
+        .boxed(),
+        false,
+        384,
+    );
+}
+
+/// Batched backward: both entry points (the `_into` one in f32 or the storage type), the
+/// forward's own `(out, lse)` or arbitrary ones, and malformed `grad_out`/`out`/`lse`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct BatchGradCall {
+    into: Option<bool>,
+    forward: bool,
+    defect: Option<GradDefect>,
+}
+
+fn batch_grad_call(forward: bool) -> BoxedStrategy<BatchGradCall> {
+    (
+        proptest::option::of(any::<bool>()),
+        Just(forward),
+        proptest::option::weighted(
+            0.1,
+            select(vec![
+                GradDefect::GradOutRows,
+                GradDefect::OutRows,
+                GradDefect::LseLength,
+            ]),
+        ),
+    )
+        .prop_map(|(into, forward, defect)| BatchGradCall {
+            into,
+            forward,
+            defect,
+        })
+        .boxed()
+}
+
+fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Result<(), String> {
+    let inputs = case.build();
+    let opts = inputs.options();
+    let (qf, kf, vf) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
+    let (qd, kd, vd) = (
+        inputs.q.convert(T::from_f32),
+        inputs.k.convert(T::from_f32),
+        inputs.v.convert(T::from_f32),
+    );
+    let (q, k, v) = (
+        tview(&qd, inputs.q.dims, inputs.q.strides),
+        tview(&kd, inputs.k.dims, inputs.k.strides),
+        tview(&vd, inputs.v.dims, inputs.v.strides),
+    );
+    let storage = dtype_of::<T>();
+    let [b, h_q, n_q, _] = qf.dims();
+    let d_v = vf.dims()[3];
+    let dims = [b, h_q, n_q, d_v];
+    if matches!(
+        expect_batched(qf.dims(), kf.dims(), vf.dims(), &opts, Outputs::NONE),
+        BatchExpected::TooMuchWork
+    ) {
+        return Ok(());
+    }
+    let mut g = Gen(case.head.seed ^ 0xB0B0);
+    let forward = if call.forward {
+        returns("attention_batched_with_lse", || {
+            attention_batched_with_lse(q, k, v, &opts)
+        })?
+        .ok()
+        .map(|(o, l)| {
+            (
+                o.into_vec()
+                    .into_iter()
+                    .map(T::to_f32)
+                    .collect::<Vec<f32>>(),
+                l,
+            )
+        })
+    } else {
+        None
+    };
+    let forward_given = forward.is_some();
+    let rows = b * h_q * n_q;
+    let (mut out, mut lse) = forward.unwrap_or_else(|| {
+        let o = (0..rows * d_v)
+            .map(|_| g.fill(Fill::NonFinite, storage))
+            .collect();
+        let l = (0..rows)
+            .map(|_| g.fill(Fill::NonFinite, Dtype::F32) * 10.0)
+            .collect();
+        (o, l)
+    });
+    let mut grad: Vec<f32> = (0..rows * d_v)
+        .map(|_| g.fill(Fill::Unit, storage))
+        .collect();
+    let (mut grad_dims, mut out_dims) = (dims, dims);
+    match call.defect {
+        Some(GradDefect::GradOutRows) => {
+            grad_dims[2] += 1;
+            grad = vec![0.5; grad_dims.iter().product()];
+        }
+        Some(GradDefect::OutRows) => {
+            out_dims[2] += 1;
+            out = vec![0.5; out_dims.iter().product()];
+        }
+        Some(GradDefect::LseLength) => lse.push(0.0),
+        _ => {}
+    }
+    let bhsd = |d: [usize; 4]| attn_core::Layout::Bhsd.strides(d);
+    let (grad_t, out_t): (Vec<T>, Vec<T>) = (
+        grad.iter().map(|&x| T::from_f32(x)).collect(),
+        out.iter().map(|&x| T::from_f32(x)).collect(),
+    );
+    let (gv, ov) = (
+        tview(&grad_t, grad_dims, bhsd(grad_dims)),
+        tview(&out_t, out_dims, bhsd(out_dims)),
+    );
+    let (gvf, ovf) = (
+        tview(&grad, grad_dims, bhsd(grad_dims)),
+        tview(&out, out_dims, bhsd(out_dims)),
+    );
+    let want = expect_batched_backward(
+        qf.dims(),
+        kf.dims(),
+        vf.dims(),
+        grad_dims,
+        out_dims,
+        lse.len(),
+        &opts,
+        call.into.is_none(),
+    );
+    let check = |name: &str, got: Result<[attn_core::Tensor4<f32>; 3], attn_core::Error>| {
+        let got = got
+            .as_ref()
+            .map(|[a, b, c]| [a.as_ref(), b.as_ref(), c.as_ref()])
+            .map_err(Clone::clone);
+        check_batched_backward(
+            &want,
+            [qf, kf, vf, gvf, ovf],
+            &lse,
+            &opts,
+            &model(storage),
+            forward_given,
+            &inputs.head.planted,
+            got,
+        )
+        .map_err(|m| format!("{name}: {m}"))
+    };
+    let widen_t = |t: attn_core::Tensor4<T>| -> attn_core::Tensor4<f32> {
+        let dims = t.dims();
+        attn_core::Tensor4::from_vec(t.into_vec().into_iter().map(T::to_f32).collect(), dims)
+            .expect("same dims")
+    };
+    match call.into {
+        None => {
+            let got = returns("attention_backward_batched", || {
+                attention_backward_batched(gv, q, k, v, ov, &lse, &opts)
+            })?;
+            check(
+                "attention_backward_batched",
+                got.map(|g| [widen_t(g.dq), widen_t(g.dk), widen_t(g.dv)]),
+            )
+        }
+        Some(f32_grads) => {
+            #[allow(clippy::type_complexity)] // the call's arguments, passed through
+            fn into<T: Element, G: Element>(
+                dims: [[usize; 4]; 3],
+                args: (
+                    Tensor4Ref<'_, T>,
+                    [Tensor4Ref<'_, T>; 3],
+                    Tensor4Ref<'_, T>,
+                    &[f32],
+                    &Options<'_>,
+                ),
+            ) -> Result<Result<[attn_core::Tensor4<f32>; 3], attn_core::Error>, String>
+            {
+                let mut bufs: Vec<Vec<G>> = dims
+                    .iter()
+                    .map(|d| vec![G::from_f32(f32::NAN); d.iter().product()])
+                    .collect();
+                let (grad, [q, k, v], out, lse, opts) = args;
+                let [a, b, c] = &mut bufs[..] else {
+                    unreachable!()
+                };
+                fn view<G>(buf: &mut [G], d: [usize; 4]) -> Tensor4Mut<'_, G> {
+                    Tensor4Mut::new(buf, d, attn_core::Layout::Bshd.strides(d)).expect("fits")
+                }
+                let r = returns("attention_backward_batched_into", || {
+                    attention_backward_batched_into(
+                        view(a, dims[0]),
+                        view(b, dims[1]),
+                        view(c, dims[2]),
+                        grad,
+                        q,
+                        k,
+                        v,
+                        out,
+                        lse,
+                        opts,
+                    )
+                })?;
+                Ok(r.map(|()| {
+                    let t = |buf: &[G], d: [usize; 4]| {
+                        let s = attn_core::Layout::Bshd.strides(d);
+                        let view = Tensor4Ref::new(buf, d, s).expect("fits");
+                        let mut flat = Vec::with_capacity(buf.len());
+                        for bi in 0..d[0] {
+                            for h in 0..d[1] {
+                                let m = view.head(bi, h).expect("in range");
+                                for r in 0..d[2] {
+                                    for c in 0..d[3] {
+                                        flat.push(m[(r, c)].to_f32());
+                                    }
+                                }
+                            }
+                        }
+                        attn_core::Tensor4::from_vec(flat, d).expect("same dims")
+                    };
+                    [t(a, dims[0]), t(b, dims[1]), t(c, dims[2])]
+                }))
+            }
+            let dims = [qf.dims(), kf.dims(), vf.dims()];
+            let args = (gv, [q, k, v], ov, lse.as_slice(), &opts);
+            let got = if f32_grads {
+                into::<T, f32>(dims, args)?
+            } else {
+                into::<T, T>(dims, args)?
+            };
+            check("attention_backward_batched_into", got)
+        }
+    }
+}
+
+fn batched_backward_property(
+    name: &str,
+    batches: BoxedStrategy<HostileBatch>,
+    forward: bool,
+    cases: u32,
+) {
+    assert_holds(run_property(
+        name,
+        &config(),
+        cases,
+        (batches, batch_grad_call(forward)),
+        |(case, call)| with_dtype!(case.head.dtype, T => run_batch_grad::<T>(case, *call)),
+    ));
+}
+
+fn backward_batch(profile: Profile) -> BoxedStrategy<HostileBatch> {
+    hostile_batch(profile)
+        .prop_map(|mut c| {
+            c.head.n_q = c.head.n_q.min(33);
+            c.head.n_k = c.head.n_k.min(65);
+            c
+        })
+        .boxed()
+}
+
+#[test]
+fn batched_backward_moderate_and_poisoned_inputs_keep_the_contract() {
+    batched_backward_property(
+        "batched_backward",
+        prop_oneof![
+            backward_batch(Profile::Moderate),
+            backward_batch(Profile::Poison(Hiding::Structural)),
+            backward_batch(Profile::Poison(Hiding::NegInfBias)),
+            backward_batch(Profile::Poison(Hiding::BoolMask)),
+        ]
+        .boxed(),
+        true,
+        256,
+    );
+}
+
+#[test]
+fn batched_backward_anything_returns() {
+    batched_backward_property(
+        "batched_backward_anything",
+        backward_batch(Profile::Anything),
+        false,
+        256,
+    );
+}
+
+fn huge_backward_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
+    let inputs = case.build();
+    let [qf, kf, vf] = inputs.views();
+    let rows = |r: &[f32]| r.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
+    let (qr, kr, vr) = (
+        rows(&inputs.q_row),
+        rows(&inputs.k_row),
+        rows(&inputs.v_row),
+    );
+    let [n_q, n_k, n_v] = inputs.lens;
+    let (q, k, v) = (
+        broadcast_rows(&qr, n_q),
+        broadcast_rows(&kr, n_k),
+        broadcast_rows(&vr, n_v),
+    );
+    let d_v = vf.ncols();
+    // dO and O broadcast to [n_q, d_v]; an LSE of n_q entries only where n_q is small.
+    let (zf, zt) = (vec![0.0f32; d_v], vec![T::from_f32(0.0); d_v]);
+    let (of, ot) = (broadcast_rows(&zf, n_q), broadcast_rows(&zt, n_q));
+    let lse = vec![0.0f32; n_q.min(8)];
+    let opts = inputs.options();
+    let want = expect_head_backward(
+        qf,
+        kf,
+        vf,
+        of,
+        of,
+        &lse,
+        &opts,
+        &model(dtype_of::<T>()),
+        true,
+        false,
+    );
+    if matches!(want, GradExpected::TooMuchWork) {
+        return Ok(());
+    }
+    let got = returns("attention_backward", || {
+        attention_backward(ot, q, k, v, ot, &lse, &opts)
+    })?;
+    let got = got.map(|g| {
+        [
+            widen(g.dq.as_ref()),
+            widen(g.dk.as_ref()),
+            widen(g.dv.as_ref()),
+        ]
+    });
+    let got = got
+        .as_ref()
+        .map(|[a, b, c]| [a.as_ref(), b.as_ref(), c.as_ref()])
+        .map_err(Clone::clone);
+    check_head_backward(&want, got).map_err(|m| format!("attention_backward: {m}"))
+}
+
+#[test]
+fn huge_backward_shapes_fail_before_any_work() {
+    isolated(
+        "huge_backward_shapes_fail_before_any_work",
+        CHILD_TIMEOUT,
+        || {
+            assert_holds(run_property(
+                "huge_backward",
+                &config(),
+                128,
+                huge_head(),
+                |case| with_dtype!(case.dtype, T => huge_backward_calls::<T>(case)),
+            ));
+        },
+    );
+}
+
+/// `MultiHeadAttention::backward` with activations of another layer or another input, and
+/// `dY` of the wrong shape: typed errors naming the operand, no panic.
+#[test]
+fn multi_head_backward_with_mismatched_activations_is_an_error() {
+    assert_holds(run_property(
+        "multi_head_backward_mismatch",
+        &config(),
+        64,
+        (
+            1..=2usize,
+            1..=2usize,
+            1..=4usize,
+            1..=5usize,
+            0..4u8,
+            any::<u64>(),
+        ),
+        |&(h_kv, group, d, n, defect, seed)| {
+            let mut g = Gen(seed);
+            let d_model = 4;
+            let layer = |g: &mut Gen, d_k: usize| {
+                let h = h_kv * group;
+                MultiHeadWeights::new(
+                    g.mat(d_model, h * d_k, Fill::Unit, Dtype::F32),
+                    g.mat(d_model, h_kv * d_k, Fill::Unit, Dtype::F32),
+                    g.mat(d_model, h_kv * d, Fill::Unit, Dtype::F32),
+                    g.mat(h * d, d_model, Fill::Unit, Dtype::F32),
+                    h,
+                    h_kv,
+                )
+                .map(MultiHeadAttention::new)
+                .map_err(|e| format!("valid weights rejected: {e}"))
+            };
+            let (a, other) = (layer(&mut g, d)?, layer(&mut g, d + 1)?);
+            let x = g.mat(n, d_model, Fill::Unit, Dtype::F32);
+            let opts = Options::default();
+            let (y, act) = returns("forward_train", || a.forward_train(x.as_ref(), &opts))?
+                .map_err(|e| format!("forward_train failed: {e}"))?;
+            let (_, other_act) =
+                returns("forward_train", || other.forward_train(x.as_ref(), &opts))?
+                    .map_err(|e| format!("forward_train failed: {e}"))?;
+            let x_long = g.mat(n + 1, d_model, Fill::Unit, Dtype::F32);
+            let dy_bad = g.mat(n, d_model + 1, Fill::Unit, Dtype::F32);
+            let (act, xq, dy, names): (_, _, _, &[&str]) = match defect {
+                0 => (&other_act, x.as_ref(), y.as_ref(), &["activations"]),
+                1 => (&act, x_long.as_ref(), y.as_ref(), &["x_q", "activations"]),
+                2 => (&act, x.as_ref(), dy_bad.as_ref(), &["grad_y"]),
+                _ => (&act, x.as_ref(), y.as_ref(), &[]),
+            };
+            let got = returns("MultiHeadAttention::backward", || {
+                a.backward(act, xq, xq, dy, &opts)
+            })?;
+            match (got, names.is_empty()) {
+                (Ok(_), true) => Ok(()),
+                (Err(e), true) => Err(format!("a valid backward call failed: {e}")),
+                (Ok(_), false) => Err(format!(
+                    "defect {defect}: a mismatched backward call succeeded"
+                )),
+                (Err(e), false) => check_error(
+                    &Expected::Reject(vec![Rejection::named(
+                        "mismatched backward operands",
+                        names,
+                    )]),
+                    &e,
+                ),
+            }
+        },
+    ));
 }
