@@ -10,7 +10,7 @@ use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par, RowMut};
 
 use super::{Group, QueryHead};
-use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
@@ -28,6 +28,11 @@ struct RowTerms {
     /// where a weight of 0 meets it.
     q_finite: Vec<bool>,
     d_out_finite: Vec<bool>,
+    /// The head's Q and dO widened to f32 once, row-major (empty for f32 operands, which
+    /// are read in place): a query tile is visited once per key block, and widening it
+    /// every time cost half precision several per cent.
+    q: Vec<f32>,
+    d_out: Vec<f32>,
 }
 
 impl RowTerms {
@@ -60,9 +65,7 @@ pub(super) struct Scratch {
     d_v: usize,
     /// One entry per head of the group.
     rows: Vec<RowTerms>,
-    /// Q, dO, K and V tiles widened to f32 (unused for f32 inputs, read in place).
-    q_wide: Vec<f32>,
-    d_out_wide: Vec<f32>,
+    /// K and V blocks widened to f32 (unused for f32 inputs, read in place).
     k_wide: Vec<f32>,
     v_wide: Vec<f32>,
     /// Whether each key of the block has a finite K row.
@@ -97,7 +100,15 @@ impl Scratch {
                 lse2: filled("backward row terms", Some(n_q), 0.0)?,
                 q_finite: filled("backward row terms", Some(n_q), true)?,
                 d_out_finite: filled("backward row terms", Some(n_q), true)?,
+                q: Vec::new(),
+                d_out: Vec::new(),
             };
+            if T::WIDENS {
+                terms.q = zeros("backward widened Q", n_q, d_k)?;
+                terms.d_out = zeros("backward widened dO", n_q, d_v)?;
+                widen_rows(head.q, 0..n_q, &mut terms.q);
+                widen_rows(head.d_out, 0..n_q, &mut terms.d_out);
+            }
             terms.compute(head, d_v);
             rows.push(terms);
         }
@@ -106,8 +117,6 @@ impl Scratch {
             d_k,
             d_v,
             rows,
-            q_wide: zeros("backward scratch", br, d_k)?,
-            d_out_wide: zeros("backward scratch", br, d_v)?,
             k_wide: zeros("backward scratch", bc, d_k)?,
             v_wide: zeros("backward scratch", bc, d_v)?,
             k_finite: filled("backward scratch", Some(bc), true)?,
@@ -133,8 +142,6 @@ impl Scratch {
         let (d_k, d_v, nc) = (self.d_k, self.d_v, cols.len());
         let Self {
             rows: terms,
-            q_wide,
-            d_out_wide,
             k_wide,
             v_wide,
             k_finite,
@@ -166,7 +173,7 @@ impl Scratch {
                 let nr = rows.len();
                 // S = scale·log2(e)·Q Kᵀ (the scale applied to each dot product, so Q is
                 // read in place), masked, then P = 2^(S − LSE₂).
-                let q_tile = f32_rows(head.q, rows.clone(), q_wide);
+                let q_tile = tile(head.q, &terms.q, rows.clone());
                 matmul(
                     MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
                     Accum::Replace,
@@ -179,7 +186,7 @@ impl Scratch {
                 probabilities(p, br, nr, nc, &terms.lse2[rows.clone()]);
 
                 // dP = dO Vᵀ, then dS = P ∘ (dP − D).
-                let d_out_tile = f32_rows(d_out, rows.clone(), d_out_wide);
+                let d_out_tile = tile(d_out, &terms.d_out, rows.clone());
                 let mut dp = MatMut::from_column_major_slice_with_stride_mut(ds, nr, nc, br);
                 if d_v == 0 {
                     dp.fill(0.0);
@@ -269,5 +276,16 @@ impl Scratch {
                 *x = G::from_f32(self.dv[c * bc + jj]);
             }
         }
+    }
+}
+
+/// Rows `rows` of `m` as f32: in place for f32 operands, else from `wide`, the whole of
+/// `m` widened once (row-major).
+fn tile<'a, T: Element>(m: MatRef<'a, T>, wide: &'a [f32], rows: Range<usize>) -> MatRef<'a, f32> {
+    if T::WIDENS {
+        let d = m.ncols();
+        MatRef::from_row_major_slice(&wide[rows.start * d..rows.end * d], rows.len(), d)
+    } else {
+        f32_rows(m, rows, &mut [])
     }
 }
