@@ -200,20 +200,11 @@ impl<'a, T: Element> Backward<'a, T> {
             dk_rest = rest;
             let (dv_g, rest) = core::mem::take(&mut dv_rest).split_at_mut(n_k);
             dv_rest = rest;
-            let (mut dk_g, mut dv_g) = (dk_g, dv_g);
-            for b in 0..blocks {
-                let len = bc.min(n_k - b * bc);
-                let (dk_b, rest) = core::mem::take(&mut dk_g).split_at_mut(len);
-                dk_g = rest;
-                let (dv_b, rest) = core::mem::take(&mut dv_g).split_at_mut(len);
-                dv_g = rest;
+            let blocks_g = dk_g.chunks_mut(bc).zip(dv_g.chunks_mut(bc));
+            for (b, (dk, dv)) in blocks_g.enumerate() {
                 let task = &mut tasks[first + b % chunks];
-                task.work += self.block_work(&self.groups[g], b * bc..b * bc + len);
-                task.blocks.push(BlockRows {
-                    block: b,
-                    dk: dk_b,
-                    dv: dv_b,
-                });
+                task.work += self.block_work(&self.groups[g], b * bc..b * bc + dk.len());
+                task.blocks.push(BlockRows { block: b, dk, dv });
             }
         }
         // Heaviest first, so that no core idles at the end.
