@@ -32,6 +32,7 @@
 #![deny(unsafe_code)]
 
 mod backward;
+mod exact;
 mod forward;
 #[allow(unsafe_code)]
 mod kernel;

@@ -97,6 +97,59 @@ pub(crate) fn zero_weight_meets_non_finite<T: Element>(
     (0..v.nrows()).any(|j| zero_weight(j) && v.row(j).iter().any(|x| !x.to_f32().is_finite()))
 }
 
+/// `v` copied into `buf` in `v`'s own layout with its non-finite rows set to 0: the values
+/// of a block in which some row gives weight 0 to a key whose value is not finite. A product
+/// over the copy gives every row that does not see such a key the bits that any finite value
+/// there would (its weight is 0); the rows that see one add its term separately
+/// ([`add_non_finite_terms`]).
+pub(crate) fn without_non_finite_rows<'b, T: Element>(
+    v: MatRef<'_, T>,
+    buf: &'b mut Vec<T>,
+) -> MatRef<'b, T> {
+    let (n, d) = (v.nrows(), v.ncols());
+    let col_major = v.row_stride() == 1 && v.col_stride() != 1;
+    // At most one block of values, on the rare path of a hidden non-finite value.
+    buf.clear();
+    buf.resize(n * d, T::from_f32(0.0));
+    for j in (0..n).filter(|&j| finite_row(v, j)) {
+        for c in 0..d {
+            buf[if col_major { c * n + j } else { j * d + c }] = v[(j, c)];
+        }
+    }
+    if col_major {
+        MatRef::from_column_major_slice(buf, n, d)
+    } else {
+        MatRef::from_row_major_slice(buf, n, d)
+    }
+}
+
+fn finite_row<T: Element>(v: MatRef<'_, T>, j: usize) -> bool {
+    v.row(j).iter().all(|x| x.to_f32().is_finite())
+}
+
+/// The terms [`without_non_finite_rows`] left out, for the rows that see them: for each key
+/// `cols.start + jj` with a non-finite value row `v[jj]` and each query row `i` that gives
+/// it a weight `p(i, jj)` or sees it, `add(i, c, p(i, jj) · v[jj][c])` for every column.
+pub(crate) fn add_non_finite_terms<T, V: Element>(
+    head: &HeadInputs<'_, T>,
+    (rows, cols): (Range<usize>, Range<usize>),
+    v: MatRef<'_, V>,
+    p: impl Fn(usize, usize) -> f32,
+    mut add: impl FnMut(usize, usize, f32),
+) {
+    for jj in (0..v.nrows()).filter(|&jj| !finite_row(v, jj)) {
+        let j = cols.start + jj;
+        for (i, row) in rows.clone().enumerate() {
+            let pij = p(i, jj);
+            if pij != 0.0 || head.mask.sees(head.mask_row(row), j) {
+                for (c, x) in v.row(jj).iter().enumerate() {
+                    add(i, c, pij * x.to_f32());
+                }
+            }
+        }
+    }
+}
+
 /// The score of query `row` and key `j`, which the structural constraints leave visible,
 /// under the element-wise masks: `-inf` where the boolean mask blocks it or its bias is
 /// `-inf` (assigned, so a non-finite score of a hidden key never reaches the row), else

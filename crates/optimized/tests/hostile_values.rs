@@ -351,3 +351,149 @@ fn batched_lse_with_zero_width_values_is_the_single_head_one() {
         }
     }
 }
+
+/// The largest `|x − y|` over two matrices, relative to the largest finite `|y|`. Where
+/// `y` is infinite (an exact value beyond f32, rounded), `x` must be the same infinity;
+/// anything else not finite is NaN.
+fn relative_error(a: MatRef<'_, f32>, b: MatRef<'_, f32>) -> f32 {
+    let mut scale = 0.0f32;
+    let mut err = 0.0f32;
+    for i in 0..a.nrows() {
+        for j in 0..a.ncols() {
+            let (x, y) = (a[(i, j)], b[(i, j)]);
+            if y.is_infinite() && x == y {
+                continue;
+            }
+            if !x.is_finite() || !y.is_finite() {
+                return f32::NAN;
+            }
+            scale = scale.max(y.abs());
+            err = err.max((x - y).abs());
+        }
+    }
+    if scale == 0.0 { err } else { err / scale }
+}
+
+/// Queries `[x, x]` against keys `[c, −c]`: every product overflows f32 (`1e20 · 1e20`), the
+/// dot products are exactly 0. Summed in f32 they are NaN (`inf − inf`); the engine must
+/// recompute them and give the uniform average of the values, as the reference does — on
+/// the GEMM tiles (6, 130 queries), the row tiles (1 query), split-KV (1 query, 3000 keys)
+/// and with a scale that takes `q · scale·log2(e)` itself beyond f32.
+#[test]
+fn dot_products_that_overflow_and_cancel_are_recomputed_exactly() {
+    for (n_q, n_k, x, scale) in [
+        (6, 5, 1e20f32, None),
+        (130, 20, 3e19, None),
+        (1, 7, 1e20, None),
+        (1, 3000, 2e20, None),
+        (5, 9, 1e10, Some(1e30f32)),
+        (1, 9, 1e10, Some(1e30)),
+    ] {
+        let q = Mat::<f32>::from_fn(n_q, 2, |i, _| x * (1.0 + i as f32 / 8.0));
+        let k = Mat::<f32>::from_fn(n_k, 2, |j, c| {
+            let c_j = 1e20 * (1.0 + (j % 5) as f32);
+            if c == 0 { c_j } else { -c_j }
+        });
+        let v = data(n_k, 3, 4);
+        let opts = scale.map_or(Options::default(), |s| Options::default().with_scale(s));
+        let mean = Mat::<f32>::from_fn(n_q, 3, |_, c| {
+            (0..n_k).map(|j| v[(j, c)]).sum::<f32>() / n_k as f32
+        });
+        let (o, lse) =
+            attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+                .expect("optimized");
+        assert_close(&format!("{n_q}×{n_k}"), o.as_ref(), mean.as_ref(), 1e-5);
+        let uniform = (n_k as f32).ln();
+        assert!(lse.iter().all(|l| (l - uniform).abs() < 1e-5), "{lse:?}");
+        let r = attn_reference::attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .expect("reference");
+        assert_close(
+            &format!("reference {n_q}×{n_k}"),
+            r.as_ref(),
+            mean.as_ref(),
+            1e-5,
+        );
+    }
+}
+
+/// Values near `f32::MAX`: the unnormalised `Σ p·v` of the streaming engine overflows f32
+/// while the output (a weighted average) does not. The row is recomputed exactly.
+#[test]
+fn values_near_f32_max_give_their_average() {
+    for (n_q, n_k) in [(6, 40), (130, 300), (1, 9), (1, 3000)] {
+        let q = data(n_q, 4, 1);
+        let k = data(n_k, 4, 2);
+        let v = Mat::<f32>::from_fn(n_k, 3, |j, c| {
+            f32::MAX
+                * (0.5 + 0.5 * ((j * 3 + c) % 7) as f32 / 7.0)
+                * if c == 1 { -1.0 } else { 1.0 }
+        });
+        let opts = Options::default().with_causal(Causal::BottomRight);
+        let (o, lse) =
+            attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+                .expect("optimized");
+        let m = attn_reference::attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .expect("reference");
+        let want = Mat::<f32>::from_fn(n_q, 3, |i, c| m.output[(i, c)] as f32);
+        let err = relative_error(o.as_ref(), want.as_ref());
+        assert!(err < 1e-5, "{n_q}×{n_k}: relative error {err}");
+        for (l, r) in lse.iter().zip(&m.lse) {
+            assert!((f64::from(*l) - r).abs() < 1e-4, "{l} vs {r}");
+        }
+    }
+}
+
+/// The backward pass with the same hostile magnitudes: dot products that overflow and
+/// cancel (recomputed in the score tiles), and values near `f32::MAX` whose `dP = dO Vᵀ`
+/// overflows in f32 (`0.6·MAX + 0.6·MAX − 0.6·MAX`) while nothing exact does (those gradient
+/// rows are recomputed). Gradients finite, and the reference's.
+#[test]
+fn backward_gradients_survive_products_that_overflow_f32() {
+    let small = |n: usize, d: usize, seed: usize| {
+        let m = data(n, d, seed);
+        Mat::<f32>::from_fn(n, d, |i, j| 0.05 * m[(i, j)])
+    };
+    for (n_q, n_k, huge_v) in [(6, 5, false), (130, 20, false), (6, 40, true), (1, 9, true)] {
+        let (q, k, v, d_out) = if huge_v {
+            let v = Mat::<f32>::from_fn(n_k, 3, |j, c| {
+                f32::MAX * (0.5 + 0.1 * ((j + c) % 3) as f32 / 2.0)
+            });
+            let d_out = Mat::<f32>::from_fn(n_q, 3, |i, c| {
+                (1.0 + i as f32 / 64.0) * if c == 2 { -1.0 } else { 1.0 }
+            });
+            (small(n_q, 2, 1), small(n_k, 2, 2), v, d_out)
+        } else {
+            let q = Mat::<f32>::from_fn(n_q, 2, |i, _| 1e20 * (1.0 + i as f32 / 8.0));
+            let k = Mat::<f32>::from_fn(n_k, 2, |j, c| {
+                let c_j = 1e20 * (1.0 + (j % 5) as f32);
+                if c == 0 { c_j } else { -c_j }
+            });
+            (q, k, data(n_k, 3, 4), data(n_q, 3, 7))
+        };
+        let opts = Options::default();
+        let (o, lse) =
+            attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+                .expect("forward");
+        let args = (
+            d_out.as_ref(),
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            o.as_ref(),
+        );
+        let g =
+            attn_optimized::attention_backward(args.0, args.1, args.2, args.3, args.4, &lse, &opts)
+                .expect("backward");
+        let r =
+            attn_reference::attention_backward(args.0, args.1, args.2, args.3, args.4, &lse, &opts)
+                .expect("reference backward");
+        for (name, a, b) in [
+            ("dQ", &g.dq, &r.dq),
+            ("dK", &g.dk, &r.dk),
+            ("dV", &g.dv, &r.dv),
+        ] {
+            let err = relative_error(a.as_ref(), b.as_ref());
+            assert!(err < 1e-3, "{name} {n_q}×{n_k}: relative error {err}");
+        }
+    }
+}

@@ -506,13 +506,11 @@ fn extreme_finite_biases_stay_finite() {
 }
 
 #[test]
-#[ignore = "known limit (issue 13, open): q·k partial sums that overflow f32 and cancel give NaN"]
 fn extreme_finite_queries_and_keys_stay_finite() {
     single_head_property("single_head_extreme_qk", Profile::ExtremeQk, 1024);
 }
 
 #[test]
-#[ignore = "known limit (issue 13, open): the unnormalised Σ p·v overflows for |V| near f32::MAX"]
 fn extreme_finite_values_stay_finite() {
     single_head_property("single_head_extreme_v", Profile::ExtremeV, 1024);
 }
@@ -523,13 +521,11 @@ fn window_bounds_and_key_lengths_at_the_extremes() {
 }
 
 #[test]
-#[ignore = "known limit (issue 13, open): scales near the limit make q·k partial sums overflow f32 and cancel (NaN)"]
 fn scales_at_the_extremes_are_honoured_or_invalid_scale() {
     single_head_property("single_head_scales", Profile::Scales, 1024);
 }
 
 #[test]
-#[ignore = "known limit (issue 13, open): q·k partial sums that overflow f32 and cancel give NaN"]
 fn anything_at_all_returns_and_keeps_the_contract() {
     single_head_property("single_head_anything", Profile::Anything, 1536);
 }
@@ -588,7 +584,6 @@ fn unbounded_window_sides_act_as_no_bound() {
 /// unaffected, bit for bit — the same call with `-0.0` where the poisons were gives the
 /// same bits in every row the poison must not reach.
 #[test]
-#[ignore = "known limit (issue 13, open): the exact path of a block holding a hidden poison rounds differently (1 ulp) for the other rows"]
 fn hidden_poison_changes_no_other_row_bit_for_bit() {
     assert_holds(run_property(
         "poison_bit_for_bit",
@@ -939,7 +934,6 @@ fn batched_extreme_options_and_values() {
 }
 
 #[test]
-#[ignore = "known limit (issue 13, open): q·k partial sums that overflow f32 and cancel give NaN"]
 fn batched_anything_at_all_returns_and_keeps_the_contract() {
     batched_property("batched_anything", Profile::Anything, 768);
 }
@@ -1608,7 +1602,6 @@ fn model_of(storage: Dtype) -> ErrorModel {
 }
 
 #[test]
-#[ignore = "known limit (issue 13, open): scales near the limit make q·k overflow f32 and cancel (NaN)"]
 fn kv_cache_calls_keep_the_contract() {
     assert_holds(run_property(
         "kv_cache_sequences",
@@ -1622,7 +1615,6 @@ fn kv_cache_calls_keep_the_contract() {
 /// Cached tokens at the finite extremes (decoding's row kernels on scores and values
 /// beyond f32): the rows stay finite.
 #[test]
-#[ignore = "known limit (issue 13, open): q·k overflow and Σ p·v overflow for extreme finite tokens"]
 fn kv_cache_extreme_tokens_stay_finite() {
     assert_holds(run_property(
         "kv_cache_extreme_tokens",

@@ -10,7 +10,9 @@ use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par, RowMut};
 
 use super::{Group, QueryHead};
+use crate::exact::rescore;
 use crate::kernel::element::{Element, f32_rows, widen_rows};
+use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
@@ -182,6 +184,15 @@ impl Scratch {
                     head.scale_log2,
                     Par::Seq,
                 );
+                if !tile_is_finite(p, br, nr, nc) {
+                    // A dot product of finite rows that overflowed f32: exact, as in the
+                    // forward pass (whose LSE counted the exact score).
+                    let (q, k) = (
+                        head.q.subrows(rows.start, nr),
+                        group.k.subrows(cols.start, nc),
+                    );
+                    rescore(p, (1, br), q, k, head.scale_log2, None);
+                }
                 mask_tile(p, br, head, (rows.clone(), cols.clone()), coverage);
                 probabilities(p, br, nr, nc, &terms.lse2[rows.clone()]);
 

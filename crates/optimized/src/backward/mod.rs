@@ -25,9 +25,10 @@ use attn_core::{
     BatchShape, Error, HeadMask, HeadShape, Options, Result, Tensor4Ref, TileCoverage,
     validate_batch_backward, validate_head_backward,
 };
-use faer::reborrow::ReborrowMut;
+use faer::reborrow::{Reborrow, ReborrowMut};
 use faer::{MatRef, RowMut};
 
+use crate::exact;
 use crate::kernel::element::Element;
 use crate::problem::{HeadInputs, element_count, zeroed};
 use crate::schedule::{Order, TilePlan, for_each_index, key_chunks};
@@ -185,7 +186,7 @@ impl<'a, T: Element> Backward<'a, T> {
         // Deal each group's key blocks (and their output rows) to its chunks in turn.
         let mut tasks: Vec<Task<'_, '_, G>> = Vec::with_capacity(tasks_n);
         let mut parts = partials.chunks_mut(per_task.max(1));
-        let (mut dk_rest, mut dv_rest) = (dk, dv);
+        let (mut dk_rest, mut dv_rest) = (&mut *dk, &mut *dv);
         for g in 0..self.groups.len() {
             let first = tasks.len();
             for _ in 0..chunks {
@@ -240,7 +241,79 @@ impl<'a, T: Element> Backward<'a, T> {
                 }
             }
         }
+        self.repair_overflowed(dq, dk, dv);
         Ok(())
+    }
+
+    /// Recomputes exactly ([`exact::repair_gradients`]) the gradient rows that left the
+    /// finite range although everything they depend on is finite: f32 partial sums that
+    /// overflowed (operands beyond about 1e19). Every other row keeps its bits.
+    fn repair_overflowed<G: Element>(
+        &self,
+        dq: &mut [RowMut<'_, G>],
+        dk: &mut [RowMut<'_, G>],
+        dv: &mut [RowMut<'_, G>],
+    ) {
+        let HeadShape { n_q, n_k, .. } = self.shape;
+        let finite = |r: &RowMut<'_, G>| r.rb().iter().all(|x| x.to_f32().is_finite());
+        let write = |row: &mut RowMut<'_, G>, values: &[f64]| {
+            for (x, &y) in row.rb_mut().iter_mut().zip(values) {
+                *x = G::from_f32(y as f32);
+            }
+        };
+        let per_group = self.group * n_q;
+        for (g, group) in self.groups.iter().enumerate() {
+            let dq_g = &mut dq[g * per_group..(g + 1) * per_group];
+            let (dk_g, dv_g) = (
+                &mut dk[g * n_k..(g + 1) * n_k],
+                &mut dv[g * n_k..(g + 1) * n_k],
+            );
+            if dq_g.iter().all(finite) && dk_g.iter().all(finite) && dv_g.iter().all(finite) {
+                continue;
+            }
+            let heads: Vec<exact::BackwardHead<'_, T>> = group
+                .heads
+                .iter()
+                .zip(self.head_inputs(group))
+                .map(|(h, inputs)| exact::BackwardHead {
+                    inputs,
+                    d_out: h.d_out,
+                    out: h.out,
+                    lse: h.lse,
+                })
+                .collect();
+            let bad_dq: Vec<bool> = dq_g.iter().map(|r| !finite(r)).collect();
+            let bad_key: Vec<bool> = (0..n_k)
+                .map(|j| !finite(&dk_g[j]) || !finite(&dv_g[j]))
+                .collect();
+            let _ = exact::repair_gradients(
+                &heads,
+                self.scale,
+                (|h, i| bad_dq[h * n_q + i], |j| bad_key[j]),
+                |h, i, x| write(&mut dq_g[h * n_q + i], x),
+                |j, k, v| {
+                    write(&mut dk_g[j], k);
+                    write(&mut dv_g[j], v);
+                },
+            );
+        }
+    }
+
+    /// The [`HeadInputs`] of each query head of `group`.
+    fn head_inputs<'g>(&self, group: &'g Group<'a, T>) -> Vec<HeadInputs<'g, T>> {
+        group
+            .heads
+            .iter()
+            .map(|h| HeadInputs {
+                q: h.q,
+                k: group.k,
+                v: group.v,
+                key_base: 0,
+                mask: group.mask,
+                scale_log2: self.scale * core::f32::consts::LOG2_E,
+                stacked: false,
+            })
+            .collect()
     }
 
     /// Query rows that see some key of `cols`, over the group's heads: the task's weight.
@@ -274,19 +347,7 @@ impl<'a, T: Element> Backward<'a, T> {
         let mut scratch = key_block::Scratch::new(self.plan, &self.shape, group)?;
         let HeadShape { n_q, d_k, .. } = self.shape;
         let bc = self.plan.bc;
-        let heads: Vec<HeadInputs<'_, T>> = group
-            .heads
-            .iter()
-            .map(|h| HeadInputs {
-                q: h.q,
-                k: group.k,
-                v: group.v,
-                key_base: 0,
-                mask: group.mask,
-                scale_log2: self.scale * core::f32::consts::LOG2_E,
-                stacked: false,
-            })
-            .collect();
+        let heads = self.head_inputs(group);
         for BlockRows { block, dk, dv } in task.blocks {
             let cols = block * bc..block * bc + dk.len();
             scratch.key_block(group, &heads, cols, task.dq, n_q * d_k);

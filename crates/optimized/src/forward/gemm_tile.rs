@@ -5,13 +5,19 @@ use core::ops::Range;
 
 use attn_core::TileCoverage;
 use faer::linalg::matmul::matmul;
+use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par};
 
 use super::Scratch;
+use crate::exact::rescore;
 use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update};
-use crate::mask::{key_blocks, mask_tile, zero_weight_meets_non_finite};
+use crate::mask::{
+    add_non_finite_terms, key_blocks, mask_tile, without_non_finite_rows,
+    zero_weight_meets_non_finite,
+};
 use crate::problem::HeadInputs;
 use crate::schedule::TilePlan;
 
@@ -29,14 +35,20 @@ impl Scratch {
         let nr = rows.len();
         let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
         // Q tile, scaled once, column-major.
+        self.rescaled[..nr].fill(false);
         for c in 0..d_k {
             let col = &mut self.q[c * br..c * br + nr];
             for (i, x) in col.iter_mut().enumerate() {
                 // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
-                // inf (inf · 0 = NaN where the score is 0).
-                *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
+                // inf (inf · 0 = NaN where the score is 0); the row's scores are then
+                // recomputed exactly.
+                let q = head.q[(rows.start + i, c)].to_f32();
+                let scaled = q * head.scale_log2;
+                self.rescaled[i] |= scaled.is_infinite() && q.is_finite();
+                *x = saturate(scaled);
             }
         }
+        let rescaled = self.rescaled[..nr].contains(&true);
         self.acc.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
@@ -57,6 +69,11 @@ impl Scratch {
                     1.0,
                     Par::Seq,
                 );
+            }
+            if rescaled || !tile_is_finite(&self.s, br, nr, nc) {
+                let (q, k) = (head.q.subrows(rows.start, nr), head.k.subrows(local, nc));
+                let rescaled = Some(&self.rescaled[..nr]);
+                rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled);
             }
             mask_tile(
                 &mut self.s,
@@ -82,17 +99,22 @@ impl Scratch {
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
             let zero_weight = |jj: usize| (0..nr).any(|i| self.s[jj * br + i] == 0.0);
             if masked && zero_weight_meets_non_finite(v_tile, zero_weight) {
-                // A hidden key must contribute nothing, not 0·V_j (NaN for a non-finite V_j).
-                for (i, row) in rows.clone().enumerate() {
-                    for (jj, j) in cols.clone().enumerate() {
-                        let pij = p[(i, jj)];
-                        if pij != 0.0 || head.mask.sees(head.mask_row(row), j) {
-                            for c in 0..d_v {
-                                acc[(i, c)] += pij * v_tile[(jj, c)];
-                            }
-                        }
-                    }
-                }
+                // A hidden key must contribute nothing, not 0·V_j (NaN for a non-finite V_j):
+                // the product runs without the non-finite rows, whose terms the rows that
+                // see them add alone, so the other rows get the bits they would get anyway.
+                let mut buf = Vec::new();
+                let clean = without_non_finite_rows(v_tile, &mut buf);
+                matmul(acc.rb_mut(), Accum::Add, p, clean, 1.0, Par::Seq);
+                let at = (rows.clone(), cols.clone());
+                add_non_finite_terms(
+                    head,
+                    at,
+                    v_tile,
+                    |i, jj| p[(i, jj)],
+                    |i, c, x| {
+                        acc[(i, c)] += x;
+                    },
+                );
             } else {
                 matmul(acc, Accum::Add, p, v_tile, 1.0, Par::Seq);
             }

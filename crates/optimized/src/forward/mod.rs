@@ -22,7 +22,9 @@ use attn_core::{Error, PartialState, Result, Tensor4Mut};
 use faer::reborrow::ReborrowMut;
 use faer::{Mat, MatMut, RowMut};
 
+use crate::exact;
 use crate::kernel::element::Element;
+use crate::kernel::finite::tile_is_finite;
 use crate::problem::{Batched, HeadInputs, HeadJob, Problem};
 use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
 
@@ -151,7 +153,19 @@ pub(crate) fn run<T: Element, O: Element>(
         };
         Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
             scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone());
-            scratch.write_normalised(task.rows.len(), task.out, task.lse);
+            let (rows, out, mut lse) = (task.rows.clone(), task.out, task.lse);
+            scratch.write_normalised(rows.len(), out, lse.as_deref_mut());
+            if !scratch.accumulators_finite(rows.len()) {
+                let bad = |i: usize| !scratch.row_finite(i);
+                exact::repair_rows(&task.inputs, rows, task.keys, bad, |i, o, l| {
+                    for (x, &y) in out[i].rb_mut().iter_mut().zip(o) {
+                        *x = O::from_f32(y as f32);
+                    }
+                    if let Some(lse) = lse.as_deref_mut() {
+                        lse[i] = l;
+                    }
+                });
+            }
         })
     });
 }
@@ -186,6 +200,9 @@ pub(crate) struct Scratch {
     l: Vec<f32>,
     alpha: Vec<f32>,
     m_safe: Vec<f32>,
+    /// Whether scaling row `i` of the query tile by `scale·log2(e)` left f32 (its scores
+    /// are then recomputed exactly, see [`crate::exact`]).
+    rescaled: Vec<bool>,
     /// K and V tiles widened to f32 (empty for f32 inputs, which are read in place,
     /// unless the tile is small enough for the row kernels, which may stream a copy).
     k_wide: Vec<f32>,
@@ -217,6 +234,7 @@ impl Scratch {
             l: vec![0.0; br],
             alpha: vec![0.0; br],
             m_safe: vec![0.0; br],
+            rescaled: vec![false; br],
             k_wide: vec![0.0; wide * d_k],
             v_wide: vec![0.0; wide * d_v],
             acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
@@ -296,12 +314,44 @@ impl Scratch {
         }
     }
 
-    /// The tile's `rows` rows as a partial state (output and LSE), built in one pass.
-    fn partial_state(&self, rows: usize) -> PartialState {
-        let d_v = self.shape.d_v;
-        let out = Mat::from_fn(rows, d_v, |i, c| self.normalised(i, c));
-        let lse = (0..rows).map(|i| self.lse_row(i)).collect();
+    /// The tile's `rows` rows as a partial state (output and LSE) over the keys `keys`,
+    /// built in one pass; rows whose accumulator overflowed are recomputed exactly.
+    fn partial_state<T: Element>(
+        &self,
+        head: &HeadInputs<'_, T>,
+        rows: Range<usize>,
+        keys: Range<usize>,
+    ) -> PartialState {
+        let (n, d_v) = (rows.len(), self.shape.d_v);
+        let mut out = Mat::from_fn(n, d_v, |i, c| self.normalised(i, c));
+        let mut lse: Vec<f32> = (0..n).map(|i| self.lse_row(i)).collect();
+        if !self.accumulators_finite(n) {
+            let bad = |i: usize| !self.row_finite(i);
+            exact::repair_rows(head, rows, keys, bad, |i, o, l| {
+                for (c, &y) in o.iter().enumerate() {
+                    out[(i, c)] = y as f32;
+                }
+                lse[i] = l;
+            });
+        }
         PartialState::new(out, lse).expect("one LSE per row by construction")
+    }
+
+    /// Whether the accumulators and sums of the tile's first `rows` rows are all finite:
+    /// the test in front of the exact repair of rows whose `Σ p·v` overflowed.
+    fn accumulators_finite(&self, rows: usize) -> bool {
+        let (d_v, br) = (self.shape.d_v, self.plan.br);
+        let acc = if self.row_tile {
+            tile_is_finite(&self.acc_rows, d_v, d_v, rows)
+        } else {
+            tile_is_finite(&self.acc, br, rows, d_v)
+        };
+        acc && tile_is_finite(&self.l, rows, rows, 1)
+    }
+
+    /// Whether row `i` of `acc / l` is finite.
+    fn row_finite(&self, i: usize) -> bool {
+        self.l[i].is_finite() && (0..self.shape.d_v).all(|c| self.normalised(i, c).is_finite())
     }
 
     /// Row `i`, column `c` of `acc / l`.

@@ -12,11 +12,16 @@ use core::ops::Range;
 use attn_core::TileCoverage;
 
 use super::Scratch;
+use crate::exact::rescore;
 use crate::kernel::element::{Element, row_slices};
+use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::softmax_row;
 use crate::kernel::rows::{RowKernels, accumulate, scores};
-use crate::mask::{key_blocks, mask_row, zero_weight_meets_non_finite};
+use crate::mask::{
+    add_non_finite_terms, key_blocks, mask_row, without_non_finite_rows,
+    zero_weight_meets_non_finite,
+};
 use crate::problem::HeadInputs;
 use crate::schedule::{KEY_TILE, TilePlan};
 
@@ -43,13 +48,19 @@ impl Scratch {
         let TilePlan { bc, .. } = self.plan;
         let nr = rows.len();
         let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
+        self.rescaled[..nr].fill(false);
         for (i, q) in self.q.chunks_exact_mut(d_k).take(nr).enumerate() {
             for (c, x) in q.iter_mut().enumerate() {
                 // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
-                // inf (inf · 0 = NaN where the score is 0).
-                *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
+                // inf (inf · 0 = NaN where the score is 0); the row's scores are then
+                // recomputed exactly.
+                let q = head.q[(rows.start + i, c)].to_f32();
+                let scaled = q * head.scale_log2;
+                self.rescaled[i] |= scaled.is_infinite() && q.is_finite();
+                *x = saturate(scaled);
             }
         }
+        let rescaled = self.rescaled[..nr].contains(&true);
         self.acc_rows.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
@@ -72,6 +83,12 @@ impl Scratch {
                     scores(q_row(i), &k[..nc], &mut s[..nc]);
                 }
             }
+            // Row-major scores: rows `bc` apart, so the tile is `nc × nr` column-major.
+            if rescaled || !tile_is_finite(&self.s, bc, nc, nr) {
+                let (q, k) = (head.q.subrows(rows.start, nr), head.k.subrows(local, nc));
+                let rescaled = Some(&self.rescaled[..nr]);
+                rescore(&mut self.s, (bc, 1), q, k, head.scale_log2, rescaled);
+            }
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
             for i in 0..nr {
                 let s = &mut self.s[i * bc..i * bc + nc];
@@ -80,34 +97,42 @@ impl Scratch {
                 self.alpha[i] = softmax_row(s, &mut self.m[i], &mut self.l[i], !masked);
             }
             let zero_weight = |jj: usize| (0..nr).any(|i| self.s[i * bc + jj] == 0.0);
+            // A hidden key must contribute nothing, not 0·V_j (NaN for a non-finite V_j):
+            // the values are then read without the non-finite rows, whose terms the rows
+            // that see them add alone, so the other rows get the bits they would anyway.
             let careful = masked && zero_weight_meets_non_finite(vb, zero_weight);
-            if let Some(kernels) = in_place.filter(|_| !careful) {
+            let mut buf = Vec::new();
+            let values = if careful {
+                without_non_finite_rows(vb, &mut buf)
+            } else {
+                vb
+            };
+            if let Some(kernels) = in_place.filter(|k| k.reads(values)) {
                 let rest = head.k.nrows() - (local + nc);
                 let next_k = head.k.subrows(local + nc, rest);
                 let accs = (&mut self.acc_rows[..nr * d_v], &self.alpha[..nr]);
-                kernels.accumulate(accs, (&self.s, bc), vb, next_k);
-                continue;
-            }
-            let mut v: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
-            row_slices(head.v, local..local + nc, &mut self.v_wide, &mut v);
-            for i in 0..nr {
-                let p = &self.s[i * bc..i * bc + nc];
-                let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
-                if careful {
-                    // A hidden key must contribute nothing, not 0·V_j (see the GEMM path).
-                    for a in acc.iter_mut() {
-                        *a *= self.alpha[i];
-                    }
-                    for ((j, &pj), vj) in cols.clone().zip(p).zip(&v[..nc]) {
-                        if pj != 0.0 || head.mask.sees(head.mask_row(rows.start + i), j) {
-                            for (a, &x) in acc.iter_mut().zip(vj.iter()) {
-                                *a += pj * x;
-                            }
-                        }
-                    }
-                } else {
+                kernels.accumulate(accs, (&self.s, bc), values, next_k);
+            } else {
+                let mut v: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
+                row_slices(values, 0..nc, &mut self.v_wide, &mut v);
+                for i in 0..nr {
+                    let p = &self.s[i * bc..i * bc + nc];
+                    let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
                     accumulate(acc, self.alpha[i], p, &v[..nc]);
                 }
+            }
+            if careful {
+                let (s, acc) = (&self.s, &mut self.acc_rows);
+                let at = (rows.clone(), cols.clone());
+                add_non_finite_terms(
+                    head,
+                    at,
+                    vb,
+                    |i, jj| s[i * bc + jj],
+                    |i, c, x| {
+                        acc[i * d_v + c] += x;
+                    },
+                );
             }
         }
     }

@@ -30,8 +30,8 @@ pub(super) fn run<T: Element, O: Element>(problem: &Problem, jobs: Vec<HeadJob<'
         let state = Scratch::with::<T, _>(plan, problem.d_k, problem.d_v, |scratch| {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let keys = chunks[j].get(c).cloned().unwrap_or(0..0);
-            scratch.attend(&jobs[j].inputs, rows.clone(), keys);
-            scratch.partial_state(rows.len())
+            scratch.attend(&jobs[j].inputs, rows.clone(), keys.clone());
+            scratch.partial_state(&jobs[j].inputs, rows, keys)
         });
         // Each index is handed out once, so the slot is empty.
         let _ = states[i].set(state);

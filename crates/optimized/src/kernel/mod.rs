@@ -10,10 +10,12 @@
 //! - [`exp2`]: the vectorisable `2^x` of the softmax.
 //! - [`online_softmax`]: the fused softmax pass over a score tile (and along one row).
 //! - [`element`]: the storage types and their widening to f32.
+//! - [`finite`]: the scan that finds a non-finite score in a tile (an overflowed `q·k`).
 //! - [`rows`]: the row kernels of tiles with very few queries (decoding).
 
 pub mod element;
 pub mod exp2;
+pub mod finite;
 pub mod online_softmax;
 pub mod rows;
 pub mod softmax_grad;
