@@ -35,20 +35,16 @@ impl Scratch {
         let nr = rows.len();
         let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
         // Q tile, scaled once, column-major.
-        self.rescaled[..nr].fill(false);
         for c in 0..d_k {
             let col = &mut self.q[c * br..c * br + nr];
             for (i, x) in col.iter_mut().enumerate() {
                 // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
                 // inf (inf · 0 = NaN where the score is 0); the row's scores are then
                 // recomputed exactly.
-                let q = head.q[(rows.start + i, c)].to_f32();
-                let scaled = q * head.scale_log2;
-                self.rescaled[i] |= scaled.is_infinite() && q.is_finite();
-                *x = saturate(scaled);
+                *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
             }
         }
-        let rescaled = self.rescaled[..nr].contains(&true);
+        let rescaled = self.mark_rescaled(head, rows.clone());
         self.acc.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);

@@ -287,6 +287,23 @@ impl Scratch {
         }
     }
 
+    /// Marks in `rescaled` the query rows `rows` of `head` whose scaling by `scale·log2(e)`
+    /// leaves f32 for some finite entry (their saturated copy is not their scores' source:
+    /// those are recomputed exactly); returns whether there is any.
+    fn mark_rescaled<T: Element>(&mut self, head: &HeadInputs<'_, T>, rows: Range<usize>) -> bool {
+        let flags = &mut self.rescaled[..rows.len()];
+        flags.fill(false);
+        // Beyond `limit` a finite entry times scale·log2(e) overflows; with the usual scales
+        // (below 1) `limit` is +inf and no row needs looking at.
+        let limit = f32::MAX / head.scale_log2;
+        if limit.is_finite() {
+            for (flag, i) in flags.iter_mut().zip(rows) {
+                *flag = head.q.row(i).iter().any(|x| x.to_f32().abs() > limit);
+            }
+        }
+        flags.contains(&true)
+    }
+
     /// Writes `acc / l` for the tile's `rows` rows into `out`, and the natural-log LSE.
     fn write_normalised<O: Element>(
         &self,
