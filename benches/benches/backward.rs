@@ -99,6 +99,7 @@ const KERNELS: [Kernel; 10] = [
 ];
 
 fn main() {
+    common::print_platform();
     let full = common::full_size();
     let s = Setup::new(full);
     let pool = pool(s.threads);

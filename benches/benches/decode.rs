@@ -68,6 +68,7 @@ fn step(inputs: &Buffers, split: SplitKv) {
 }
 
 fn main() {
+    common::print_platform();
     let full = common::full_size();
     let s = Setup::new(full);
     let pool = pool(2);

@@ -50,4 +50,10 @@ fn engines(c: &mut Criterion) {
 }
 
 criterion::criterion_group!(benches, engines);
-criterion::criterion_main!(benches);
+fn main() {
+    common::print_platform();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

@@ -74,4 +74,10 @@ fn tile(c: &mut Criterion) {
 }
 
 criterion::criterion_group!(benches, exp2, conversion, tile);
-criterion::criterion_main!(benches);
+fn main() {
+    common::print_platform();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

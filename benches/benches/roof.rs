@@ -42,4 +42,10 @@ fn bandwidth(c: &mut Criterion) {
 }
 
 criterion::criterion_group!(benches, gemm, bandwidth);
-criterion::criterion_main!(benches);
+fn main() {
+    common::print_platform();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

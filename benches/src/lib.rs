@@ -8,6 +8,8 @@
 //! - [`runner`]: one case of the report (memory of the first run, median of timed runs),
 //!   and the dispatch from (engine, dtype) to code, for the forward and the backward.
 //! - [`training`]: backward-pass inputs (the forward's output and LSE made once) and calls.
+//! - [`platform`]: the CPU and the instruction sets of attn's kernels and faer's GEMM, which
+//!   every benchmark output names.
 //! - [`catalog`], [`protocol`]: the engine names and sweep caps, and the JSON spoken between
 //!   `xtask` and the release-built `attn-bench-runner` child. They need no engine, so
 //!   `xtask` builds this crate without the default `engines` feature.
@@ -26,6 +28,7 @@
 
 pub mod catalog;
 pub mod memory;
+pub mod platform;
 pub mod protocol;
 
 #[cfg(feature = "engines")]

@@ -1,14 +1,26 @@
 //! What machine the report was measured on.
 
+use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
+
+use attn_benches::platform::{Platform, cpu_model};
 
 use serde::{Deserialize, Serialize};
+
+use crate::child::ask;
 
 /// The facts that make two reports comparable, or explain why they are not.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Machine {
-    /// `model name` from /proc/cpuinfo.
+    /// `model name` from /proc/cpuinfo, with its family and model numbers.
     pub cpu: String,
+    /// The instruction set attn's kernels ran with, as the runner reported it.
+    #[serde(default)]
+    pub kernels: String,
+    /// The instruction set faer's GEMM chose, as the runner reported it.
+    #[serde(default)]
+    pub faer_gemm: String,
     /// Logical CPUs available to this process.
     pub cores: usize,
     /// The SIMD extensions faer and the engines dispatch on at run time.
@@ -22,8 +34,10 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// Reads /proc and asks rustc; unknown facts read "unknown".
-    pub fn describe() -> Self {
+    /// Reads /proc, asks rustc and asks `runner` which instruction sets it runs; unknown
+    /// facts read "unknown".
+    pub fn describe(runner: &Path) -> Self {
+        let platform = ask::<_, Platform>(runner, "platform", &(), Duration::from_secs(30)).ok();
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let field = |name: &str| {
             cpuinfo
@@ -57,7 +71,11 @@ impl Machine {
             .filter(|v| !v.is_empty())
             .unwrap_or_else(|| "unknown".into());
         Machine {
-            cpu: field("model name").unwrap_or_else(|| "unknown".into()),
+            cpu: platform.as_ref().map_or_else(cpu_model, |p| p.cpu.clone()),
+            kernels: platform
+                .as_ref()
+                .map_or_else(|| "unknown".into(), |p| p.kernels.clone()),
+            faer_gemm: platform.map_or_else(|| "unknown".into(), |p| p.faer_gemm),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             simd,
             memory_gib,

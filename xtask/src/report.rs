@@ -475,6 +475,7 @@ fn fits_of(report: &Report, pass: Pass) -> Vec<&Fit> {
 /// The terminal summary: roofs, cases, exponents; the backward pass's after the forward's.
 pub fn terminal(report: &Report) -> String {
     let mut s = String::new();
+    let _ = writeln!(s, "{}", isa_line(&report.machine));
     let _ = writeln!(s, "{}", roof_line(&report.roofs.gemm));
     let _ = writeln!(s, "{}", roof_line(&report.roofs.bandwidth));
     for pass in passes(report) {
@@ -498,6 +499,24 @@ pub fn terminal(report: &Report) -> String {
         ));
     }
     s
+}
+
+/// The CPU and the instruction sets the figures were measured with: a rate read against the
+/// wrong machine (an AVX2-only CPU for an AVX-512 one) misleads.
+fn isa_line(m: &Machine) -> String {
+    let or_unknown = |x: &str| {
+        if x.is_empty() {
+            "unknown".to_string()
+        } else {
+            x.to_string()
+        }
+    };
+    format!(
+        "CPU: {} · attn kernels: {} · faer GEMM: {}",
+        m.cpu,
+        or_unknown(&m.kernels),
+        or_unknown(&m.faer_gemm)
+    )
 }
 
 /// `report.md`.
@@ -544,6 +563,7 @@ pub fn markdown(report: &Report, plots: &[(&str, &str)]) -> String {
         m.os,
         m.rustc
     );
+    let _ = writeln!(s, "{}\n", isa_line(m));
     let load = |l: Option<f64>| l.map_or("?".into(), |l| format!("{l:.2}"));
     let _ = writeln!(
         s,
@@ -694,6 +714,8 @@ mod tests {
             },
             machine: Machine {
                 cpu: "cpu".into(),
+                kernels: "AVX-512".into(),
+                faer_gemm: "AVX-512".into(),
                 cores: 2,
                 simd: Vec::new(),
                 memory_gib: None,

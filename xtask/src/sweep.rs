@@ -97,7 +97,7 @@ fn roof_from(what: String, unit: &str, measured: Vec<Result<RoofReport, String>>
 pub fn run(s: &Settings) -> Result<(), String> {
     let runner = build_runner()?;
     let started = Instant::now();
-    let machine = Machine::describe();
+    let machine = Machine::describe(&runner);
     let load_start = load_average();
     let cases = plan(s);
     // Two GEMM measurements (before and after the cases, to bracket the drift) and one

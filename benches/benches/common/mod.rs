@@ -6,6 +6,12 @@
 use attn_benches::catalog::{Dtype, Engine};
 use attn_benches::runner::{Buffers, RunError, case_options, run_engine};
 
+/// Prints the CPU and the instruction sets of attn's kernels and faer's GEMM, first, so that
+/// every figure below is read against the machine it was measured on.
+pub fn print_platform() {
+    println!("platform: {}", attn_benches::platform::Platform::detect());
+}
+
 /// Whether this is a real benchmark run (`cargo bench`), not `cargo test --benches` or
 /// `cargo bench -- --test`, where criterion runs every routine once and the shapes must
 /// shrink so that the test stays fast. Mirrors criterion's own rule: `--bench` without
