@@ -51,9 +51,5 @@ fn engines(c: &mut Criterion) {
 
 criterion::criterion_group!(benches, engines);
 fn main() {
-    common::print_platform();
-    benches();
-    criterion::Criterion::default()
-        .configure_from_args()
-        .final_summary();
+    common::criterion_main(benches);
 }

@@ -75,9 +75,5 @@ fn tile(c: &mut Criterion) {
 
 criterion::criterion_group!(benches, exp2, conversion, tile);
 fn main() {
-    common::print_platform();
-    benches();
-    criterion::Criterion::default()
-        .configure_from_args()
-        .final_summary();
+    common::criterion_main(benches);
 }

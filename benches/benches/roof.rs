@@ -43,9 +43,5 @@ fn bandwidth(c: &mut Criterion) {
 
 criterion::criterion_group!(benches, gemm, bandwidth);
 fn main() {
-    common::print_platform();
-    benches();
-    criterion::Criterion::default()
-        .configure_from_args()
-        .final_summary();
+    common::criterion_main(benches);
 }

@@ -12,6 +12,16 @@ pub fn print_platform() {
     println!("platform: {}", attn_benches::platform::Platform::detect());
 }
 
+/// The `main` of a bench written with `criterion_group!`: the platform line, the groups,
+/// then criterion's summary (what `criterion_main!` does, after the platform line).
+pub fn criterion_main(groups: fn()) {
+    print_platform();
+    groups();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}
+
 /// Whether this is a real benchmark run (`cargo bench`), not `cargo test --benches` or
 /// `cargo bench -- --test`, where criterion runs every routine once and the shapes must
 /// shrink so that the test stays fast. Mirrors criterion's own rule: `--bench` without
