@@ -18,6 +18,7 @@ mod fit;
 mod machine;
 mod plot;
 mod report;
+mod setup;
 mod sweep;
 mod test;
 

@@ -2,9 +2,16 @@
 //!
 //! The command runs a list of steps in order and stops at the first that fails:
 //!
-//! 1. `cargo`: `cargo test --workspace` (every crate's tests, doctests and properties, and
+//! 1. `setup`: the system packages the workspace builds against. `attn-ring` links the
+//!    system MPI through bindgen, so `cargo build --workspace` needs `mpicc`/`mpirun`
+//!    (Debian: `libopenmpi-dev openmpi-bin`) and libclang (`libclang-dev`). The step looks
+//!    for them and, when one is missing, runs `apt-get update` and
+//!    `apt-get install -y` the missing packages (non-interactive; the machines are Debian
+//!    and the command runs as root), printing what it does; without apt-get, or not as
+//!    root, it fails and names the packages to install;
+//! 2. `cargo`: `cargo test --workspace` (every crate's tests, doctests and properties, and
 //!    tidy);
-//! 2. `python`: the extension module `attn` (crates/python) and its pytest suite. The step
+//! 3. `python`: the extension module `attn` (crates/python) and its pytest suite. The step
 //!    creates a virtualenv under the target directory (`target/python-venv`) with the
 //!    interpreter given by `--python`, `$PYTHON` or `python3`, installs
 //!    `crates/python/requirements-test.txt` into it (maturin, NumPy, pytest: again only
@@ -12,6 +19,11 @@
 //!    `maturin develop --release` (sharing the release build of the workspace's crates),
 //!    and runs `pytest crates/python/tests`. pytest's "no tests collected" (exit 5) is a
 //!    failure: a suite that ran nothing has not passed.
+//! 4. `mpi`: the ring's MPI tests for real: builds `attn-ring`'s `ring_mpi` test binary
+//!    and runs it under `mpirun -np P` for P = 1, 2, 3 and 4 (`--oversubscribe`: more
+//!    ranks than cores; `--allow-run-as-root` as root; `--bind-to none`, so that a rank's
+//!    threads are not pinned to one core). Every rank checks every case; any failure on
+//!    any rank fails the step.
 //!
 //! A step is a [`Step`] variant with a name, a line of help and a function that first
 //! installs what it needs and then runs its tests (the `python` step's virtualenv is the
@@ -47,34 +59,44 @@ pub struct TestArgs {
 /// One step of `cargo xtask test`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Step {
+    /// System packages the build needs (MPI, libclang), installed with apt-get if missing.
+    Setup,
     /// `cargo test --workspace`.
     Cargo,
     /// The Python extension's pytest suite, in its own virtualenv.
     Python,
+    /// The ring's MPI tests under `mpirun` with 1–4 ranks.
+    Mpi,
 }
 
 impl Step {
     /// Every step, in the order they run.
-    pub const ALL: [Step; 2] = [Step::Cargo, Step::Python];
+    pub const ALL: [Step; 4] = [Step::Setup, Step::Cargo, Step::Python, Step::Mpi];
 
     fn name(self) -> &'static str {
         match self {
+            Step::Setup => "setup",
             Step::Cargo => "cargo",
             Step::Python => "python",
+            Step::Mpi => "mpi",
         }
     }
 
     fn about(self) -> &'static str {
         match self {
+            Step::Setup => "system packages: MPI (mpicc, mpirun) and libclang, apt-get if missing",
             Step::Cargo => "cargo test --workspace",
             Step::Python => "the Python extension (crates/python): virtualenv, maturin, pytest",
+            Step::Mpi => "the ring's MPI tests (attn-ring) under mpirun with 1, 2, 3 and 4 ranks",
         }
     }
 
     fn run(self, ctx: &Context<'_>) -> Result<(), String> {
         match self {
+            Step::Setup => crate::setup::ensure_system_packages(),
             Step::Cargo => cargo_tests(ctx),
             Step::Python => python_tests(ctx),
+            Step::Mpi => mpi_tests(ctx),
         }
     }
 }
@@ -150,6 +172,67 @@ fn cargo_tests(ctx: &Context<'_>) -> Result<(), String> {
             .args(["test", "--workspace"]),
         "cargo test --workspace",
     )
+}
+
+/// The ranks the `mpi` step runs the ring's tests with.
+const MPI_RANKS: [usize; 4] = [1, 2, 3, 4];
+
+fn mpi_tests(ctx: &Context<'_>) -> Result<(), String> {
+    let exe = build_test_binary(ctx, "attn-ring", "ring_mpi")?;
+    let root = crate::setup::is_root();
+    for ranks in MPI_RANKS {
+        println!("xtask test: mpirun -np {ranks} {}", exe.display());
+        checked(
+            Command::new("mpirun")
+                .current_dir(&ctx.root)
+                .args(mpirun_args(ranks, root))
+                .arg(&exe),
+            &format!("the ring's MPI tests with {ranks} ranks"),
+        )?;
+    }
+    Ok(())
+}
+
+/// `mpirun`'s arguments before the program: on one machine, any number of ranks, threads
+/// free to use every core, killed if a case hangs.
+fn mpirun_args(ranks: usize, root: bool) -> Vec<String> {
+    let mut args: Vec<String> = ["--oversubscribe", "--bind-to", "none", "--timeout", "600"]
+        .map(String::from)
+        .to_vec();
+    if root {
+        args.push("--allow-run-as-root".into());
+    }
+    args.extend(["-np".into(), ranks.to_string()]);
+    args
+}
+
+/// Builds the workspace's tests (`cargo test --workspace --no-run`: the `cargo` step's very
+/// build, so nothing is compiled again with other features) and returns the executable of
+/// test target `test`, read from cargo's JSON messages.
+fn build_test_binary(ctx: &Context<'_>, package: &str, test: &str) -> Result<PathBuf, String> {
+    let output = Command::new(cargo())
+        .current_dir(&ctx.root)
+        .args(["test", "--workspace", "--no-run"])
+        .args(["--message-format", "json-render-diagnostics"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("building the {package} test `{test}` failed"));
+    }
+    test_executable(&String::from_utf8_lossy(&output.stdout), test)
+        .ok_or_else(|| format!("cargo built no executable for the {package} test `{test}`"))
+}
+
+/// The executable of test target `test` among cargo's JSON messages.
+fn test_executable(messages: &str, test: &str) -> Option<PathBuf> {
+    messages.lines().find_map(|line| {
+        let m: serde_json::Value = serde_json::from_str(line).ok()?;
+        if m["reason"] != "compiler-artifact" || m["target"]["name"] != test {
+            return None;
+        }
+        m["executable"].as_str().map(PathBuf::from)
+    })
 }
 
 /// The virtualenv's own interpreter.
@@ -291,8 +374,11 @@ mod tests {
         assert_eq!(a.skip, [Step::Cargo]);
         assert_eq!(a.python.as_deref(), Some(Path::new("/usr/bin/python3.11")));
         assert_eq!(a.pytest_args, ["-k", "kv", "-x"]);
-        assert_eq!(parse(&["--skip", "cargo,python"]).unwrap().skip, Step::ALL);
-        assert!(parse(&["--skip", "mpi"]).is_err());
+        assert_eq!(
+            parse(&["--skip", "setup,cargo,python,mpi"]).unwrap().skip,
+            Step::ALL
+        );
+        assert!(parse(&["--skip", "ring"]).is_err());
     }
 
     #[test]
@@ -301,6 +387,37 @@ mod tests {
             let value = step.to_possible_value().expect("every step is a value");
             assert_eq!(value.get_name(), step.name());
         }
+    }
+
+    #[test]
+    fn setup_runs_first_and_mpi_last() {
+        assert_eq!(Step::ALL.first(), Some(&Step::Setup));
+        assert_eq!(Step::ALL.last(), Some(&Step::Mpi));
+    }
+
+    #[test]
+    fn mpirun_runs_any_number_of_ranks_unpinned() {
+        let a = mpirun_args(3, false);
+        assert!(a.contains(&"--oversubscribe".into()));
+        assert!(!a.contains(&"--allow-run-as-root".into()));
+        assert_eq!(&a[a.len() - 2..], ["-np", "3"]);
+        assert!(mpirun_args(1, true).contains(&"--allow-run-as-root".into()));
+    }
+
+    #[test]
+    fn the_test_executable_is_read_from_cargo_messages() {
+        let messages = concat!(
+            r#"{"reason":"compiler-artifact","target":{"name":"attn_ring"},"executable":null}"#,
+            "\n",
+            r#"{"reason":"compiler-artifact","target":{"name":"ring_mpi"},"executable":"/t/ring_mpi-1"}"#,
+            "\n",
+            r#"{"reason":"build-finished","success":true}"#,
+        );
+        assert_eq!(
+            test_executable(messages, "ring_mpi"),
+            Some(PathBuf::from("/t/ring_mpi-1"))
+        );
+        assert_eq!(test_executable(messages, "other"), None);
     }
 
     #[test]
