@@ -405,6 +405,7 @@ impl Sdpa {
                 }
             }),
             additive_mask: additive,
+            ..Options::default()
         }
     }
 

@@ -194,7 +194,7 @@ pub fn validate_batch_backward<T, G>(
 ) -> Result<(BatchShape, f32)> {
     let shape = BatchShape::of(q, k, v)?;
     let head = shape.head;
-    let scale = options.validate(shape.batch, head.n_q, head.n_k, head.d_k)?;
+    let scale = options.validate_batched(shape.batch, shape.h_q, head.n_q, head.n_k, head.d_k)?;
     shape.check_backward(grad_out.dims(), out.dims(), lse_len)?;
     Ok((shape, scale))
 }

@@ -19,17 +19,21 @@
 mod error;
 mod gradients;
 mod mask;
+mod mask4;
 mod merge;
 mod multi_head;
 mod options;
+mod packed;
 mod shape;
 mod tensor;
 
 pub use error::{Error, Result, check_dim};
 pub use gradients::{BatchGradients, Gradients, validate_batch_backward, validate_head_backward};
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
+pub use mask4::{BoolMask4, Mask4Ref};
 pub use merge::PartialState;
 pub use multi_head::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
 pub use options::{Options, SCORE_LIMIT, check_shape};
+pub use packed::{CuSeqlens, validate_packed, validate_packed_backward};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};
 pub use tensor::{Layout, Tensor4, Tensor4Mut, Tensor4Ref};

@@ -176,6 +176,69 @@ impl<'a> HeadMask<'a> {
         }
     }
 
+    /// [`HeadMask::new`] for query head `head` of batch entry `batch` of a batched call:
+    /// the options' `[B, H, n_q, n_k]` masks, if any, resolved to this head's
+    /// `[n_q, n_k]` views (the options validated against the call first, by
+    /// [`crate::Options::validate_batched`]).
+    ///
+    /// ```
+    /// use attn_core::{BoolMask4, HeadMask, Mask4Ref, Options};
+    /// // Batch entry 1 hides key 0 from every head and query; entry 0 hides nothing.
+    /// let bits = [false, false, true, false];
+    /// let m = Mask4Ref::new(&bits, [2, 1, 1, 2], [2, 0, 0, 1])?;
+    /// let opts = Options::default().with_bool_mask_4d(BoolMask4::block(m));
+    /// assert!(HeadMask::for_head(&opts, 0, 3, 4, 2, None)?.allows(3, 0));
+    /// assert!(!HeadMask::for_head(&opts, 1, 3, 4, 2, None)?.allows(3, 0));
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn for_head(
+        options: &super::Options<'a>,
+        batch: usize,
+        head: usize,
+        n_q: usize,
+        n_k: usize,
+        key_len: Option<usize>,
+    ) -> crate::Result<Self> {
+        Self::for_cached_head(options, batch, head, n_q, n_k, n_k, key_len)
+    }
+
+    /// [`HeadMask::for_head`] for a head whose `n_k` keys are the first of the `mask_keys`
+    /// along the 4-D masks' key axis (a KV cache entry shorter than the longest).
+    ///
+    /// ```
+    /// use attn_core::{BoolMask4, HeadMask, Mask4Ref, Options};
+    /// let bits = [true, true, false, true, true]; // over the longest entry's 5 keys
+    /// let m = Mask4Ref::new(&bits, [2, 1, 1, 5], [0, 0, 0, 1])?;
+    /// let opts = Options::default().with_bool_mask_4d(BoolMask4::allow(m));
+    /// let short = HeadMask::for_cached_head(&opts, 1, 0, 1, 3, 5, None)?; // 3 cached keys
+    /// assert!(short.allows(0, 1) && !short.allows(0, 2));
+    /// assert_eq!(short.key_range(0), 0..3);
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn for_cached_head(
+        options: &super::Options<'a>,
+        batch: usize,
+        head: usize,
+        n_q: usize,
+        n_k: usize,
+        mask_keys: usize,
+        key_len: Option<usize>,
+    ) -> crate::Result<Self> {
+        let mut mask = Self::new(options, n_q, n_k, key_len);
+        let keys = n_k.min(mask_keys);
+        if let Some(m) = options.bool_mask_4d {
+            let m = m.head(batch, head, n_q, mask_keys)?;
+            mask.boolean = Some(match m {
+                BoolMask::Allow(m) => BoolMask::Allow(m.subcols(0, keys)),
+                BoolMask::Block(m) => BoolMask::Block(m.subcols(0, keys)),
+            });
+        }
+        if let Some(m) = options.additive_mask_4d {
+            mask.additive = Some(m.head(batch, head, n_q, mask_keys)?.subcols(0, keys));
+        }
+        Ok(mask)
+    }
+
     /// The keys that the structural constraints (causal, window, padding) leave visible to
     /// query `i`. Both ends are non-decreasing in `i`. Empty when nothing is visible.
     pub fn key_range(&self, i: usize) -> Range<usize> {
@@ -232,8 +295,9 @@ impl<'a> HeadMask<'a> {
         self.additive.map_or(0.0, |m| m[(i, j)])
     }
 
-    /// How the tile `rows × cols` relates to the structural constraints. Element-wise
-    /// masks are not considered (see [`HeadMask::has_elementwise`]).
+    /// How the tile `rows × cols` relates to the structural constraints: `Hidden` also
+    /// when the boolean mask hides every entry the structure leaves visible. Otherwise
+    /// element-wise masks are not considered (see [`HeadMask::has_elementwise`]).
     pub fn tile_coverage(&self, rows: Range<usize>, cols: Range<usize>) -> TileCoverage {
         if rows.is_empty() || cols.is_empty() {
             return TileCoverage::Hidden;
@@ -248,6 +312,16 @@ impl<'a> HeadMask<'a> {
         });
         if !any_row_sees {
             return TileCoverage::Hidden;
+        }
+        // A tile that the boolean mask hides entirely is skipped as a structural one is.
+        if let Some(b) = self.boolean {
+            let any_allowed = rows.clone().any(|i| {
+                let r = self.key_range(i);
+                (r.start.max(cols.start)..r.end.min(cols.end)).any(|j| b.allows(i, j))
+            });
+            if !any_allowed {
+                return TileCoverage::Hidden;
+            }
         }
         let all_cover = first.start <= cols.start
             && cols.end <= first.end

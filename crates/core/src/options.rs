@@ -2,7 +2,9 @@
 
 use faer::MatRef;
 
-use crate::{BoolMask, Causal, Error, KeyPadding, Result, SlidingWindow, check_dim};
+use crate::{
+    BoolMask, BoolMask4, Causal, Error, KeyPadding, Mask4Ref, Result, SlidingWindow, check_dim,
+};
 
 /// The largest score magnitude of the contract: `f32::MAX · ln 2` (≈ 2.36e38), which is
 /// `f32::MAX` in the base-2 domain that f32 engines compute in. A visible score
@@ -39,6 +41,12 @@ pub struct Options<'a> {
     /// Additive mask `[n_q, n_k]` added to the scaled scores (`-inf` hides), shared by
     /// every batch entry and head.
     pub additive_mask: Option<MatRef<'a, f32>>,
+    /// Boolean mask `[B, H, n_q, n_k]` per batch entry and query head (broadcast
+    /// allowed), for batched calls; not together with [`Options::bool_mask`].
+    pub bool_mask_4d: Option<BoolMask4<'a>>,
+    /// Additive mask `[B, H, n_q, n_k]` per batch entry and query head (broadcast
+    /// allowed), for batched calls; not together with [`Options::additive_mask`].
+    pub additive_mask_4d: Option<Mask4Ref<'a, f32>>,
 }
 
 impl<'a> Options<'a> {
@@ -84,6 +92,60 @@ impl<'a> Options<'a> {
         self
     }
 
+    /// Adds a boolean mask per batch entry and query head, `[B, H, n_q, n_k]` with any
+    /// axis broadcast (stride 0 or length 1); batched calls only (a single-head call
+    /// takes [`Options::with_bool_mask`]). With grouped-query heads the mask is indexed
+    /// by the query head.
+    ///
+    /// ```
+    /// use attn_core::{BoolMask4, Mask4Ref, Options};
+    /// let bits = vec![true; 2 * 3 * 5]; // one [3, 5] mask per head, shared by the batch
+    /// let m = Mask4Ref::new(&bits, [1, 2, 3, 5], [0, 15, 5, 1])?;
+    /// let opts = Options::default().with_bool_mask_4d(BoolMask4::allow(m));
+    /// assert!(opts.validate_batched(4, 2, 3, 5, 8).is_ok());
+    /// assert!(opts.validate_batched(4, 3, 3, 5, 8).is_err()); // 2 heads do not broadcast to 3
+    /// assert!(opts.validate(1, 3, 5, 8).is_err()); // single head: [n_q, n_k] masks only
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn with_bool_mask_4d(mut self, mask: BoolMask4<'a>) -> Self {
+        self.bool_mask_4d = Some(mask);
+        self
+    }
+
+    /// Adds an additive mask per batch entry and query head, `[B, H, n_q, n_k]` with any
+    /// axis broadcast; batched calls only (see [`Options::with_bool_mask_4d`]).
+    ///
+    /// ```
+    /// use attn_core::{Mask4Ref, Options};
+    /// // A bias per head (ALiBi-like), broadcast over the batch (stride 0).
+    /// let bias: Vec<f32> = (0..2 * 4 * 4).map(|e| -((e % 4) as f32)).collect();
+    /// let m = Mask4Ref::new(&bias, [3, 2, 4, 4], [0, 16, 4, 1])?;
+    /// let opts = Options::default().with_additive_mask_4d(m);
+    /// assert!(opts.mask_varies_over_heads() && opts.has_elementwise_mask());
+    /// assert!(opts.validate_batched(3, 2, 4, 4, 8).is_ok());
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn with_additive_mask_4d(mut self, mask: Mask4Ref<'a, f32>) -> Self {
+        self.additive_mask_4d = Some(mask);
+        self
+    }
+
+    /// Whether an element-wise mask may differ between the query heads of one batch
+    /// entry (engines that share work between heads must not then share the mask).
+    pub fn mask_varies_over_heads(&self) -> bool {
+        self.bool_mask_4d
+            .is_some_and(|m| m.view().varies_over_heads())
+            || self.additive_mask_4d.is_some_and(|m| m.varies_over_heads())
+    }
+
+    /// Whether any element-wise mask (boolean or additive, 2-D or 4-D) is set.
+    pub fn has_elementwise_mask(&self) -> bool {
+        self.bool_mask.is_some()
+            || self.additive_mask.is_some()
+            || self.bool_mask_4d.is_some()
+            || self.additive_mask_4d.is_some()
+    }
+
     /// The scale to use for key width `d_k`, or [`Error::InvalidScale`]. A scale is valid
     /// when it is positive and `scale · log2(e)` is a finite f32 (at most about 2.36e38):
     /// engines may compute in the base-2 domain, and the contract is the same for all.
@@ -122,7 +184,9 @@ impl<'a> Options<'a> {
 
     /// Checks the masks and key lengths against a problem of `batch` entries with `n_q`
     /// queries and `n_k` keys, and the scale against `d_k`; returns the scale
-    /// ([`Options::scale_for`]), so that a call validates its options once.
+    /// ([`Options::scale_for`]), so that a call validates its options once. `[B, H, n_q,
+    /// n_k]` masks are [`Error::Unsupported`] here (a call that does not know its heads);
+    /// batched calls use [`Options::validate_batched`].
     ///
     /// ```
     /// use attn_core::Options;
@@ -130,6 +194,73 @@ impl<'a> Options<'a> {
     /// assert!(Options::default().with_key_length(6).validate(1, 3, 5, 64).is_err());
     /// ```
     pub fn validate(&self, batch: usize, n_q: usize, n_k: usize, d_k: usize) -> Result<f32> {
+        let single = "a single-head call takes [n_q, n_k] masks; [B, H, n_q, n_k] masks are for batched calls";
+        if self.bool_mask_4d.is_some() {
+            return Err(Error::unsupported("boolean mask (4-D)", single));
+        }
+        if self.additive_mask_4d.is_some() {
+            return Err(Error::unsupported("additive mask (4-D)", single));
+        }
+        self.validate_common(batch, n_q, n_k, d_k)
+    }
+
+    /// [`Options::validate`] for a batched call of `batch` entries and `h_q` query heads,
+    /// which also takes `[B, H, n_q, n_k]` masks: each of their axes must equal the
+    /// problem's or be 1, and a kind of mask is given either 2-D or 4-D, not both.
+    ///
+    /// ```
+    /// use attn_core::{Mask4Ref, Options};
+    /// let bias = vec![0.0f32; 3 * 5];
+    /// let m = Mask4Ref::contiguous(&bias, [1, 1, 3, 5])?;
+    /// let opts = Options::default().with_additive_mask_4d(m);
+    /// assert!(opts.validate_batched(2, 4, 3, 5, 16).is_ok());
+    /// let err = opts.validate_batched(2, 4, 3, 6, 16).unwrap_err();
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "additive mask (4-D): dims [1, 1, 3, 5] do not broadcast to [batch, h_q, n_q, n_k] = [2, 4, 3, 6] (each axis must equal it or be 1)"
+    /// );
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn validate_batched(
+        &self,
+        batch: usize,
+        h_q: usize,
+        n_q: usize,
+        n_k: usize,
+        d_k: usize,
+    ) -> Result<f32> {
+        let want = [batch, h_q, n_q, n_k];
+        let check = |operand: &'static str, dims: [usize; 4], ok: bool| {
+            if ok {
+                Ok(())
+            } else {
+                Err(Error::layout(
+                    operand,
+                    format!(
+                        "dims {dims:?} do not broadcast to [batch, h_q, n_q, n_k] = {want:?} (each axis must equal it or be 1)"
+                    ),
+                ))
+            }
+        };
+        let both =
+            "a [n_q, n_k] and a [B, H, n_q, n_k] mask of the same kind were both given; pass one";
+        if let Some(m) = self.bool_mask_4d {
+            if self.bool_mask.is_some() {
+                return Err(Error::unsupported("boolean mask", both));
+            }
+            let m = m.view();
+            check("boolean mask (4-D)", m.dims(), m.broadcasts_to(want))?;
+        }
+        if let Some(m) = self.additive_mask_4d {
+            if self.additive_mask.is_some() {
+                return Err(Error::unsupported("additive mask", both));
+            }
+            check("additive mask (4-D)", m.dims(), m.broadcasts_to(want))?;
+        }
+        self.validate_common(batch, n_q, n_k, d_k)
+    }
+
+    fn validate_common(&self, batch: usize, n_q: usize, n_k: usize, d_k: usize) -> Result<f32> {
         let scale = self.scale_for(d_k)?;
         let rule = "n_q × n_k, the shape of the scores";
         if let Some(m) = self.bool_mask {

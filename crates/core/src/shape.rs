@@ -144,6 +144,6 @@ pub fn validate_batch<T>(
 ) -> Result<BatchShape> {
     let shape = BatchShape::of(q, k, v)?;
     let head = shape.head;
-    options.validate(shape.batch, head.n_q, head.n_k, head.d_k)?;
+    options.validate_batched(shape.batch, shape.h_q, head.n_q, head.n_k, head.d_k)?;
     Ok(shape)
 }

@@ -220,3 +220,67 @@ fn a_reversed_head_range_of_a_view_with_usize_max_heads_is_an_error() {
     assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
     assert_eq!(t.heads_at(0, 3..5, 0).unwrap().nrows(), 2);
 }
+
+#[test]
+fn a_tile_the_boolean_mask_hides_entirely_is_hidden() {
+    // Keys 4..8 are blocked for every query; causal leaves key 0..=i visible.
+    let allow = Mat::from_fn(8, 8, |_, j| j < 4);
+    let opts = Options::default()
+        .with_causal(Causal::TopLeft)
+        .with_bool_mask(BoolMask::allow(allow.as_ref()));
+    let mask = HeadMask::new(&opts, 8, 8, None);
+    assert_eq!(mask.tile_coverage(4..8, 4..8), TileCoverage::Hidden);
+    assert_eq!(mask.tile_coverage(4..8, 0..4), TileCoverage::Full);
+    // One allowed entry inside the structure keeps the tile.
+    let one = Mat::from_fn(8, 8, |i, j| j < 4 || (i, j) == (7, 5));
+    let opts = opts.with_bool_mask(BoolMask::allow(one.as_ref()));
+    let mask = HeadMask::new(&opts, 8, 8, None);
+    assert_eq!(mask.tile_coverage(4..8, 4..8), TileCoverage::Partial);
+    // An allowed entry that the structure hides does not.
+    let hidden = Mat::from_fn(8, 8, |i, j| j < 4 || (i, j) == (4, 6));
+    let opts = opts.with_bool_mask(BoolMask::allow(hidden.as_ref()));
+    let mask = HeadMask::new(&opts, 8, 8, None);
+    assert_eq!(mask.tile_coverage(4..8, 4..8), TileCoverage::Hidden);
+}
+
+#[test]
+fn four_d_masks_resolve_per_head_with_every_broadcast() {
+    use attn_core::{BoolMask4, Mask4Ref};
+    // [B=2, H=3, n_q=2, n_k=4], row-major, every entry distinct.
+    let bits: Vec<bool> = (0..2 * 3 * 2 * 4).map(|e| (e * 7) % 5 < 2).collect();
+    let at = |b: usize, h: usize, i: usize, j: usize| bits[((b * 3 + h) * 2 + i) * 4 + j];
+    let full = Mask4Ref::contiguous(&bits, [2, 3, 2, 4]).unwrap();
+    // Column-major inner axes over the same logical entries.
+    let transposed: Vec<bool> = (0..2 * 3 * 4 * 2)
+        .map(|e| {
+            let (bh, rest) = (e / 8, e % 8);
+            at(bh / 3, bh % 3, rest % 2, rest / 2)
+        })
+        .collect();
+    let col = Mask4Ref::new(&transposed, [2, 3, 2, 4], [24, 8, 1, 2]).unwrap();
+    // Batch entry 1 broadcast by a stride of 0, and by a length of 1.
+    let stride0 = Mask4Ref::new(&bits[24..], [2, 3, 2, 4], [0, 8, 4, 1]).unwrap();
+    let len1 = Mask4Ref::new(&bits[24..], [1, 3, 2, 4], [0, 8, 4, 1]).unwrap();
+    for b in 0..2 {
+        for h in 0..3 {
+            let opts = |m| Options::default().with_bool_mask_4d(BoolMask4::allow(m));
+            for (i, j) in (0..2).flat_map(|i| (0..4).map(move |j| (i, j))) {
+                for (view, want) in [
+                    (full, at(b, h, i, j)),
+                    (col, at(b, h, i, j)),
+                    (stride0, at(1, h, i, j)),
+                    (len1, at(1, h, i, j)),
+                ] {
+                    let o = opts(view);
+                    let m = HeadMask::for_head(&o, b, h, 2, 4, None).unwrap();
+                    assert_eq!(m.allows(i, j), want, "b {b} h {h} [{i}, {j}]");
+                }
+            }
+        }
+    }
+    // Query and key axes broadcast: one bit per (b, h).
+    let one = Mask4Ref::new(&bits, [2, 3, 1, 1], [3, 1, 0, 0]).unwrap();
+    let o = Options::default().with_bool_mask_4d(BoolMask4::block(one));
+    let m = HeadMask::for_head(&o, 1, 2, 5, 6, None).unwrap();
+    assert_eq!(m.allows(4, 5), !bits[5]);
+}

@@ -300,9 +300,28 @@ impl<T: Element> KvCache<T> {
     /// `Causal::BottomRight` query `i` sees the keys up to position `len − n_q + i`.
     /// Returns `[batch, h_q, n_q, d_v]`.
     ///
-    /// Scale, causal alignment and sliding window are honoured; boolean and additive masks
-    /// and key padding are rejected (the cache's lengths are the padding, and a mask's
-    /// width would differ per entry).
+    /// Scale, causal alignment and sliding window are honoured, and so are
+    /// `[B, H, n_q, n_k]` masks ([`Options::with_bool_mask_4d`],
+    /// [`Options::with_additive_mask_4d`]) whose key axis spans the longest entry (or
+    /// broadcasts): entry `b` reads its first `len_b` columns. `[n_q, n_k]` masks and key
+    /// padding are rejected (the cache's lengths are the padding).
+    ///
+    /// ```
+    /// use attn_optimized::{BoolMask4, KvCache, Layout, Mask4Ref, Options, Tensor4Ref};
+    /// let mut cache = KvCache::<f32>::new(1, 1, 4, 2, 2)?;
+    /// let k = [0.0f32; 6];
+    /// let v = [1.0f32, 1.0, 2.0, 2.0, 3.0, 3.0]; // three tokens with values 1, 2, 3
+    /// let (k, v) = (Tensor4Ref::from_layout(&k, [1, 1, 3, 2], Layout::Bhsd)?, Tensor4Ref::from_layout(&v, [1, 1, 3, 2], Layout::Bhsd)?);
+    /// cache.append(k, v)?;
+    /// let q = [1.0f32; 4]; // one query for each of 2 heads
+    /// let q = Tensor4Ref::from_layout(&q, [1, 2, 1, 2], Layout::Bhsd)?;
+    /// // Head 0 sees only the first token, head 1 only the last one.
+    /// let bits = [true, false, false, false, false, true];
+    /// let mask = BoolMask4::allow(Mask4Ref::contiguous(&bits, [1, 2, 1, 3])?);
+    /// let o = cache.attend(q, &Options::default().with_bool_mask_4d(mask))?;
+    /// assert_eq!(o.as_slice(), [1.0, 1.0, 3.0, 3.0]);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
     pub fn attend(&self, q: Tensor4Ref<'_, T>, options: &Options<'_>) -> Result<Tensor4<T>> {
         self.attend_impl(q, options, SplitKv::Auto, false)
             .map(|(o, _)| o)
@@ -356,7 +375,7 @@ impl<T: Element> KvCache<T> {
         {
             return Err(Error::unsupported(
                 "KV cache attend options",
-                "masks and key padding are not accepted; use causal alignment and windows (the cache lengths pad each entry)",
+                "[n_q, n_k] masks and key padding are not accepted; use [B, H, n_q, n_k] masks, causal alignment and windows (the cache lengths pad each entry)",
             ));
         }
         let [b, h_q, _, d_k] = q.dims();
@@ -378,7 +397,8 @@ impl<T: Element> KvCache<T> {
         if self.kv_heads == 0 || !h_q.is_multiple_of(self.kv_heads) {
             return Err(Error::head_grouping(h_q, self.kv_heads));
         }
-        let scale = options.scale_for(d_k)?;
+        let longest = self.lens.iter().copied().max().unwrap_or(0);
+        let scale = options.validate_batched(b, h_q, q.dims()[2], longest, d_k)?;
         let (keys, values) = (self.keys(), self.values());
         let batch = Batched::cached(q, keys, values, &self.lens, options, scale)?;
         let dims = batch.out_dims();

@@ -45,8 +45,8 @@ mod schedule;
 use core::ops::Range;
 
 pub use attn_core::{
-    BatchGradients, BoolMask, Causal, Error, Gradients, KeyPadding, Layout, Options, PartialState,
-    Result, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
+    BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Error, Gradients, KeyPadding, Layout,
+    Mask4Ref, Options, PartialState, Result, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
 };
 use backward::Backward;
 use faer::{Mat, MatMut, MatRef, RowMut};
@@ -57,7 +57,7 @@ pub use kv_cache::{Growth, KvCache};
 pub use multi_head::{
     MultiHeadActivations, MultiHeadAttention, MultiHeadGradients, MultiHeadWeights,
 };
-use problem::{Batched, Problem, filled, zeroed, zeroed_mat};
+use problem::{Batched, Packed, Problem, filled, zeroed, zeroed_mat};
 pub use schedule::{BACKWARD_TILE, KEY_TILE, QUERY_TILE, SPLIT_KEYS, SplitKv, TilePlan};
 
 /// The vectorised `2^x` of the softmax and the instruction set it runs with.
@@ -449,18 +449,7 @@ pub fn attention_backward_batched_into<T: Element, G: Element>(
     options: &Options<'_>,
 ) -> Result<()> {
     let call = Backward::batched(grad_out, q, k, v, out, lse, options)?;
-    for (name, view, want) in [
-        ("dQ tensor", dq.dims(), q.dims()),
-        ("dK tensor", dk.dims(), k.dims()),
-        ("dV tensor", dv.dims(), v.dims()),
-    ] {
-        if view != want {
-            return Err(Error::layout(
-                name,
-                format!("dims {view:?} but its operand is {want:?}"),
-            ));
-        }
-    }
+    check_gradient_views(&dq, &dk, &dv, q, k, v)?;
     run_batched_backward(&call, dq, dk, dv)
 }
 
@@ -474,6 +463,246 @@ fn run_batched_backward<T: Element, G: Element>(
         forward::row_list(t.into_rows()?.into_iter().map(RowMut::from_slice_mut))
     }
     call.run(&mut rows(dq)?, &mut rows(dk)?, &mut rows(dv)?)
+}
+
+/// Attention over a packed batch of sequences of different lengths (FlashAttention's
+/// varlen): Q `[1, h_q, total_q, d_k]`, K and V `[1, h_kv, total_k, d]` (any strides:
+/// FlashAttention's `[total, heads, dim]` is [`Layout::Bshd`] with batch 1), sequence `s`
+/// on the rows `cu_q[s]..cu_q[s+1]` of Q and `cu_k[s]..cu_k[s+1]` of K and V. Each
+/// sequence attends only within itself, with the causal alignment and window applied per
+/// sequence; element-wise masks and key padding are rejected. No work is spent on
+/// padding, because there is none: each (sequence, head) is one job of the same grid as
+/// a batched call. Returns `[1, h_q, total_q, d_v]` in the `[B,H,S,D]` layout.
+///
+/// ```
+/// use attn_optimized::{attention, attention_packed, Causal, CuSeqlens, Layout, Options, Tensor4Ref};
+/// use faer::Mat;
+/// let (d, heads) = (8, 2);
+/// let x: Vec<f32> = (0..7 * heads * d).map(|i| ((i * 5) % 11) as f32 * 0.1).collect();
+/// let x = Tensor4Ref::from_layout(&x, [1, heads, 7, d], Layout::Bshd)?; // 7 tokens
+/// let seqs = CuSeqlens::new(&[0, 3, 3, 7], &[0, 3, 3, 7])?; // lengths 3, 0 and 4
+/// let opts = Options::default().with_causal(Causal::TopLeft);
+/// let o = attention_packed(x, x, x, &seqs, &opts)?;
+/// // Head 1 of the last sequence, computed on its own.
+/// let last = x.head(0, 1)?.subrows(3, 4);
+/// let alone = attention(last, last, last, &opts)?;
+/// assert!((o.as_ref().head(0, 1)?[(5, 3)] - alone[(2, 3)]).abs() < 1e-6);
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+pub fn attention_packed<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+) -> Result<Tensor4<T>> {
+    packed(q, k, v, seqs, options, false).map(|(o, _)| o)
+}
+
+/// [`attention_packed`] and the natural-log LSE of every row, `[h_q][total_q]` flattened
+/// (what [`attention_backward_packed`] takes).
+///
+/// ```
+/// use attn_optimized::{attention_packed_with_lse, CuSeqlens, Layout, Options, Tensor4Ref};
+/// let x = vec![0.0f32; 4 * 2 * 8]; // 4 tokens, 2 heads: every score 0
+/// let x = Tensor4Ref::from_layout(&x, [1, 2, 4, 8], Layout::Bshd)?;
+/// let seqs = CuSeqlens::new(&[0, 1, 4], &[0, 1, 4])?;
+/// let (_, lse) = attention_packed_with_lse(x, x, x, &seqs, &Options::default())?;
+/// // Head 0: one key for the first sequence (LSE ln 1), three for the second (ln 3).
+/// assert!(lse[0].abs() < 1e-6 && (lse[1] - 3f32.ln()).abs() < 1e-6);
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+pub fn attention_packed_with_lse<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+) -> Result<(Tensor4<T>, Vec<f32>)> {
+    packed(q, k, v, seqs, options, true)
+}
+
+fn packed<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+    with_lse: bool,
+) -> Result<(Tensor4<T>, Vec<f32>)> {
+    let call = Packed::new(q, k, v, seqs, options)?;
+    let dims = call.out_dims();
+    let mut out = Tensor4::from_vec(zeroed("attention output", &dims)?, dims)?;
+    let lse_len = if with_lse { call.out_rows() } else { 0 };
+    let mut lse = filled("LSE", Some(lse_len), 0.0)?;
+    forward::packed(&call, out.as_mut(), Some(&mut lse))?;
+    Ok((out, lse))
+}
+
+/// [`attention_packed`] written into a caller's view `out : [1, h_q, total_q, d_v]` (any
+/// layout and strides that do not overlap, any element type), and the LSE into `lse`
+/// (`h_q · total_q` entries, `[h_q][total_q]`) when given.
+///
+/// ```
+/// use attn_optimized::{attention_packed, attention_packed_into, CuSeqlens, Layout, Options, Tensor4Mut, Tensor4Ref};
+/// let x: Vec<f32> = (0..5 * 4).map(|i| (i % 3) as f32 * 0.5).collect();
+/// let x = Tensor4Ref::from_layout(&x, [1, 1, 5, 4], Layout::Bshd)?;
+/// let seqs = CuSeqlens::new(&[0, 1, 5], &[0, 2, 5])?; // 1 query on 2 keys, 4 on 3
+/// let mut out = vec![0.0f32; 5 * 4];
+/// let mut lse = vec![0.0f32; 5];
+/// attention_packed_into(Tensor4Mut::from_layout(&mut out, [1, 1, 5, 4], Layout::Bshd)?, Some(&mut lse), x, x, x, &seqs, &Options::default())?;
+/// assert_eq!(out, attention_packed(x, x, x, &seqs, &Options::default())?.into_vec());
+/// assert!(lse.iter().all(|l| l.is_finite()));
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+pub fn attention_packed_into<T: Element, O: Element>(
+    out: Tensor4Mut<'_, O>,
+    lse: Option<&mut [f32]>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+) -> Result<()> {
+    let call = Packed::new(q, k, v, seqs, options)?;
+    call.check_output(&out, lse.as_deref())?;
+    forward::packed(&call, out, lse)
+}
+
+/// The backward pass of a packed batch ([`attention_packed_with_lse`]'s `out` and `lse`):
+/// the gradients packed like their operands, dQ `[1, h_q, total_q, d_k]` and dK, dV
+/// `[1, h_kv, total_k, d]` in the `[B,H,S,D]` layout, a kv head's summed over its query
+/// heads in head order. See [`attention_backward`].
+///
+/// ```
+/// use attn_optimized::{attention_backward_packed, attention_packed_with_lse, Causal, CuSeqlens, Layout, Options, Tensor4Ref};
+/// let x: Vec<f32> = (0..6 * 2 * 4).map(|i| ((i * 3) % 7) as f32 * 0.2).collect();
+/// let x = Tensor4Ref::from_layout(&x, [1, 2, 6, 4], Layout::Bshd)?; // 6 tokens, 2 heads
+/// let seqs = CuSeqlens::new(&[0, 1, 6], &[0, 1, 6])?;
+/// let opts = Options::default().with_causal(Causal::TopLeft);
+/// let (out, lse) = attention_packed_with_lse(x, x, x, &seqs, &opts)?;
+/// let g = attention_backward_packed(out.as_ref(), x, x, x, out.as_ref(), &lse, &seqs, &opts)?;
+/// assert_eq!(g.dk.dims(), [1, 2, 6, 4]);
+/// // The one-token sequence's softmax is constant: its dQ is 0.
+/// assert!(g.dq.as_ref().head(0, 0)?.row(0).iter().all(|&x| x == 0.0));
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_packed<T: Element>(
+    grad_out: Tensor4Ref<'_, T>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    out: Tensor4Ref<'_, T>,
+    lse: &[f32],
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+) -> Result<BatchGradients<T>> {
+    let call = Backward::packed(grad_out, q, k, v, out, lse, seqs, options)?;
+    let (dq_dims, dk_dims, dv_dims) = (q.dims(), k.dims(), v.dims());
+    let mut dq = Tensor4::from_vec(zeroed("dQ", &dq_dims)?, dq_dims)?;
+    let mut dk = Tensor4::from_vec(zeroed("dK", &dk_dims)?, dk_dims)?;
+    let mut dv = Tensor4::from_vec(zeroed("dV", &dv_dims)?, dv_dims)?;
+    run_packed_backward(&call, seqs, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
+    Ok(BatchGradients::new(dq, dk, dv))
+}
+
+/// [`attention_backward_packed`] written into caller views (any layout and strides that
+/// do not overlap, any element type `G`), each with its operand's dims.
+///
+/// ```
+/// use attn_optimized::{attention_backward_packed, attention_backward_packed_into, attention_packed_with_lse, CuSeqlens, Layout, Options, Tensor4Mut, Tensor4Ref};
+/// let x: Vec<f32> = (0..5 * 4).map(|i| (i % 3) as f32 * 0.4).collect();
+/// let x = Tensor4Ref::from_layout(&x, [1, 1, 5, 4], Layout::Bshd)?;
+/// let seqs = CuSeqlens::new(&[0, 2, 5], &[0, 2, 5])?;
+/// let opts = Options::default();
+/// let (out, lse) = attention_packed_with_lse(x, x, x, &seqs, &opts)?;
+/// let (mut dq, mut dk, mut dv) = (vec![0.0f32; 20], vec![0.0f32; 20], vec![0.0f32; 20]);
+/// fn view(b: &mut [f32]) -> attn_optimized::Result<Tensor4Mut<'_, f32>> {
+///     Tensor4Mut::from_layout(b, [1, 1, 5, 4], Layout::Bshd)
+/// }
+/// attention_backward_packed_into(view(&mut dq)?, view(&mut dk)?, view(&mut dv)?, out.as_ref(), x, x, x, out.as_ref(), &lse, &seqs, &opts)?;
+/// let want = attention_backward_packed(out.as_ref(), x, x, x, out.as_ref(), &lse, &seqs, &opts)?;
+/// assert_eq!(dv, want.dv.into_vec());
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_packed_into<T: Element, G: Element>(
+    dq: Tensor4Mut<'_, G>,
+    dk: Tensor4Mut<'_, G>,
+    dv: Tensor4Mut<'_, G>,
+    grad_out: Tensor4Ref<'_, T>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    out: Tensor4Ref<'_, T>,
+    lse: &[f32],
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+) -> Result<()> {
+    let call = Backward::packed(grad_out, q, k, v, out, lse, seqs, options)?;
+    check_gradient_views(&dq, &dk, &dv, q, k, v)?;
+    run_packed_backward(&call, seqs, dq, dk, dv)
+}
+
+fn check_gradient_views<T, G>(
+    dq: &Tensor4Mut<'_, G>,
+    dk: &Tensor4Mut<'_, G>,
+    dv: &Tensor4Mut<'_, G>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+) -> Result<()> {
+    for (name, view, want) in [
+        ("dQ tensor", dq.dims(), q.dims()),
+        ("dK tensor", dk.dims(), k.dims()),
+        ("dV tensor", dv.dims(), v.dims()),
+    ] {
+        if view != want {
+            return Err(Error::layout(
+                name,
+                format!("dims {view:?} but its operand is {want:?}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn run_packed_backward<T: Element, G: Element>(
+    call: &Backward<'_, T>,
+    seqs: &CuSeqlens<'_>,
+    dq: Tensor4Mut<'_, G>,
+    dk: Tensor4Mut<'_, G>,
+    dv: Tensor4Mut<'_, G>,
+) -> Result<()> {
+    let (h_q, h_kv) = (dq.dims()[1], dk.dims()[1]);
+    let (dq_order, dk_order) = Backward::<T>::packed_row_order(seqs, h_q, h_kv);
+    // The rows in the order of the call's groups (sequence, kv head), not the tensors'.
+    fn reorder<'t, G>(t: Tensor4Mut<'t, G>, order: &[usize]) -> Result<Vec<RowMut<'t, G>>> {
+        // In place: `Option<&mut [G]>` has the layout of `&mut [G]`.
+        let mut rows: Vec<Option<&mut [G]>> = t.into_rows()?.into_iter().map(Some).collect();
+        let mut list = Vec::new();
+        list.try_reserve_exact(order.len()).map_err(|_| {
+            Error::allocation_of::<RowMut<'t, G>>("gradient rows", Some(order.len()))
+        })?;
+        for &i in order {
+            match rows.get_mut(i).and_then(Option::take) {
+                Some(row) => list.push(RowMut::from_slice_mut(row)),
+                None => {
+                    return Err(Error::layout(
+                        "gradient tensor",
+                        "its rows do not match the packed sequences",
+                    ));
+                }
+            }
+        }
+        Ok(list)
+    }
+    call.run(
+        &mut reorder(dq, &dq_order)?,
+        &mut reorder(dk, &dk_order)?,
+        &mut reorder(dv, &dk_order)?,
+    )
 }
 
 /// The README's library example, compiled and run as a doctest.

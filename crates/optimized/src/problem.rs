@@ -7,7 +7,8 @@
 use core::ops::Range;
 
 use attn_core::{
-    BatchShape, Error, HeadMask, HeadShape, Options, Result, Tensor4Mut, Tensor4Ref, check_shape,
+    BatchShape, CuSeqlens, Error, HeadMask, HeadShape, Options, Result, Tensor4Mut, Tensor4Ref,
+    check_shape, validate_packed,
 };
 use faer::{Mat, MatMut, MatRef, RowMut, TryReserveError};
 
@@ -190,7 +191,7 @@ impl<'a, T> Batched<'a, T> {
     ) -> Result<Self> {
         let shape = BatchShape::of(q, k, v)?;
         let HeadShape { n_q, n_k, d_k, .. } = shape.head;
-        let scale = options.validate(shape.batch, n_q, n_k, d_k)?;
+        let scale = options.validate_batched(shape.batch, shape.h_q, n_q, n_k, d_k)?;
         Self::build(shape, n_k, scale, q, k, v, options, EntryKeys::Padded)
     }
 
@@ -237,7 +238,12 @@ impl<'a, T> Batched<'a, T> {
         let HeadShape { n_q, d_k, d_v, .. } = shape.head;
         let out_rows = check_row_handles(element_count(&[shape.batch, shape.h_q, n_q]))?;
         let group = shape.h_q / shape.h_kv.max(1);
-        let stack = heads_per_job(n_q, group);
+        // Stacked heads share one mask: not when the mask differs between them.
+        let stack = if options.mask_varies_over_heads() {
+            1
+        } else {
+            heads_per_job(n_q, group)
+        };
         Ok(Self {
             problem: Problem::new(stack * n_q, n_k, d_k, d_v, scale),
             q,
@@ -308,7 +314,13 @@ impl<'a, T> Batched<'a, T> {
                 EntryKeys::Cached(lens) => (lens.get(b).copied().unwrap_or(0), None),
             };
             let (k, v) = (k.subrows(0, n_k), v.subrows(0, n_k));
-            let mask = HeadMask::new(&self.options, n_q, n_k, key_len);
+            // The 4-D masks' key axis spans the longest entry (all of K for padded calls).
+            let mask_keys = match self.entry_keys {
+                EntryKeys::Padded => n_k,
+                EntryKeys::Cached(lens) => lens.iter().copied().max().unwrap_or(0),
+            };
+            let mask =
+                HeadMask::for_cached_head(&self.options, b, h, n_q, n_k, mask_keys, key_len)?;
             let mut inputs = self.problem.inputs(q, k, v, 0, mask);
             inputs.stacked = self.stack > 1;
             jobs.push(HeadJob {
@@ -317,6 +329,131 @@ impl<'a, T> Batched<'a, T> {
                 out,
                 lse: lse_chunks.next(),
             });
+        }
+        Ok(jobs)
+    }
+}
+
+/// A packed call (sequences of different lengths one after the other), validated: Q
+/// `[1, h_q, total_q, d_k]` against K/V `[1, h_kv, total_k, d]`, sequence `s` on its rows
+/// of each. Each (sequence, query head) is one job over sub-views of the packed tensors;
+/// the tile plan is the longest sequence's, so the bits do not depend on the thread count.
+#[derive(Debug)]
+pub(crate) struct Packed<'a, T> {
+    pub problem: Problem,
+    q: Tensor4Ref<'a, T>,
+    k: Tensor4Ref<'a, T>,
+    v: Tensor4Ref<'a, T>,
+    options: Options<'a>,
+    seqs: CuSeqlens<'a>,
+    /// `[1, h_q, total_q, d_v]`.
+    out_dims: [usize; 4],
+    /// `h_q · total_q`, checked.
+    out_rows: usize,
+    group: usize,
+}
+
+impl<'a, T> Packed<'a, T> {
+    /// Validates the operands, the offsets and the options.
+    pub fn new(
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        seqs: &CuSeqlens<'a>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let (shape, scale) = validate_packed(q, k, v, seqs, options)?;
+        let HeadShape { n_q, d_k, d_v, .. } = shape.head;
+        let out_rows = check_row_handles(element_count(&[shape.h_q, n_q]))?;
+        let problem = Problem::new(seqs.max_q(), seqs.max_k(), d_k, d_v, scale);
+        Ok(Self {
+            problem,
+            q,
+            k,
+            v,
+            options: *options,
+            seqs: *seqs,
+            out_dims: [1, shape.h_q, n_q, d_v],
+            out_rows,
+            group: shape.h_q / shape.h_kv.max(1),
+        })
+    }
+
+    /// `[1, h_q, total_q, d_v]`.
+    pub fn out_dims(&self) -> [usize; 4] {
+        self.out_dims
+    }
+
+    /// `h_q · total_q`, the LSE's length.
+    pub fn out_rows(&self) -> usize {
+        self.out_rows
+    }
+
+    /// Checks a caller's output view and LSE (`[h_q][total_q]`).
+    pub fn check_output<O>(&self, out: &Tensor4Mut<'_, O>, lse: Option<&[f32]>) -> Result<()> {
+        let want = self.out_dims;
+        if out.dims() != want {
+            return Err(Error::layout(
+                "output tensor",
+                format!(
+                    "dims {:?} but the result is {want:?} ([1, h_q, total_q, d_v])",
+                    out.dims()
+                ),
+            ));
+        }
+        match lse {
+            Some(l) if l.len() != self.out_rows => Err(Error::lse_length(l.len(), self.out_rows)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The jobs writing `out` (rows in (head, packed row) order) and, if not empty, `lse`:
+    /// one per (query head, sequence) with queries, each over its sequence's rows alone.
+    pub fn jobs<'s, 'o, O>(
+        &self,
+        out: &'s mut [RowMut<'o, O>],
+        lse: &'s mut [f32],
+    ) -> Result<Vec<HeadJob<'s, 'o, T, O>>>
+    where
+        'a: 's,
+    {
+        let [_, h_q, _, _] = self.out_dims;
+        let batch = self.seqs.batch();
+        let n = h_q.checked_mul(batch);
+        let mut jobs = Vec::new();
+        jobs.try_reserve_exact(n.unwrap_or(usize::MAX))
+            .map_err(|_| Error::allocation_of::<HeadJob<'s, 'o, T, O>>("packed jobs", n))?;
+        let (mut out, mut lse) = (out, if lse.is_empty() { None } else { Some(lse) });
+        for h in 0..h_q {
+            let kv = h / self.group.max(1);
+            let (qh, kh, vh) = (self.q.head(0, h)?, self.k.head(0, kv)?, self.v.head(0, kv)?);
+            for s in 0..batch {
+                let (rows, keys) = (self.seqs.queries(s), self.seqs.keys(s));
+                let (rows_out, rest) = core::mem::take(&mut out).split_at_mut(rows.len());
+                out = rest;
+                let rows_lse = lse.take().map(|l| {
+                    let (a, b) = l.split_at_mut(rows.len());
+                    lse = Some(b);
+                    a
+                });
+                if rows.is_empty() {
+                    continue;
+                }
+                let mask = HeadMask::new(&self.options, rows.len(), keys.len(), None);
+                let inputs = self.problem.inputs(
+                    qh.subrows(rows.start, rows.len()),
+                    kh.subrows(keys.start, keys.len()),
+                    vh.subrows(keys.start, keys.len()),
+                    0,
+                    mask,
+                );
+                jobs.push(HeadJob {
+                    inputs,
+                    keys: 0..keys.len(),
+                    out: rows_out,
+                    lse: rows_lse,
+                });
+            }
         }
         Ok(jobs)
     }

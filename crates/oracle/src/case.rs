@@ -247,6 +247,7 @@ impl BuiltMasks {
                 }
             }),
             additive_mask: self.additive.as_ref().map(|m| m.as_ref()),
+            ..Options::default()
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use core::ops::Range;
 
-use attn_core::{BoolMask, Options, Result, Tensor4, Tensor4Ref, validate_head};
+use attn_core::{BoolMask, CuSeqlens, Options, Result, Tensor4, Tensor4Ref, validate_head};
 use faer::{Mat, MatRef};
 
 /// The storage type of an engine's operands.
@@ -370,6 +370,44 @@ pub trait Engine: Sync {
         let _ = (q, k, v, grad_out, out, lse, options);
         None
     }
+
+    /// A packed batch of sequences of different lengths (varlen): Q `[1, h_q, total_q,
+    /// d_k]`, K and V `[1, h_kv, total_k, d]` (strided views), sequence `s` on the rows
+    /// `seqs.queries(s)` of Q and `seqs.keys(s)` of K and V, attending only within itself
+    /// (causal alignment and windows per sequence). Returns the output
+    /// `[1, h_q, total_q, d_v]` and the LSE in `[h_q][total_q]` order. `None` (the
+    /// default) if the engine has no packed mode: the packed properties skip it.
+    fn attention_packed(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        seqs: &CuSeqlens<'_>,
+        options: &Options<'_>,
+    ) -> Option<Result<(Tensor4<f32>, Vec<f32>)>> {
+        let _ = (q, k, v, seqs, options);
+        None
+    }
+
+    /// The backward pass of [`Engine::attention_packed`]: `grad_out` and `out` are
+    /// `[1, h_q, total_q, d_v]`, `lse` the `[h_q][total_q]` values; the gradients are
+    /// packed like their operands (a kv head's summed over its query heads). `None` (the
+    /// default) if the engine has no packed backward pass.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_packed(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        grad_out: Tensor4Ref<'_, f32>,
+        out: Tensor4Ref<'_, f32>,
+        lse: &[f32],
+        seqs: &CuSeqlens<'_>,
+        options: &Options<'_>,
+    ) -> Option<Result<BatchGradients>> {
+        let _ = (q, k, v, grad_out, out, lse, seqs, options);
+        None
+    }
 }
 
 /// The f64 reference (`attn-reference`) as an engine: computes in f64, rounds once.
@@ -520,6 +558,35 @@ impl Engine for ReferenceEngine {
     ) -> Option<Result<BatchGradients>> {
         Some(attn_reference::attention_backward_batched(
             grad_out, q, k, v, out, lse, options,
+        ))
+    }
+
+    fn attention_packed(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        seqs: &CuSeqlens<'_>,
+        options: &Options<'_>,
+    ) -> Option<Result<(Tensor4<f32>, Vec<f32>)>> {
+        Some(attn_reference::attention_packed_with_lse(
+            q, k, v, seqs, options,
+        ))
+    }
+
+    fn attention_backward_packed(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        grad_out: Tensor4Ref<'_, f32>,
+        out: Tensor4Ref<'_, f32>,
+        lse: &[f32],
+        seqs: &CuSeqlens<'_>,
+        options: &Options<'_>,
+    ) -> Option<Result<BatchGradients>> {
+        Some(attn_reference::attention_backward_packed(
+            grad_out, q, k, v, out, lse, seqs, options,
         ))
     }
 }

@@ -120,8 +120,8 @@ pub use engine::{
     BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan, ReferenceEngine,
 };
 pub use properties::{
-    BatchGradCase, Defect, GradCase, KeyHider, RowHider, assert_property, check_engine,
-    check_property, compare_head,
+    BatchGradCase, Defect, GradCase, KeyHider, Mask4Case, Mask4Recipe, PackedCase, RowHider,
+    assert_property, check_engine, check_property, compare_head,
 };
 pub use suite::{Failure, Property, SuiteConfig};
 
@@ -159,6 +159,11 @@ macro_rules! engine_suite {
             gqa_gradients_are_group_sums_of_mha => GqaGradientsAreGroupSums,
             scaling_grad_out_scales_gradients_bit_for_bit => GradOutScaling,
             gradient_bits_do_not_depend_on_thread_count => BackwardDeterminism,
+            per_head_masks_broadcast_along_any_axes_match_reference => PerHeadMasks,
+            a_4d_mask_broadcast_from_2d_is_that_mask_bit_for_bit => BroadcastMaskIsShared,
+            per_head_mask_gradients_match_reference => PerHeadMaskGradients,
+            packed_batch_equals_each_sequence_alone => PackedSequences,
+            packed_gradients_equal_each_sequence_alone => PackedGradients,
         );
     };
     (@tests $engine:expr; $($name:ident => $prop:ident,)*) => {

@@ -83,11 +83,27 @@ pub enum Property {
     /// 14. Identical gradient bits with 1, 2 and 3 rayon threads (single head and
     ///     batched, groups of up to 4 query heads).
     BackwardDeterminism,
+    /// 17. Masks per batch entry and head (`[B, H, n_q, n_k]`, broadcast along every
+    ///     subset of the axes by strides of 0 or lengths of 1, key- or query-contiguous)
+    ///     give each head what its explicit `[n_q, n_k]` mask gives the reference.
+    PerHeadMasks,
+    /// 17. A `[B, H, n_q, n_k]` mask broadcast from a `[n_q, n_k]` one computes the same
+    ///     output bits (and gradient bits, with a batched backward pass) as that mask.
+    BroadcastMaskIsShared,
+    /// 17. Batched gradients with 4-D boolean and additive masks (per head, broadcast
+    ///     along random axes) ≡ reference within the derived backward bound.
+    PerHeadMaskGradients,
+    /// 17. A packed batch of sequences of mixed lengths (empty and one-token ones among
+    ///     them) ≡ each sequence on its own: within the bound of the reference, and bit
+    ///     for bit when every sequence has the same shape.
+    PackedSequences,
+    /// 17. Packed gradients ≡ each sequence's on its own, as [`Property::PackedSequences`].
+    PackedGradients,
 }
 
 impl Property {
     /// Every property, in the order of the issue.
-    pub const ALL: [Property; 25] = [
+    pub const ALL: [Property; 30] = [
         Property::RowsSumToOne,
         Property::MaskedWeightsAreZero,
         Property::HiddenKeysNeverLeak,
@@ -113,6 +129,11 @@ impl Property {
         Property::GqaGradientsAreGroupSums,
         Property::GradOutScaling,
         Property::BackwardDeterminism,
+        Property::PerHeadMasks,
+        Property::BroadcastMaskIsShared,
+        Property::PerHeadMaskGradients,
+        Property::PackedSequences,
+        Property::PackedGradients,
     ];
 
     /// The test name: what the property proves.
@@ -148,6 +169,13 @@ impl Property {
             Property::GqaGradientsAreGroupSums => "gqa_gradients_are_group_sums_of_mha",
             Property::GradOutScaling => "scaling_grad_out_scales_gradients_bit_for_bit",
             Property::BackwardDeterminism => "gradient_bits_do_not_depend_on_thread_count",
+            Property::PerHeadMasks => "per_head_masks_broadcast_along_any_axes_match_reference",
+            Property::BroadcastMaskIsShared => {
+                "a_4d_mask_broadcast_from_2d_is_that_mask_bit_for_bit"
+            }
+            Property::PerHeadMaskGradients => "per_head_mask_gradients_match_reference",
+            Property::PackedSequences => "packed_batch_equals_each_sequence_alone",
+            Property::PackedGradients => "packed_gradients_equal_each_sequence_alone",
         }
     }
 
@@ -163,6 +191,12 @@ impl Property {
             Property::BatchedBackwardEquivalence
             | Property::GqaGradientsAreGroupSums
             | Property::BackwardDeterminism => 32,
+            // Issue 17: batched and packed cases of several heads each, kept few so that
+            // the suite's runtime stays moderate.
+            Property::PerHeadMasks
+            | Property::BroadcastMaskIsShared
+            | Property::PackedSequences => 64,
+            Property::PerHeadMaskGradients | Property::PackedGradients => 24,
             Property::BackwardEquivalence
             | Property::ScoreGradientRowsSumToZero
             | Property::BackwardHiddenKeys
@@ -191,6 +225,8 @@ impl Property {
                 | Property::GqaGradientsAreGroupSums
                 | Property::GradOutScaling
                 | Property::BackwardDeterminism
+                | Property::PerHeadMaskGradients
+                | Property::PackedGradients
         )
     }
 }

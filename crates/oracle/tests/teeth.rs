@@ -40,10 +40,34 @@ enum Bug {
     /// `g` of the group into thread `g mod t`'s partial sum, partials then added), so
     /// that the bits depend on the thread count.
     GroupSumInThreadOrder,
+    /// Batched: every query head reads the `[B, H, n_q, n_k]` masks of head 0.
+    FirstHeadMask,
 }
 
 /// Online softmax over key blocks of 4, in f32.
 struct Toy(Bug);
+
+/// The single-head options of head `(b, h)` of a batched call: its `[B, H, n_q, n_k]`
+/// masks resolved to `[n_q, n_k]` views.
+fn head_options<'a>(
+    bug: Bug,
+    options: &Options<'a>,
+    (b, h): (usize, usize),
+    n_q: usize,
+    n_k: usize,
+) -> Result<Options<'a>> {
+    let h = if bug == Bug::FirstHeadMask { 0 } else { h };
+    let mut single = *options;
+    if let Some(m) = options.bool_mask_4d {
+        single.bool_mask = Some(m.head(b, h, n_q, n_k)?);
+        single.bool_mask_4d = None;
+    }
+    if let Some(m) = options.additive_mask_4d {
+        single.additive_mask = Some(m.head(b, h, n_q, n_k)?);
+        single.additive_mask_4d = None;
+    }
+    Ok(single)
+}
 
 const BLOCK: usize = 4;
 
@@ -330,11 +354,13 @@ impl Engine for Toy {
         for b in 0..shape.batch {
             for h in 0..shape.h_q {
                 let kv = shape.kv_head(h);
+                let (n_q, n_k) = (shape.head.n_q, shape.head.n_k);
+                let single = head_options(self.0, options, (b, h), n_q, n_k)?;
                 let (o, _) = self.head(
                     q.head(b, h)?,
                     k.head(b, kv)?,
                     v.head(b, kv)?,
-                    options,
+                    &single,
                     options.key_length(b),
                 )?;
                 let mut view = out.as_mut();
@@ -383,6 +409,7 @@ impl Engine for Toy {
                 for h in 0..shape.h_q {
                     let kv = shape.kv_head(h);
                     let at = (b * shape.h_q + h) * n_q;
+                    let single = head_options(self.0, options, (b, h), n_q, n_k)?;
                     let g = self.head_backward(
                         q.head(b, h)?,
                         k.head(b, kv)?,
@@ -390,7 +417,7 @@ impl Engine for Toy {
                         grad_out.head(b, h)?,
                         out.head(b, h)?,
                         &lse[at..at + n_q],
-                        options,
+                        &single,
                         options.key_length(b),
                     )?;
                     dq.as_mut().head_mut(b, h)?.copy_from(&g.dq);
@@ -553,6 +580,11 @@ fn mask_skipped_in_the_recompute_is_caught() {
         Bug::MaskSkippedInRecompute,
         &[Property::BackwardEquivalence, Property::BackwardHiddenKeys],
     );
+}
+
+#[test]
+fn masks_of_the_wrong_head_are_caught() {
+    caught_by(Bug::FirstHeadMask, &[Property::PerHeadMasks]);
 }
 
 #[test]

@@ -200,15 +200,11 @@ pub fn attention_batched_materialized<T: Element>(
     let scale = options.scale_for_f64(shape.head.d_k)?;
     (0..shape.batch)
         .map(|b| {
-            let mask = HeadMask::new(
-                options,
-                shape.head.n_q,
-                shape.head.n_k,
-                options.key_length(b),
-            );
             (0..shape.h_q)
                 .map(|h| {
                     let kv = shape.kv_head(h);
+                    let (n_q, n_k) = (shape.head.n_q, shape.head.n_k);
+                    let mask = HeadMask::for_head(options, b, h, n_q, n_k, options.key_length(b))?;
                     let (qh, kh, vh) = (q.head(b, h)?, k.head(b, kv)?, v.head(b, kv)?);
                     Ok(attend(
                         widen(qh).as_ref(),

@@ -19,12 +19,13 @@ mod backward;
 mod element;
 mod head;
 mod multi_head;
+mod packed;
 pub mod worked;
 
 pub use attn_core::{BatchGradients, Gradients};
 pub use attn_core::{
-    BoolMask, Causal, Error, KeyPadding, Layout, Options, Result, SCORE_LIMIT, SlidingWindow,
-    Tensor4, Tensor4Mut, Tensor4Ref,
+    BoolMask, BoolMask4, Causal, CuSeqlens, Error, KeyPadding, Layout, Mask4Ref, Options, Result,
+    SCORE_LIMIT, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
 };
 pub use backward::{
     MaterializedBackward, attention_backward, attention_backward_batched,
@@ -38,3 +39,4 @@ pub use head::{
 pub use multi_head::{
     MultiHeadActivations, MultiHeadAttention, MultiHeadGradients, MultiHeadWeights,
 };
+pub use packed::{attention_backward_packed, attention_packed, attention_packed_with_lse};

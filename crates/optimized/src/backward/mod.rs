@@ -22,41 +22,49 @@ use core::ops::Range;
 use std::sync::Mutex;
 
 use attn_core::{
-    BatchShape, Error, HeadMask, HeadShape, Options, Result, Tensor4Ref, TileCoverage,
-    validate_batch_backward, validate_head_backward,
+    BatchShape, CuSeqlens, Error, HeadMask, HeadShape, Options, Result, Tensor4Ref, TileCoverage,
+    validate_batch_backward, validate_head_backward, validate_packed_backward,
 };
 use faer::reborrow::{Reborrow, ReborrowMut};
 use faer::{MatRef, RowMut};
 
 use crate::exact;
 use crate::kernel::element::Element;
-use crate::problem::{HeadInputs, element_count, zeroed};
+use crate::problem::{HeadInputs, element_count, filled};
 use crate::schedule::{Order, TilePlan, for_each_index, key_chunks};
 
-/// One query head of a group: its operands and the forward's results for it.
+/// One query head of a group: its operands, its mask (4-D masks differ per head) and the
+/// forward's results for it.
 #[derive(Debug, Clone, Copy)]
 struct QueryHead<'a, T> {
     q: MatRef<'a, T>,
     d_out: MatRef<'a, T>,
     out: MatRef<'a, T>,
     lse: &'a [f32],
+    mask: HeadMask<'a>,
 }
 
 /// A kv head and the query heads that read it (one, without grouped-query attention).
+/// Every head of a group has the same number of queries.
 #[derive(Debug)]
 struct Group<'a, T> {
     k: MatRef<'a, T>,
     v: MatRef<'a, T>,
-    mask: HeadMask<'a>,
     heads: Vec<QueryHead<'a, T>>,
+}
+
+impl<T> Group<'_, T> {
+    /// Queries of each head.
+    fn n_q(&self) -> usize {
+        self.heads.first().map_or(0, |h| h.q.nrows())
+    }
 }
 
 /// A backward call, validated: every group, and what they share.
 #[derive(Debug)]
 pub(crate) struct Backward<'a, T> {
+    /// The widths, and the lengths of the whole call (a packed call's totals).
     shape: HeadShape,
-    /// Query heads per group.
-    group: usize,
     scale: f32,
     plan: TilePlan,
     groups: Vec<Group<'a, T>>,
@@ -94,15 +102,16 @@ impl<'a, T: Element> Backward<'a, T> {
         let group = Group {
             k,
             v,
-            mask: HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0)),
             heads: vec![QueryHead {
                 q,
                 d_out: grad_out,
                 out,
                 lse,
+                mask: HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0)),
             }],
         };
-        Ok(Self::new(shape, 1, scale, vec![group]))
+        let plan = TilePlan::for_backward(shape.n_q, shape.n_k);
+        Ok(Self::new(shape, scale, plan, vec![group]))
     }
 
     /// A batched, grouped-query call over `[batch, heads, seq, dim]` views: `grad_out`
@@ -128,7 +137,6 @@ impl<'a, T: Element> Backward<'a, T> {
             Error::allocation_of::<Group<'a, T>>("backward groups", Some(batch * h_kv))
         })?;
         for b in 0..batch {
-            let mask = HeadMask::new(options, n_q, n_k, options.key_length(b));
             for kv in 0..h_kv {
                 let heads = (kv * group..(kv + 1) * group)
                     .map(|h| {
@@ -138,26 +146,108 @@ impl<'a, T: Element> Backward<'a, T> {
                             d_out: grad_out.head(b, h)?,
                             out: out.head(b, h)?,
                             lse: &lse[first..first + n_q],
+                            mask: HeadMask::for_head(
+                                options,
+                                b,
+                                h,
+                                n_q,
+                                n_k,
+                                options.key_length(b),
+                            )?,
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
                 groups.push(Group {
                     k: k.head(b, kv)?,
                     v: v.head(b, kv)?,
-                    mask,
                     heads,
                 });
             }
         }
-        Ok(Self::new(shape.head, group, scale, groups))
+        let plan = TilePlan::for_backward(n_q, n_k);
+        Ok(Self::new(shape.head, scale, plan, groups))
     }
 
-    fn new(shape: HeadShape, group: usize, scale: f32, groups: Vec<Group<'a, T>>) -> Self {
+    /// A packed call: `grad_out` and `out` are `[1, h_q, total_q, d_v]`, `lse` is
+    /// `[h_q][total_q]`. One group per (sequence, kv head), in that order, over sub-views
+    /// of the packed tensors; the tile plan is the longest sequence's. The rows given to
+    /// [`Backward::run`] must follow the groups ([`Backward::packed_row_order`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn packed(
+        grad_out: Tensor4Ref<'a, T>,
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        out: Tensor4Ref<'a, T>,
+        lse: &'a [f32],
+        seqs: &CuSeqlens<'a>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let (shape, scale) =
+            validate_packed_backward(q, k, v, grad_out, out, lse.len(), seqs, options)?;
+        let BatchShape { h_q, h_kv, .. } = shape;
+        let total_q = shape.head.n_q;
+        let group = h_q / h_kv.max(1);
+        let n_groups = seqs.batch().saturating_mul(h_kv);
+        let mut groups = Vec::new();
+        groups
+            .try_reserve_exact(n_groups)
+            .map_err(|_| Error::allocation_of::<Group<'a, T>>("backward groups", Some(n_groups)))?;
+        for s in 0..seqs.batch() {
+            let (rows, keys) = (seqs.queries(s), seqs.keys(s));
+            let mask = HeadMask::new(options, rows.len(), keys.len(), None);
+            let sub = |m: MatRef<'a, T>, r: &Range<usize>| m.subrows(r.start, r.len());
+            for kv in 0..h_kv {
+                let heads = (kv * group..(kv + 1) * group)
+                    .map(|h| {
+                        let first = h * total_q;
+                        Ok(QueryHead {
+                            q: sub(q.head(0, h)?, &rows),
+                            d_out: sub(grad_out.head(0, h)?, &rows),
+                            out: sub(out.head(0, h)?, &rows),
+                            lse: &lse[first + rows.start..first + rows.end],
+                            mask,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                groups.push(Group {
+                    k: sub(k.head(0, kv)?, &keys),
+                    v: sub(v.head(0, kv)?, &keys),
+                    heads,
+                });
+            }
+        }
+        let plan = TilePlan::for_backward(seqs.max_q(), seqs.max_k());
+        Ok(Self::new(shape.head, scale, plan, groups))
+    }
+
+    /// The order in which [`Backward::run`] takes the rows of a packed call's gradients:
+    /// for dQ the indices into `(head, packed query)` order, for dK and dV into
+    /// `(kv head, packed key)` order, listed group by group.
+    pub fn packed_row_order(
+        seqs: &CuSeqlens<'_>,
+        h_q: usize,
+        h_kv: usize,
+    ) -> (Vec<usize>, Vec<usize>) {
+        let group = h_q / h_kv.max(1);
+        let (total_q, total_k) = (seqs.total_q(), seqs.total_k());
+        let (mut dq, mut dk) = (Vec::new(), Vec::new());
+        for s in 0..seqs.batch() {
+            for kv in 0..h_kv {
+                for h in kv * group..(kv + 1) * group {
+                    dq.extend(seqs.queries(s).map(|r| h * total_q + r));
+                }
+                dk.extend(seqs.keys(s).map(|j| kv * total_k + j));
+            }
+        }
+        (dq, dk)
+    }
+
+    fn new(shape: HeadShape, scale: f32, plan: TilePlan, groups: Vec<Group<'a, T>>) -> Self {
         Self {
             shape,
-            group,
             scale,
-            plan: TilePlan::for_backward(shape.n_q, shape.n_k),
+            plan,
             groups,
         }
     }
@@ -175,28 +265,43 @@ impl<'a, T: Element> Backward<'a, T> {
         dk: &mut [RowMut<'o, G>],
         dv: &mut [RowMut<'o, G>],
     ) -> Result<()> {
-        let HeadShape { n_q, n_k, d_k, .. } = self.shape;
+        let d_k = self.shape.d_k;
         let bc = self.plan.bc;
-        let blocks = n_k.div_ceil(bc);
-        let chunks = key_chunks(self.groups.len(), blocks);
-        let per_task = element_count(&[self.group, n_q, d_k]).unwrap_or(usize::MAX);
-        let tasks_n = self.groups.len() * chunks;
-        let mut partials = zeroed::<f32>("dQ partials", &[tasks_n, per_task])?;
+        // Per group: its key blocks, the chunks they are dealt to, the length of each
+        // chunk's dQ partial and where the group's partials start. The same for every
+        // group of a batched call; a packed call's sequences differ.
+        let mut layout = Vec::with_capacity(self.groups.len());
+        let mut total = Some(0usize);
+        for g in &self.groups {
+            let blocks = g.k.nrows().div_ceil(bc);
+            let chunks = key_chunks(self.groups.len(), blocks);
+            let per_task = element_count(&[g.heads.len(), g.n_q(), d_k]);
+            let start = total.unwrap_or(usize::MAX);
+            total = total
+                .zip(per_task.and_then(|p| p.checked_mul(chunks)))
+                .and_then(|(t, n)| t.checked_add(n));
+            layout.push((blocks, chunks, per_task.unwrap_or(usize::MAX), start));
+        }
+        let mut partials = filled("dQ partials", total, 0.0f32)?;
+        let tasks_n: usize = layout.iter().map(|l| l.1).sum();
 
         // Deal each group's key blocks (and their output rows) to its chunks in turn.
         let mut tasks: Vec<Task<'_, '_, G>> = Vec::with_capacity(tasks_n);
-        let mut parts = partials.chunks_mut(per_task.max(1));
+        let mut parts_rest: &mut [f32] = &mut partials;
         let (mut dk_rest, mut dv_rest) = (&mut *dk, &mut *dv);
-        for g in 0..self.groups.len() {
+        for (g, &(blocks, chunks, per_task, _)) in layout.iter().enumerate() {
             let first = tasks.len();
             for _ in 0..chunks {
+                let (part, rest) = core::mem::take(&mut parts_rest).split_at_mut(per_task);
+                parts_rest = rest;
                 tasks.push(Task {
                     group: g,
                     blocks: Vec::with_capacity(blocks.div_ceil(chunks)),
-                    dq: parts.next().unwrap_or_default(),
+                    dq: part,
                     work: 0,
                 });
             }
+            let n_k = self.groups[g].k.nrows();
             let (dk_g, rest) = core::mem::take(&mut dk_rest).split_at_mut(n_k);
             dk_rest = rest;
             let (dv_g, rest) = core::mem::take(&mut dv_rest).split_at_mut(n_k);
@@ -229,8 +334,13 @@ impl<'a, T: Element> Backward<'a, T> {
         }
 
         // dQ: the partials of each group summed in chunk order, scaled, rounded once.
-        for (g, rows) in dq.chunks_mut((self.group * n_q).max(1)).enumerate() {
-            let group_parts = &partials[g * chunks * per_task..(g + 1) * chunks * per_task];
+        let mut dq_rest = &mut *dq;
+        for (g, &(_, chunks, per_task, start)) in layout.iter().enumerate() {
+            let group = &self.groups[g];
+            let (rows, rest) =
+                core::mem::take(&mut dq_rest).split_at_mut(group.heads.len() * group.n_q());
+            dq_rest = rest;
+            let group_parts = &partials[start..start + chunks * per_task];
             for (r, row) in rows.iter_mut().enumerate() {
                 for (c, x) in row.rb_mut().iter_mut().enumerate() {
                     let mut sum = 0.0f32;
@@ -254,20 +364,23 @@ impl<'a, T: Element> Backward<'a, T> {
         dk: &mut [RowMut<'_, G>],
         dv: &mut [RowMut<'_, G>],
     ) {
-        let HeadShape { n_q, n_k, .. } = self.shape;
         let finite = |r: &RowMut<'_, G>| r.rb().iter().all(|x| x.to_f32().is_finite());
         let write = |row: &mut RowMut<'_, G>, values: &[f64]| {
             for (x, &y) in row.rb_mut().iter_mut().zip(values) {
                 *x = G::from_f32(y as f32);
             }
         };
-        let per_group = self.group * n_q;
-        for (g, group) in self.groups.iter().enumerate() {
-            let dq_g = &mut dq[g * per_group..(g + 1) * per_group];
-            let (dk_g, dv_g) = (
-                &mut dk[g * n_k..(g + 1) * n_k],
-                &mut dv[g * n_k..(g + 1) * n_k],
-            );
+        // Groups may differ in their lengths (a packed call's sequences): their rows
+        // follow each other in group order.
+        let (mut dq_rest, mut dk_rest, mut dv_rest) = (dq, dk, dv);
+        for group in &self.groups {
+            let (n_q, n_k) = (group.n_q(), group.k.nrows());
+            let (dq_g, rest) = core::mem::take(&mut dq_rest).split_at_mut(group.heads.len() * n_q);
+            dq_rest = rest;
+            let (dk_g, rest) = core::mem::take(&mut dk_rest).split_at_mut(n_k);
+            dk_rest = rest;
+            let (dv_g, rest) = core::mem::take(&mut dv_rest).split_at_mut(n_k);
+            dv_rest = rest;
             if dq_g.iter().all(finite) && dk_g.iter().all(finite) && dv_g.iter().all(finite) {
                 continue;
             }
@@ -299,7 +412,7 @@ impl<'a, T: Element> Backward<'a, T> {
         }
     }
 
-    /// The [`HeadInputs`] of each query head of `group`.
+    /// The [`HeadInputs`] of each query head of `group`, each with its own mask.
     fn head_inputs<'g>(&self, group: &'g Group<'a, T>) -> Vec<HeadInputs<'g, T>> {
         group
             .heads
@@ -309,7 +422,7 @@ impl<'a, T: Element> Backward<'a, T> {
                 k: group.k,
                 v: group.v,
                 key_base: 0,
-                mask: group.mask,
+                mask: h.mask,
                 scale_log2: self.scale * core::f32::consts::LOG2_E,
                 stacked: false,
             })
@@ -318,20 +431,30 @@ impl<'a, T: Element> Backward<'a, T> {
 
     /// Query rows that see some key of `cols`, over the group's heads: the task's weight.
     fn block_work(&self, group: &Group<'a, T>, cols: Range<usize>) -> usize {
-        let br = self.plan.br;
-        let tiles = self.shape.n_q.div_ceil(br);
-        let seen = (0..tiles)
-            .filter(|t| {
-                let rows = t * br..((t + 1) * br).min(self.shape.n_q);
-                group.mask.tile_coverage(rows, cols.clone()) != TileCoverage::Hidden
+        let (br, n_q) = (self.plan.br, group.n_q());
+        let seen: usize = group
+            .heads
+            .iter()
+            .map(|h| {
+                (0..n_q.div_ceil(br))
+                    .filter(|t| {
+                        let rows = t * br..((t + 1) * br).min(n_q);
+                        h.mask.tile_coverage(rows, cols.clone()) != TileCoverage::Hidden
+                    })
+                    .count()
             })
-            .count();
-        seen * br * group.heads.len()
+            .sum();
+        seen * br
     }
 
     fn run_task<G: Element>(&self, task: Task<'_, '_, G>) -> Result<()> {
         let group = &self.groups[task.group];
-        if self.shape.n_q == 0 {
+        let shape = HeadShape {
+            n_q: group.n_q(),
+            n_k: group.k.nrows(),
+            ..self.shape
+        };
+        if shape.n_q == 0 {
             // No query sees any key: the blocks' gradients are 0, and no scratch is needed
             // (whose size an empty Q's width alone would set).
             for BlockRows { dk, dv, .. } in task.blocks {
@@ -344,8 +467,8 @@ impl<'a, T: Element> Backward<'a, T> {
         if task.blocks.is_empty() {
             return Ok(()); // no key: the partial dQ stays 0
         }
-        let mut scratch = key_block::Scratch::new(self.plan, &self.shape, group)?;
-        let HeadShape { n_q, d_k, .. } = self.shape;
+        let mut scratch = key_block::Scratch::new(self.plan, &shape, group)?;
+        let HeadShape { n_q, d_k, .. } = shape;
         let bc = self.plan.bc;
         let heads = self.head_inputs(group);
         for BlockRows { block, dk, dv } in task.blocks {

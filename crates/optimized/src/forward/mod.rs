@@ -25,7 +25,7 @@ use faer::{Mat, MatMut, RowMut};
 use crate::exact;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
-use crate::problem::{Batched, HeadInputs, HeadJob, Problem};
+use crate::problem::{Batched, HeadInputs, HeadJob, Packed, Problem};
 use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
 
 /// One head into `out : [n_q, d_v]` (and its LSE), with the problem's shape already checked.
@@ -59,6 +59,19 @@ pub(crate) fn batched<T: Element, O: Element>(
     let lse = lse.unwrap_or_default();
     let jobs = batch.jobs(&mut rows, lse)?;
     run(&batch.problem, jobs, split);
+    Ok(())
+}
+
+/// A packed call into `out : [1, h_q, total_q, d_v]` (any layout) and, if given,
+/// `lse : [h_q][total_q]`; the output's dims already checked.
+pub(crate) fn packed<T: Element, O: Element>(
+    packed: &Packed<'_, T>,
+    out: Tensor4Mut<'_, O>,
+    lse: Option<&mut [f32]>,
+) -> Result<()> {
+    let mut rows = row_list(out.into_rows()?.into_iter().map(RowMut::from_slice_mut))?;
+    let jobs = packed.jobs(&mut rows, lse.unwrap_or_default())?;
+    run(&packed.problem, jobs, SplitKv::Auto);
     Ok(())
 }
 
@@ -100,7 +113,7 @@ pub(crate) fn run<T: Element, O: Element>(
     split: SplitKv,
 ) {
     let Problem {
-        rows: n_q,
+        rows,
         d_k,
         d_v,
         plan,
@@ -109,16 +122,19 @@ pub(crate) fn run<T: Element, O: Element>(
     if jobs.is_empty() {
         return;
     }
-    let tiles_per_head = plan.query_tiles(n_q);
-    if tiles_per_head == 0 {
+    // Each job's query rows: the problem's, except in a packed batch, whose sequences
+    // differ (the plan is the longest one's).
+    let uniform = jobs.iter().all(|j| j.out.len() == rows);
+    let tiles: usize = jobs.iter().map(|j| plan.query_tiles(j.out.len())).sum();
+    if tiles == 0 {
         return; // no query: nothing to compute, however many keys
     }
     let n_k = jobs.iter().map(|j| j.keys.len()).max().unwrap_or(0);
-    if splits(split, jobs.len(), tiles_per_head, n_k) {
+    if uniform && splits(split, tiles, 1, n_k) {
         return split_kv::run(problem, jobs);
     }
 
-    let mut tasks = Vec::with_capacity(jobs.len() * tiles_per_head);
+    let mut tasks = Vec::with_capacity(tiles);
     for job in jobs {
         let HeadJob {
             inputs,
@@ -126,7 +142,8 @@ pub(crate) fn run<T: Element, O: Element>(
             mut out,
             mut lse,
         } = job;
-        for t in 0..tiles_per_head {
+        let n_q = out.len();
+        for t in 0..plan.query_tiles(n_q) {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let (tile, rest) = core::mem::take(&mut out).split_at_mut(rows.len());
             out = rest;

@@ -5,7 +5,7 @@
 use core::marker::PhantomData;
 use core::ops::Range;
 
-use attn_core::{Options, Result, Tensor4, Tensor4Ref, validate_head};
+use attn_core::{CuSeqlens, Options, Result, Tensor4, Tensor4Ref, validate_head};
 use attn_optimized::{Element, KEY_TILE, PartialState, QUERY_TILE, SPLIT_KEYS};
 use attn_oracle::{BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan};
 use faer::{Mat, MatRef};
@@ -222,6 +222,68 @@ impl<T: Element> Engine for OptimizedEngine<T> {
                 view(&vd, v)?,
                 view(&od, out)?,
                 lse,
+                options,
+            )?;
+            let wide = |t: Tensor4<T>| {
+                let dims = t.dims();
+                Tensor4::from_vec(t.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)
+            };
+            Ok(BatchGradients::new(wide(g.dq)?, wide(g.dk)?, wide(g.dv)?))
+        };
+        Some(run())
+    }
+
+    fn attention_packed(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        seqs: &CuSeqlens<'_>,
+        options: &Options<'_>,
+    ) -> Option<Result<(Tensor4<f32>, Vec<f32>)>> {
+        let run = || -> Result<(Tensor4<f32>, Vec<f32>)> {
+            let [qd, kd, vd] = [q, k, v].map(narrow_tensor::<T>);
+            let (qd, kd, vd) = (qd?, kd?, vd?);
+            let (o, lse) = attn_optimized::attention_packed_with_lse(
+                Tensor4Ref::new(&qd, q.dims(), q.strides())?,
+                Tensor4Ref::new(&kd, k.dims(), k.strides())?,
+                Tensor4Ref::new(&vd, v.dims(), v.strides())?,
+                seqs,
+                options,
+            )?;
+            let dims = o.dims();
+            let o =
+                Tensor4::from_vec(o.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)?;
+            Ok((o, lse))
+        };
+        Some(run())
+    }
+
+    fn attention_backward_packed(
+        &self,
+        q: Tensor4Ref<'_, f32>,
+        k: Tensor4Ref<'_, f32>,
+        v: Tensor4Ref<'_, f32>,
+        grad_out: Tensor4Ref<'_, f32>,
+        out: Tensor4Ref<'_, f32>,
+        lse: &[f32],
+        seqs: &CuSeqlens<'_>,
+        options: &Options<'_>,
+    ) -> Option<Result<BatchGradients>> {
+        let run = || -> Result<BatchGradients> {
+            let [qd, kd, vd, dod, od] = [q, k, v, grad_out, out].map(narrow_tensor::<T>);
+            let (qd, kd, vd, dod, od) = (qd?, kd?, vd?, dod?, od?);
+            fn view<'a, T>(d: &'a [T], t: Tensor4Ref<'_, f32>) -> Result<Tensor4Ref<'a, T>> {
+                Tensor4Ref::new(d, t.dims(), t.strides())
+            }
+            let g = attn_optimized::attention_backward_packed(
+                view(&dod, grad_out)?,
+                view(&qd, q)?,
+                view(&kd, k)?,
+                view(&vd, v)?,
+                view(&od, out)?,
+                lse,
+                seqs,
                 options,
             )?;
             let wide = |t: Tensor4<T>| {

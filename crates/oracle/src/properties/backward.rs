@@ -17,7 +17,7 @@ use proptest::sample::select;
 use proptest::test_runner::TestCaseError;
 
 use super::common::{
-    Check, RowHider, all_rows, compare_head, engine_err, fail, masked_rows_case,
+    Check, RowHider, all_rows, compare_head, compare_matrix, engine_err, fail, masked_rows_case,
     masked_rows_inputs, pools, run_head, scale_of, views,
 };
 use crate::bound::{
@@ -281,51 +281,6 @@ fn check_forward(
         &all_rows,
     )
     .map_err(fail)
-}
-
-/// Compares one gradient with the reference entry by entry, on the rows `rows` selects:
-/// an entry with bound 0 (a query that sees no key, a key no query sees) must be exactly
-/// 0, every other entry finite and within its bound.
-fn compare_matrix(
-    what: &str,
-    name: &str,
-    e: MatRef<'_, f32>,
-    x: MatRef<'_, f64>,
-    bd: MatRef<'_, f64>,
-    rows: &dyn Fn(usize) -> bool,
-) -> Result<(), String> {
-    if (e.nrows(), e.ncols()) != (x.nrows(), x.ncols()) {
-        return Err(format!(
-            "{what}: {name} is {}×{} but must be {}×{}",
-            e.nrows(),
-            e.ncols(),
-            x.nrows(),
-            x.ncols()
-        ));
-    }
-    for i in (0..x.nrows()).filter(|&i| rows(i)) {
-        for c in 0..x.ncols() {
-            let (g, r, b) = (f64::from(e[(i, c)]), x[(i, c)], bd[(i, c)]);
-            if b == 0.0 {
-                if g != 0.0 {
-                    return Err(format!(
-                        "{what}: {name}[{i}, {c}] = {g:e} but must be exactly 0 (its row sees \
-                         no key, or its key is seen by no query)"
-                    ));
-                }
-                continue;
-            }
-            let err = (g - r).abs();
-            record_tightness(err, b);
-            if !g.is_finite() || err > b {
-                return Err(format!(
-                    "{what}: {name}[{i}, {c}] = {g:e} but the reference says {r:e}: \
-                     |error| = {err:.3e} exceeds the derived bound {b:.3e}"
-                ));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Compares one head's gradients with the reference: dQ on the query rows `rows`

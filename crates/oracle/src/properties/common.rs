@@ -4,14 +4,14 @@
 
 use std::sync::OnceLock;
 
-use attn_core::{Causal, Options, SlidingWindow};
+use attn_core::{Causal, Options, SlidingWindow, Tensor4};
 use attn_reference::Materialized;
 use faer::{Mat, MatRef};
 use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::TestCaseError;
 
-use crate::bound::{HeadBound, head_bound_merged};
+use crate::bound::{BatchGradientBound, HeadBound, head_bound_merged};
 use crate::case::{AdditiveRecipe, Bias, BoolRecipe, HeadCase, HeadInputs, Shapes, head_case};
 use crate::suite::record_tightness;
 use crate::{Dtype, Engine};
@@ -307,4 +307,111 @@ pub(crate) fn pools() -> &'static [rayon::ThreadPool; 3] {
                 .expect("a thread pool")
         })
     })
+}
+
+// ---------------------------------------------------------------------------------------
+// Gradients.
+
+/// Compares one gradient with the reference entry by entry, on the rows `rows` selects:
+/// an entry with bound 0 (a query that sees no key, a key no query sees) must be exactly
+/// 0, every other entry finite and within its bound.
+pub(crate) fn compare_matrix(
+    what: &str,
+    name: &str,
+    e: MatRef<'_, f32>,
+    x: MatRef<'_, f64>,
+    bd: MatRef<'_, f64>,
+    rows: &dyn Fn(usize) -> bool,
+) -> Result<(), String> {
+    if (e.nrows(), e.ncols()) != (x.nrows(), x.ncols()) {
+        return Err(format!(
+            "{what}: {name} is {}×{} but must be {}×{}",
+            e.nrows(),
+            e.ncols(),
+            x.nrows(),
+            x.ncols()
+        ));
+    }
+    for i in (0..x.nrows()).filter(|&i| rows(i)) {
+        for c in 0..x.ncols() {
+            let (g, r, b) = (f64::from(e[(i, c)]), x[(i, c)], bd[(i, c)]);
+            if b == 0.0 {
+                if g != 0.0 {
+                    return Err(format!(
+                        "{what}: {name}[{i}, {c}] = {g:e} but must be exactly 0 (its row sees \
+                         no key, or its key is seen by no query)"
+                    ));
+                }
+                continue;
+            }
+            let err = (g - r).abs();
+            record_tightness(err, b);
+            if !g.is_finite() || err > b {
+                return Err(format!(
+                    "{what}: {name}[{i}, {c}] = {g:e} but the reference says {r:e}: \
+                     |error| = {err:.3e} exceeds the derived bound {b:.3e}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every gradient of a batched result against the reference (dK, dV against its group's
+/// sums, in f64), within the bound.
+pub(crate) fn compare_batched_gradients(
+    what: &str,
+    g: &crate::BatchGradients,
+    reference: &[Vec<attn_reference::MaterializedBackward>],
+    bound: &BatchGradientBound,
+    h_kv: usize,
+) -> Check {
+    fn head(t: &Tensor4<f32>, b: usize, h: usize) -> Result<MatRef<'_, f32>, TestCaseError> {
+        t.as_ref().head(b, h).map_err(|e| fail(e.to_string()))
+    }
+    for (b, heads) in reference.iter().enumerate() {
+        for (h, r) in heads.iter().enumerate() {
+            let at = format!("{what}, batch entry {b}, query head {h}");
+            compare_matrix(
+                &at,
+                "dQ",
+                head(&g.dq, b, h)?,
+                r.dq.as_ref(),
+                bound.dq[b][h].as_ref(),
+                &all_rows,
+            )
+            .map_err(fail)?;
+        }
+        let group = heads.len() / h_kv.max(1);
+        for kv in 0..h_kv {
+            let members = &heads[kv * group..(kv + 1) * group];
+            let (mut dk, mut dv) = (members[0].dk.clone(), members[0].dv.clone());
+            for r in &members[1..] {
+                dk += &r.dk;
+                dv += &r.dv;
+            }
+            let at = format!("{what}, batch entry {b}, kv head {kv}");
+            let (gk, gv) = (head(&g.dk, b, kv)?, head(&g.dv, b, kv)?);
+            compare_matrix(
+                &at,
+                "dK",
+                gk,
+                dk.as_ref(),
+                bound.dk[b][kv].as_ref(),
+                &all_rows,
+            )
+            .and_then(|()| {
+                compare_matrix(
+                    &at,
+                    "dV",
+                    gv,
+                    dv.as_ref(),
+                    bound.dv[b][kv].as_ref(),
+                    &all_rows,
+                )
+            })
+            .map_err(fail)?;
+        }
+    }
+    Ok(())
 }

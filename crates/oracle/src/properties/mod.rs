@@ -11,15 +11,24 @@
 //!   rows, rows that see nothing, adversarial magnitudes, malformed calls);
 //! - `backward`: the backward pass ([`Engine::attention_backward`] and
 //!   [`Engine::attention_backward_batched`], issue 14), skipped for engines whose backward
-//!   methods return `None`, as the merge properties are without `attention_split`.
+//!   methods return `None`, as the merge properties are without `attention_split`;
+//! - `per_head`: masks per batch entry and head (`[B, H, n_q, n_k]` views, issue 17),
+//!   forward and backward;
+//! - `packed`: packed batches of sequences of different lengths
+//!   ([`Engine::attention_packed`], [`Engine::attention_backward_packed`], issue 17),
+//!   skipped for engines without them.
 
 mod backward;
 mod common;
 mod forward;
+mod packed;
+mod per_head;
 mod robustness;
 
 pub use backward::{BatchGradCase, GradCase, KeyHider};
 pub use common::{RowHider, compare_head};
+pub use packed::PackedCase;
+pub use per_head::{Mask4Case, Mask4Recipe};
 pub use robustness::Defect;
 
 use crate::case::{adversarial_case, batch_case, head_case};
@@ -39,6 +48,12 @@ pub fn check_property(
     config: &SuiteConfig,
 ) -> Result<(), Failure> {
     let shapes = shapes(engine);
+    if matches!(
+        property,
+        Property::PackedSequences | Property::PackedGradients
+    ) {
+        return check_packed(engine, property, config);
+    }
     if property.is_backward() {
         return check_backward(engine, property, config);
     }
@@ -161,6 +176,20 @@ pub fn check_property(
             robustness::malformed_case(),
             robustness::malformed_input,
         ),
+        Property::PerHeadMasks => run(
+            engine,
+            property,
+            config,
+            per_head::mask4_case(&batch_shapes(&shapes)),
+            per_head::per_head_masks,
+        ),
+        Property::BroadcastMaskIsShared => run(
+            engine,
+            property,
+            config,
+            per_head::shared_case(&batch_shapes(&shapes)),
+            per_head::broadcast_is_shared,
+        ),
         _ => unreachable!("backward properties are dispatched by check_backward"),
     }
 }
@@ -174,7 +203,9 @@ fn check_backward(
 ) -> Result<(), Failure> {
     let batched_only = matches!(
         property,
-        Property::BatchedBackwardEquivalence | Property::GqaGradientsAreGroupSums
+        Property::BatchedBackwardEquivalence
+            | Property::GqaGradientsAreGroupSums
+            | Property::PerHeadMaskGradients
     );
     let supported = if batched_only {
         backward::supports_backward_batched(engine)
@@ -249,7 +280,58 @@ fn check_backward(
             backward::determinism_case(&shapes),
             backward::determinism,
         ),
+        Property::PerHeadMaskGradients => run(
+            engine,
+            property,
+            config,
+            per_head::mask4_grad_case(&batch_shapes),
+            per_head::per_head_mask_gradients,
+        ),
         _ => unreachable!("forward properties are dispatched by check_property"),
+    }
+}
+
+/// The packed properties: skipped (with a note) for an engine without a packed mode.
+fn check_packed(
+    engine: &dyn Engine,
+    property: Property,
+    config: &SuiteConfig,
+) -> Result<(), Failure> {
+    let supported = if property == Property::PackedGradients {
+        packed::supports_packed(engine) && packed::supports_packed_backward(engine)
+    } else {
+        packed::supports_packed(engine)
+    };
+    if !supported {
+        eprintln!(
+            "attn-oracle: engine `{}` has no packed {}; `{}` skipped",
+            engine.name(),
+            if property == Property::PackedGradients {
+                "backward pass"
+            } else {
+                "mode"
+            },
+            property.name()
+        );
+        return Ok(());
+    }
+    // Sequences up to 65 tokens (the reference is O(n_q·n_k) per head), up to 5 of them.
+    if property == Property::PackedGradients {
+        run(
+            engine,
+            property,
+            config,
+            (packed::packed_case(65), proptest::prelude::any::<u64>()),
+            packed::packed_gradients,
+        )
+    } else {
+        run(
+            engine,
+            property,
+            config,
+            packed::packed_case(129),
+            packed::packed_sequences,
+        )
     }
 }
 

@@ -1,0 +1,187 @@
+//! Packed batches of sequences of different lengths, literally: each sequence is cut out
+//! of the packed views and computed on its own by the formula.
+
+use attn_core::{
+    BatchGradients, CuSeqlens, HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_packed,
+    validate_packed_backward,
+};
+use faer::Mat;
+
+use crate::Element;
+use crate::backward::attend_backward;
+use crate::head::{attend, widen};
+
+/// Attention over a packed batch (FlashAttention's varlen): Q `[1, h_q, total_q, d_k]`,
+/// K and V `[1, h_kv, total_k, d]` (any strides; `[total, heads, dim]` is the
+/// `[B,S,H,D]` layout with batch 1), sequence `s` holding the rows `cu_q[s]..cu_q[s+1]`
+/// of Q and `cu_k[s]..cu_k[s+1]` of K and V and attending only within itself (causal
+/// alignment and windows per sequence). Returns the output `[1, h_q, total_q, d_v]` and
+/// the LSE `[h_q][total_q]`, computed in f64 and rounded once.
+///
+/// ```
+/// use attn_reference::{attention, attention_packed_with_lse, Causal, CuSeqlens, Layout, Options, Tensor4Ref};
+/// use faer::Mat;
+/// let x: Vec<f32> = (0..5 * 4).map(|i| (i % 7) as f32 * 0.25).collect(); // 5 tokens, d = 4
+/// let packed = Tensor4Ref::from_layout(&x, [1, 1, 5, 4], Layout::Bshd)?;
+/// let seqs = CuSeqlens::new(&[0, 2, 5], &[0, 2, 5])?; // sequences of 2 and 3 tokens
+/// let opts = Options::default().with_causal(Causal::TopLeft);
+/// let (o, lse) = attention_packed_with_lse(packed, packed, packed, &seqs, &opts)?;
+/// // The second sequence on its own: its first token sees only itself.
+/// let second = Mat::<f32>::from_fn(3, 4, |i, j| x[(2 + i) * 4 + j]);
+/// let alone = attention(second.as_ref(), second.as_ref(), second.as_ref(), &opts)?;
+/// assert_eq!(o.as_ref().head(0, 0)?[(2, 1)], alone[(0, 1)]);
+/// assert_eq!(lse.len(), 5);
+/// # Ok::<(), attn_reference::Error>(())
+/// ```
+pub fn attention_packed_with_lse<T: Element + Default>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+) -> Result<(Tensor4<T>, Vec<f32>)> {
+    let (shape, _) = validate_packed(q, k, v, seqs, options)?;
+    let scale = options.scale_for_f64(shape.head.d_k)?;
+    let (h_q, total_q, d_v) = (shape.h_q, shape.head.n_q, shape.head.d_v);
+    let mut out = Tensor4::<T>::try_zeros([1, h_q, total_q, d_v])?;
+    let mut lse = vec![f32::NEG_INFINITY; h_q * total_q];
+    for s in 0..seqs.batch() {
+        let (rows, keys) = (seqs.queries(s), seqs.keys(s));
+        let mask = HeadMask::new(options, rows.len(), keys.len(), None);
+        for h in 0..h_q {
+            let kv = shape.kv_head(h);
+            let qh = q.head(0, h)?.subrows(rows.start, rows.len());
+            let kh = k.head(0, kv)?.subrows(keys.start, keys.len());
+            let vh = v.head(0, kv)?.subrows(keys.start, keys.len());
+            let m = attend(
+                widen(qh).as_ref(),
+                widen(kh).as_ref(),
+                widen(vh).as_ref(),
+                scale,
+                &mask,
+            );
+            let mut view = out.as_mut();
+            let mut dst = view.head_mut(0, h)?;
+            for (i, r) in rows.clone().enumerate() {
+                for c in 0..d_v {
+                    dst[(r, c)] = T::from_f64(m.output[(i, c)]);
+                }
+                lse[h * total_q + r] = m.lse[i] as f32;
+            }
+        }
+    }
+    Ok((out, lse))
+}
+
+/// [`attention_packed_with_lse`] without the LSE.
+///
+/// ```
+/// use attn_reference::{attention_packed, CuSeqlens, Layout, Options, Tensor4Ref};
+/// let x = vec![1.0f32; 3 * 2]; // 3 tokens, d = 2
+/// let x = Tensor4Ref::from_layout(&x, [1, 1, 3, 2], Layout::Bshd)?;
+/// let seqs = CuSeqlens::new(&[0, 1, 3], &[0, 0, 3])?; // the first sequence has no keys
+/// let o = attention_packed(x, x, x, &seqs, &Options::default())?;
+/// assert_eq!(o.as_slice(), [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]); // its row sees nothing: 0
+/// # Ok::<(), attn_reference::Error>(())
+/// ```
+pub fn attention_packed<T: Element + Default>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+) -> Result<Tensor4<T>> {
+    attention_packed_with_lse(q, k, v, seqs, options).map(|(o, _)| o)
+}
+
+/// The backward pass of a packed batch, sequence by sequence in f64, rounded once: the
+/// gradients are packed like their operands (dQ `[1, h_q, total_q, d_k]`, dK, dV
+/// `[1, h_kv, total_k, d]`), a kv head's the sums over its query heads. `grad_out` and
+/// `out` are `[1, h_q, total_q, d_v]`, `lse` the `[h_q][total_q]` values of
+/// [`attention_packed_with_lse`] (checked for shape; the reference uses its own exact
+/// forward).
+///
+/// ```
+/// use attn_reference::{attention_backward_packed, attention_packed_with_lse, CuSeqlens, Layout, Options, Tensor4Ref};
+/// let x: Vec<f32> = (0..4 * 2 * 3).map(|i| (i % 5) as f32 * 0.2).collect();
+/// let x = Tensor4Ref::from_layout(&x, [1, 2, 4, 3], Layout::Bshd)?; // 4 tokens, 2 heads
+/// let seqs = CuSeqlens::new(&[0, 1, 1, 4], &[0, 1, 1, 4])?; // an empty sequence among them
+/// let opts = Options::default();
+/// let (out, lse) = attention_packed_with_lse(x, x, x, &seqs, &opts)?;
+/// let g = attention_backward_packed(out.as_ref(), x, x, x, out.as_ref(), &lse, &seqs, &opts)?;
+/// assert_eq!(g.dq.dims(), [1, 2, 4, 3]);
+/// // A one-token sequence's softmax is constant: its dQ is 0.
+/// assert!(g.dq.as_ref().head(0, 1)?.row(0).iter().all(|&x| x == 0.0));
+/// # Ok::<(), attn_reference::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_packed<T: Element + Default>(
+    grad_out: Tensor4Ref<'_, T>,
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    out: Tensor4Ref<'_, T>,
+    lse: &[f32],
+    seqs: &CuSeqlens<'_>,
+    options: &Options<'_>,
+) -> Result<BatchGradients<T>> {
+    let (shape, _) = validate_packed_backward(q, k, v, grad_out, out, lse.len(), seqs, options)?;
+    let scale = options.scale_for_f64(shape.head.d_k)?;
+    let (h_q, h_kv) = (shape.h_q, shape.h_kv);
+    let (total_q, total_k, d_k, d_v) = (
+        shape.head.n_q,
+        shape.head.n_k,
+        shape.head.d_k,
+        shape.head.d_v,
+    );
+    let mut dq = Tensor4::<T>::try_zeros([1, h_q, total_q, d_k])?;
+    let mut dk = Tensor4::<T>::try_zeros([1, h_kv, total_k, d_k])?;
+    let mut dv = Tensor4::<T>::try_zeros([1, h_kv, total_k, d_v])?;
+    for s in 0..seqs.batch() {
+        let (rows, keys) = (seqs.queries(s), seqs.keys(s));
+        let mask = HeadMask::new(options, rows.len(), keys.len(), None);
+        let mut sums = vec![
+            (
+                Mat::<f64>::zeros(keys.len(), d_k),
+                Mat::<f64>::zeros(keys.len(), d_v)
+            );
+            h_kv
+        ];
+        for h in 0..h_q {
+            let kv = shape.kv_head(h);
+            let sub = |t: Tensor4Ref<'_, T>, head: usize, r: &core::ops::Range<usize>| {
+                t.head(0, head).map(|m| widen(m.subrows(r.start, r.len())))
+            };
+            let m = attend_backward(
+                sub(q, h, &rows)?.as_ref(),
+                sub(k, kv, &keys)?.as_ref(),
+                sub(v, kv, &keys)?.as_ref(),
+                sub(grad_out, h, &rows)?.as_ref(),
+                scale,
+                &mask,
+            );
+            let mut view = dq.as_mut();
+            let mut dst = view.head_mut(0, h)?;
+            for (i, r) in rows.clone().enumerate() {
+                for c in 0..d_k {
+                    dst[(r, c)] = T::from_f64(m.dq[(i, c)]);
+                }
+            }
+            // The group's heads summed in f64, in head order.
+            sums[kv].0 += &m.dk;
+            sums[kv].1 += &m.dv;
+        }
+        for (kv, (sk, sv)) in sums.iter().enumerate() {
+            for (t, src) in [(&mut dk, sk), (&mut dv, sv)] {
+                let mut view = t.as_mut();
+                let mut dst = view.head_mut(0, kv)?;
+                for (j, r) in keys.clone().enumerate() {
+                    for c in 0..src.ncols() {
+                        dst[(r, c)] = T::from_f64(src[(j, c)]);
+                    }
+                }
+            }
+        }
+    }
+    Ok(BatchGradients::new(dq, dk, dv))
+}
