@@ -66,10 +66,13 @@ impl Scratch {
                     Par::Seq,
                 );
             }
-            if rescaled || !tile_is_finite(&self.s, br, nr, nc) {
-                let (q, k) = (head.q.subrows(rows.start, nr), head.k.subrows(local, nc));
-                let rescaled = Some(&self.rescaled[..nr]);
-                rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled);
+            let (q, k) = (head.q.subrows(rows.start, nr), head.k.subrows(local, nc));
+            let rescaled_rows = Some(&self.rescaled[..nr]);
+            // A tile with nothing hidden is checked for a non-finite score by the softmax's
+            // own first pass (below); a masked one before the mask writes its -inf.
+            let all_visible = coverage == TileCoverage::Full && !head.mask.has_elementwise();
+            if rescaled || (!all_visible && !tile_is_finite(&self.s, br, nr, nc)) {
+                rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
             }
             mask_tile(
                 &mut self.s,
@@ -84,8 +87,19 @@ impl Scratch {
                 alpha: &mut self.alpha,
                 m_safe: &mut self.m_safe,
             };
-            let all_visible = coverage == TileCoverage::Full && !head.mask.has_elementwise();
-            if softmax_update(&mut self.s, br, nr, nc, &mut state, all_visible) {
+            let check = all_visible && !rescaled;
+            let rescale =
+                match softmax_update(&mut self.s, br, nr, nc, &mut state, all_visible, check) {
+                    Some(rescale) => rescale,
+                    None => {
+                        rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
+                        // What is still not finite comes from the operands: no second check.
+                        let again =
+                            softmax_update(&mut self.s, br, nr, nc, &mut state, true, false);
+                        again.unwrap_or(false)
+                    }
+                };
+            if rescale {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
             let p = MatRef::from_column_major_slice_with_stride(&self.s, nr, nc, br);

@@ -12,7 +12,7 @@ use faer::MatRef;
 use super::multiversion;
 
 /// The bits of `+inf`: a float is non-finite exactly when its magnitude bits reach them.
-const INF_BITS: u32 = 0x7f80_0000;
+pub(crate) const INF_BITS: u32 = 0x7f80_0000;
 
 #[inline(always)]
 fn tile_is_finite_body<const FMA: bool>(s: &[f32], ld: usize, rows: usize, cols: usize) -> bool {
@@ -20,7 +20,7 @@ fn tile_is_finite_body<const FMA: bool>(s: &[f32], ld: usize, rows: usize, cols:
     let mut high = 0u32;
     for j in 0..cols {
         let col = &s[j * ld..j * ld + rows];
-        high = max_magnitude_bits(col, high);
+        high = magnitude_max(col, high);
     }
     high < INF_BITS
 }
@@ -32,8 +32,10 @@ multiversion! {
     pub(crate) fn tile_is_finite(s: &[f32], ld: usize, rows: usize, cols: usize) -> bool = tile_is_finite_body
 }
 
+/// `high` raised to the largest magnitude bits of `x` (an integer maximum, vectorised); a
+/// value is non-finite exactly when its magnitude bits reach [`INF_BITS`].
 #[inline(always)]
-fn max_magnitude_bits(x: &[f32], high: u32) -> u32 {
+pub(crate) fn magnitude_max(x: &[f32], high: u32) -> u32 {
     x.iter().fold(high, |h, x| h.max(x.to_bits() & !(1 << 31)))
 }
 
@@ -43,7 +45,7 @@ fn rows_are_finite_body<const FMA: bool>(m: MatRef<'_, f32>) -> bool {
     for i in 0..m.nrows() {
         let row = m.row(i);
         high = match row.try_as_row_major() {
-            Some(row) => max_magnitude_bits(row.as_slice(), high),
+            Some(row) => magnitude_max(row.as_slice(), high),
             None => row
                 .iter()
                 .fold(high, |h, x| h.max(x.to_bits() & !(1 << 31))),

@@ -12,6 +12,7 @@
 //! the result independent of when `m` moved.
 
 use super::exp2::exp2_approx;
+use super::finite::{INF_BITS, magnitude_max};
 use super::multiversion;
 
 /// How far (in log2 units) a block maximum may exceed the reference maximum before the
@@ -76,20 +77,30 @@ fn update_body<const FMA: bool>(
     cols: usize,
     state: &mut RowState<'_>,
     all_visible: bool,
-) -> bool {
+    check_finite: bool,
+) -> Option<bool> {
     let m = &mut state.m[..rows];
     let l = &mut state.l[..rows];
     let alpha = &mut state.alpha[..rows];
     let m_safe = &mut state.m_safe[..rows];
 
     // 1. Block maxima (in `alpha`, used as scratch). NaN scores are passed over here; they
-    //    still poison their own row through the exponential below.
+    //    still poison their own row through the exponential below. When asked, the same
+    //    pass finds a non-finite score (the magnitude bits, see `finite`), and the update
+    //    stops before it has changed any state.
     alpha.fill(f32::NEG_INFINITY);
+    let mut high = 0u32;
     for j in 0..cols {
         let col = &s[j * ld..j * ld + rows];
         for (b, &x) in alpha.iter_mut().zip(col) {
             *b = if x > *b { x } else { *b };
         }
+        if check_finite {
+            high = magnitude_max(col, high);
+        }
+    }
+    if high >= INF_BITS {
+        return None;
     }
     //    A +inf or huge maximum means a score overflowed: saturate that row, so that it
     //    counts as f32::MAX, not as a NaN. In a block with nothing hidden a -inf or huge
@@ -126,7 +137,7 @@ fn update_body<const FMA: bool>(
             *li += p;
         }
     }
-    rescale
+    Some(rescale)
 }
 
 multiversion! {
@@ -135,7 +146,9 @@ multiversion! {
     /// `state` the updated maxima and sums, and `state.alpha` the factor each accumulator
     /// row must be scaled by. Returns whether any factor differs from 1. Overflowed scores
     /// saturate at `±f32::MAX`: `+inf` always, `-inf` when `all_visible` says that no
-    /// score of the tile is hidden (elsewhere `-inf` is a hidden key).
+    /// score of the tile is hidden (elsewhere `-inf` is a hidden key). With `check_finite`
+    /// (a tile with nothing hidden, straight from its GEMM) a non-finite score returns
+    /// `None` with the tile and the state untouched, for the caller to repair first.
     pub(crate) fn softmax_update(
         s: &mut [f32],
         ld: usize,
@@ -143,7 +156,8 @@ multiversion! {
         cols: usize,
         state: &mut RowState<'_>,
         all_visible: bool,
-    ) -> bool = update_body
+        check_finite: bool,
+    ) -> Option<bool> = update_body
 }
 
 #[inline(always)]
@@ -252,7 +266,7 @@ mod tests {
             alpha,
             m_safe,
         };
-        softmax_update(s, ld, rows, cols, &mut st, false)
+        softmax_update(s, ld, rows, cols, &mut st, false, false).expect("not checked")
     }
 
     #[test]
