@@ -409,10 +409,7 @@ pub fn attention_backward_batched<T: Element>(
     options: &Options<'_>,
 ) -> Result<BatchGradients<T>> {
     let call = Backward::batched(grad_out, q, k, v, out, lse, options)?;
-    let (dq_dims, dk_dims, dv_dims) = (q.dims(), k.dims(), v.dims());
-    let mut dq = Tensor4::from_vec(zeroed("dQ", &dq_dims)?, dq_dims)?;
-    let mut dk = Tensor4::from_vec(zeroed("dK", &dk_dims)?, dk_dims)?;
-    let mut dv = Tensor4::from_vec(zeroed("dV", &dv_dims)?, dv_dims)?;
+    let [mut dq, mut dk, mut dv] = zeroed_gradients(q, k, v)?;
     run_batched_backward(&call, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
     Ok(BatchGradients::new(dq, dk, dv))
 }
@@ -599,10 +596,7 @@ pub fn attention_backward_packed<T: Element>(
     options: &Options<'_>,
 ) -> Result<BatchGradients<T>> {
     let call = Backward::packed(grad_out, q, k, v, out, lse, seqs, options)?;
-    let (dq_dims, dk_dims, dv_dims) = (q.dims(), k.dims(), v.dims());
-    let mut dq = Tensor4::from_vec(zeroed("dQ", &dq_dims)?, dq_dims)?;
-    let mut dk = Tensor4::from_vec(zeroed("dK", &dk_dims)?, dk_dims)?;
-    let mut dv = Tensor4::from_vec(zeroed("dV", &dv_dims)?, dv_dims)?;
+    let [mut dq, mut dk, mut dv] = zeroed_gradients(q, k, v)?;
     run_packed_backward(&call, seqs, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
     Ok(BatchGradients::new(dq, dk, dv))
 }
@@ -643,6 +637,20 @@ pub fn attention_backward_packed_into<T: Element, G: Element>(
     let call = Backward::packed(grad_out, q, k, v, out, lse, seqs, options)?;
     check_gradient_views(&dq, &dk, &dv, q, k, v)?;
     run_packed_backward(&call, seqs, dq, dk, dv)
+}
+
+/// Zeroed owned gradients shaped like `q`, `k` and `v` (`[B,H,S,D]`), allocated fallibly.
+fn zeroed_gradients<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+) -> Result<[Tensor4<T>; 3]> {
+    let grad = |what, dims: [usize; 4]| Tensor4::from_vec(zeroed(what, &dims)?, dims);
+    Ok([
+        grad("dQ", q.dims())?,
+        grad("dK", k.dims())?,
+        grad("dV", v.dims())?,
+    ])
 }
 
 fn check_gradient_views<T, G>(
