@@ -153,15 +153,16 @@ impl Ring {
             let result = mpi::request::scope(|scope| {
                 let mut pending = Pending::default();
                 if more {
-                    let out: &[u8] = bytemuck::cast_slice(&cur[..]);
-                    stats.bytes_sent += out.len() as u64;
-                    pending.send(&self.comm, scope, to, TAG_KV, out);
-                    pending.receive(
+                    let (out, into) = (
+                        bytemuck::cast_slice(&cur[..]),
+                        bytemuck::cast_slice_mut(&mut next[..]),
+                    );
+                    pending.pass_on(
                         &self.comm,
                         scope,
-                        from,
-                        TAG_KV,
-                        bytemuck::cast_slice_mut(&mut next[..]),
+                        (to, from),
+                        (out, into),
+                        &mut stats.bytes_sent,
                     );
                 }
                 let calls = fold_forward(&plan, q, &mut acc, &block, &exec, &mut || pending.poll());
@@ -248,15 +249,16 @@ impl Ring {
             let (calls, t1) = mpi::request::scope(|scope| {
                 let mut pending = Pending::default();
                 if more {
-                    let out: &[u8] = bytemuck::cast_slice(&cur[..]);
-                    stats.bytes_sent += out.len() as u64;
-                    pending.send(&self.comm, scope, to, TAG_KV, out);
-                    pending.receive(
+                    let (out, into) = (
+                        bytemuck::cast_slice(&cur[..]),
+                        bytemuck::cast_slice_mut(&mut next[..]),
+                    );
+                    pending.pass_on(
                         &self.comm,
                         scope,
-                        from,
-                        TAG_KV,
-                        bytemuck::cast_slice_mut(&mut next[..]),
+                        (to, from),
+                        (out, into),
+                        &mut stats.bytes_sent,
                     );
                 }
                 if step > 0 {
@@ -371,6 +373,21 @@ impl<'a, 's> Pending<'a, 's> {
                 .immediate_receive_into_with_tag(scope, piece, tag);
             self.requests.push(Some(req));
         }
+    }
+
+    /// One hop of a K/V block around the ring: the send of `out` to `to` and the receive
+    /// of the next block into `into` from `from`, counting the bytes sent.
+    fn pass_on(
+        &mut self,
+        comm: &SimpleCommunicator,
+        scope: &'s LocalScope<'a>,
+        (to, from): (Rank, Rank),
+        (out, into): (&'a [u8], &'a mut [u8]),
+        bytes_sent: &mut u64,
+    ) {
+        *bytes_sent += out.len() as u64;
+        self.send(comm, scope, to, TAG_KV, out);
+        self.receive(comm, scope, from, TAG_KV, into);
     }
 
     /// Tests every outstanding request: this is where OpenMPI moves a large message.
