@@ -98,6 +98,19 @@ pub enum Error {
         /// How many there are.
         len: usize,
     },
+    /// A value of an option outside its domain (a soft-cap that is not positive, a NaN
+    /// ALiBi slope or sink logit).
+    #[error("{what}[{index}] = {value} is invalid (it must be {rule})")]
+    InvalidValue {
+        /// The option.
+        what: &'static str,
+        /// Which of its values.
+        index: usize,
+        /// The value.
+        value: f32,
+        /// What it must be.
+        rule: &'static str,
+    },
     /// An option that this entry point cannot honour.
     #[error("{operand}: {reason}")]
     Unsupported {
@@ -251,6 +264,21 @@ impl Error {
     /// ```
     pub fn head_grouping(h_q: usize, h_kv: usize) -> Self {
         Error::HeadGrouping { h_q, h_kv }
+    }
+
+    /// [`Error::InvalidValue`]: value `index` of option `what` is `value`, outside `rule`.
+    ///
+    /// ```
+    /// let e = attn_core::Error::invalid_value("sink logits", 2, f32::NAN, "not NaN");
+    /// assert_eq!(e.to_string(), "sink logits[2] = NaN is invalid (it must be not NaN)");
+    /// ```
+    pub fn invalid_value(what: &'static str, index: usize, value: f32, rule: &'static str) -> Self {
+        Error::InvalidValue {
+            what,
+            index,
+            value,
+            rule,
+        }
     }
 
     /// [`Error::Unsupported`]: an option `operand` that this entry point cannot honour.

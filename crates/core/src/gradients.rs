@@ -163,6 +163,7 @@ pub fn validate_head_backward<T, G>(
     options: &Options<'_>,
 ) -> Result<(HeadShape, f32)> {
     let shape = HeadShape::of(q, k, v)?;
+    options.reject_modifiers("the backward pass")?;
     let scale = options.validate(1, shape.n_q, shape.n_k, shape.d_k)?;
     shape.check_backward(
         [grad_out.nrows(), grad_out.ncols()],
@@ -194,6 +195,7 @@ pub fn validate_batch_backward<T, G>(
 ) -> Result<(BatchShape, f32)> {
     let shape = BatchShape::of(q, k, v)?;
     let head = shape.head;
+    options.reject_modifiers("the backward pass")?;
     let scale = options.validate_batched(shape.batch, shape.h_q, head.n_q, head.n_k, head.d_k)?;
     shape.check_backward(grad_out.dims(), out.dims(), lse_len)?;
     Ok((shape, scale))

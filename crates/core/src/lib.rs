@@ -21,6 +21,7 @@ mod gradients;
 mod mask;
 mod mask4;
 mod merge;
+mod modifiers;
 mod multi_head;
 mod options;
 mod packed;
@@ -32,6 +33,7 @@ pub use gradients::{BatchGradients, Gradients, validate_batch_backward, validate
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
 pub use mask4::{BoolMask4, Mask4Ref};
 pub use merge::PartialState;
+pub use modifiers::{Alibi, HeadModifiers, SoftCap, alignment_offset};
 pub use multi_head::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
 pub use options::{Options, SCORE_LIMIT, check_shape};
 pub use packed::{CuSeqlens, validate_packed, validate_packed_backward};

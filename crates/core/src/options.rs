@@ -2,8 +2,10 @@
 
 use faer::MatRef;
 
+use crate::modifiers::{check_values, per_head};
 use crate::{
-    BoolMask, BoolMask4, Causal, Error, KeyPadding, Mask4Ref, Result, SlidingWindow, check_dim,
+    Alibi, BoolMask, BoolMask4, Causal, Error, HeadModifiers, KeyPadding, Mask4Ref, Result,
+    SlidingWindow, SoftCap, alignment_offset, check_dim,
 };
 
 /// The largest score magnitude of the contract: `f32::MAX · ln 2` (≈ 2.36e38), which is
@@ -47,6 +49,13 @@ pub struct Options<'a> {
     /// Additive mask `[B, H, n_q, n_k]` per batch entry and query head (broadcast
     /// allowed), for batched calls; not together with [`Options::additive_mask`].
     pub additive_mask_4d: Option<Mask4Ref<'a, f32>>,
+    /// Logit soft-capping, applied first ([`crate::modifiers`]).
+    pub softcap: Option<SoftCap>,
+    /// ALiBi slopes, one per query head (or per batch entry and query head), applied after
+    /// the soft-cap.
+    pub alibi: Option<Alibi<'a>>,
+    /// Sink logits, one per query head: each joins its head's softmax denominator.
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl<'a> Options<'a> {
@@ -130,6 +139,126 @@ impl<'a> Options<'a> {
         self
     }
 
+    /// Caps the scores softly at `cap` ([`SoftCap`]).
+    ///
+    /// ```
+    /// use attn_core::{Options, SoftCap};
+    /// let opts = Options::default().with_softcap(SoftCap::new(30.0)?);
+    /// assert!(opts.validate(1, 3, 5, 8).is_ok());
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn with_softcap(mut self, softcap: SoftCap) -> Self {
+        self.softcap = Some(softcap);
+        self
+    }
+
+    /// Adds ALiBi biases ([`Alibi`]): one finite slope per query head, or per batch entry
+    /// and query head (batch-major); a single-head call takes one slope.
+    ///
+    /// ```
+    /// use attn_core::{Alibi, Options};
+    /// let slopes = [0.5f32, 0.25];
+    /// let opts = Options::default().with_alibi(Alibi::new(&slopes));
+    /// assert!(opts.validate_batched(3, 2, 4, 4, 8).is_ok());
+    /// assert!(opts.validate_batched(3, 4, 4, 4, 8).is_err()); // 2 slopes for 4 heads
+    /// ```
+    pub fn with_alibi(mut self, alibi: Alibi<'a>) -> Self {
+        self.alibi = Some(alibi);
+        self
+    }
+
+    /// Adds a sink logit per query head (`-inf` is no sink; NaN and `+inf` are invalid).
+    ///
+    /// ```
+    /// use attn_core::Options;
+    /// let sinks = [0.5f32];
+    /// assert!(Options::default().with_sinks(&sinks).validate(1, 3, 5, 8).is_ok());
+    /// assert!(Options::default().with_sinks(&[f32::NAN]).validate(1, 3, 5, 8).is_err());
+    /// ```
+    pub fn with_sinks(mut self, sinks: &'a [f32]) -> Self {
+        self.sinks = Some(sinks);
+        self
+    }
+
+    /// What query head `h` of batch entry `b` (of `h_q` heads, `n_q` queries and `n_k`
+    /// keys) sees of the score modifiers; the options validated for that shape.
+    pub fn head_modifiers(
+        &self,
+        b: usize,
+        h: usize,
+        h_q: usize,
+        n_q: usize,
+        n_k: usize,
+    ) -> HeadModifiers {
+        HeadModifiers {
+            softcap: self.softcap,
+            alibi: self.alibi.map(|a| {
+                (
+                    per_head(a.slopes(), b, h, h_q),
+                    alignment_offset(a.align(), n_q, n_k),
+                )
+            }),
+            sink: self.sinks.map(|s| s[h]),
+        }
+    }
+
+    /// [`Error::Unsupported`] naming `what` when a score modifier is set: for the entry
+    /// points that do not compute them yet (they must not ignore them).
+    ///
+    /// ```
+    /// use attn_core::{Options, SoftCap};
+    /// let opts = Options::default().with_softcap(SoftCap::new(5.0)?);
+    /// assert!(opts.reject_modifiers("the backward pass").is_err());
+    /// assert!(Options::default().reject_modifiers("the backward pass").is_ok());
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn reject_modifiers(&self, what: &'static str) -> Result<()> {
+        if self.has_modifiers() {
+            Err(Error::unsupported(
+                what,
+                "score modifiers (soft-cap, ALiBi, sinks) are not supported here yet",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Whether any score modifier (soft-cap, ALiBi, sinks) is set.
+    pub fn has_modifiers(&self) -> bool {
+        self.softcap.is_some() || self.alibi.is_some() || self.sinks.is_some()
+    }
+
+    /// Checks the modifiers' lengths and values for `batch` entries of `h_q` query heads.
+    pub fn check_modifiers(&self, batch: usize, h_q: usize) -> Result<()> {
+        if let Some(a) = self.alibi {
+            let n = a.slopes().len();
+            if n != h_q && Some(n) != batch.checked_mul(h_q) {
+                return Err(Error::mismatch(
+                    "ALiBi slopes",
+                    "length",
+                    n,
+                    "Q",
+                    h_q,
+                    "one slope per query head, or per batch entry and query head",
+                ));
+            }
+            check_values("ALiBi slopes", a.slopes(), f32::is_finite, "finite")?;
+        }
+        if let Some(sinks) = self.sinks {
+            check_dim(
+                "sink logits",
+                "length",
+                sinks.len(),
+                "Q",
+                h_q,
+                "one sink logit per query head",
+            )?;
+            let ok = |x: f32| !x.is_nan() && x != f32::INFINITY;
+            check_values("sink logits", sinks, ok, "finite or -inf")?;
+        }
+        Ok(())
+    }
+
     /// Whether an element-wise mask may differ between the query heads of one batch
     /// entry (engines that share work between heads must not then share the mask).
     pub fn mask_varies_over_heads(&self) -> bool {
@@ -201,6 +330,7 @@ impl<'a> Options<'a> {
         if self.additive_mask_4d.is_some() {
             return Err(Error::unsupported("additive mask (4-D)", single));
         }
+        self.check_modifiers(batch, 1)?;
         self.validate_common(batch, n_q, n_k, d_k)
     }
 
@@ -257,6 +387,7 @@ impl<'a> Options<'a> {
             }
             check("additive mask (4-D)", m.dims(), m.broadcasts_to(want))?;
         }
+        self.check_modifiers(batch, h_q)?;
         self.validate_common(batch, n_q, n_k, d_k)
     }
 

@@ -178,6 +178,7 @@ pub fn validate_packed<T>(
             "element-wise masks and key padding have no meaning for packed sequences (each sequence attends within itself; causal alignment and windows apply per sequence)",
         ));
     }
+    options.check_modifiers(seqs.batch(), shape.h_q)?;
     let scale = options.scale_for(shape.head.d_k)?;
     Ok((shape, scale))
 }
@@ -206,6 +207,7 @@ pub fn validate_packed_backward<T, G>(
     seqs: &CuSeqlens<'_>,
     options: &Options<'_>,
 ) -> Result<(BatchShape, f32)> {
+    options.reject_modifiers("the backward pass")?;
     let (shape, scale) = validate_packed(q, k, v, seqs, options)?;
     shape.check_backward(grad_out.dims(), out.dims(), lse_len)?;
     Ok((shape, scale))

@@ -229,6 +229,7 @@ impl MultiHeadAttention {
         let (w, act) = (&self.weights, activations);
         w.check_backward(act, x_q, x_kv, grad_y)?;
         let (n_q, n_k, h, h_kv, d_k, d_v) = self.dims(x_q, x_kv);
+        options.reject_modifiers("MultiHeadAttention")?;
         options.validate(1, n_q, n_k, d_k)?;
 
         // Y = C W_O.
@@ -280,6 +281,7 @@ impl MultiHeadAttention {
     ) -> Result<[Vec<f32>; 3]> {
         let w = &self.weights;
         w.check_inputs(x_q, x_kv)?;
+        options.reject_modifiers("MultiHeadAttention")?;
         options.validate(1, x_q.nrows(), x_kv.nrows(), w.d_k())?;
         Ok([
             product_rows("projection", x_q, w.w_q())?,

@@ -74,6 +74,7 @@ impl Problem {
                 "a shard holds exactly its key range, inside n_k_total",
             ));
         }
+        options.reject_modifiers("attn-optimized")?;
         let scale = options.validate(1, n_q, n_k_total, d_k)?;
         check_row_handles(Some(n_q))?;
         let mask = HeadMask::new(options, n_q, n_k_total, options.key_length(0));
@@ -191,6 +192,7 @@ impl<'a, T> Batched<'a, T> {
     ) -> Result<Self> {
         let shape = BatchShape::of(q, k, v)?;
         let HeadShape { n_q, n_k, d_k, .. } = shape.head;
+        options.reject_modifiers("attn-optimized")?;
         let scale = options.validate_batched(shape.batch, shape.h_q, n_q, n_k, d_k)?;
         Self::build(shape, n_k, scale, q, k, v, options, EntryKeys::Padded)
     }
@@ -362,6 +364,7 @@ impl<'a, T> Packed<'a, T> {
         seqs: &CuSeqlens<'a>,
         options: &Options<'a>,
     ) -> Result<Self> {
+        options.reject_modifiers("attn-optimized")?;
         let (shape, scale) = validate_packed(q, k, v, seqs, options)?;
         let HeadShape { n_q, d_k, d_v, .. } = shape.head;
         let out_rows = check_row_handles(element_count(&[shape.h_q, n_q]))?;

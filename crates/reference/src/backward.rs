@@ -9,8 +9,8 @@
 //! (`docs/conventions.md`): a saturated score is differentiated as if it were not.
 
 use attn_core::{
-    BatchGradients, HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_batch_backward,
-    validate_head_backward,
+    BatchGradients, HeadMask, HeadModifiers, Options, Result, Tensor4, Tensor4Ref,
+    validate_batch_backward, validate_head_backward,
 };
 use faer::{Mat, MatRef};
 
@@ -50,7 +50,8 @@ pub(crate) fn attend_backward(
     scale: f64,
     mask: &HeadMask<'_>,
 ) -> MaterializedBackward {
-    let forward = attend(q, k, v, scale, mask);
+    // Score modifiers are not differentiated yet: the entry points reject them.
+    let forward = attend(q, k, v, scale, mask, &HeadModifiers::default());
     let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
     let visible = |i: usize, j: usize| forward.scores[(i, j)] != f64::NEG_INFINITY;
 

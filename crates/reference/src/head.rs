@@ -1,7 +1,8 @@
 //! One head, and a batch of heads, by the formula.
 
 use attn_core::{
-    HeadMask, Options, Result, SCORE_LIMIT, Tensor4, Tensor4Ref, validate_batch, validate_head,
+    HeadMask, HeadModifiers, Options, Result, SCORE_LIMIT, Tensor4, Tensor4Ref, validate_batch,
+    validate_head,
 };
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
@@ -41,6 +42,7 @@ pub(crate) fn attend(
     v: MatRef<'_, f64>,
     scale: f64,
     mask: &HeadMask<'_>,
+    mods: &HeadModifiers,
 ) -> Materialized {
     let (n_q, n_k, d_v) = (q.nrows(), k.nrows(), v.ncols());
 
@@ -59,13 +61,16 @@ pub(crate) fn attend(
     // rule for scores beyond f32), its bias first.
     let scores = Mat::from_fn(n_q, n_k, |i, j| {
         if mask.sees(i, j) {
-            saturate(scale * dots[(i, j)] + saturate(f64::from(mask.bias(i, j))))
+            let s = mods.score(scale * dots[(i, j)], i, j);
+            saturate(s + saturate(f64::from(mask.bias(i, j))))
         } else {
             f64::NEG_INFINITY
         }
     });
 
-    // A = softmax along keys, row maximum subtracted. A NaN score makes its row NaN.
+    // A = softmax along keys, row maximum subtracted. A NaN score makes its row NaN. A
+    // sink logit joins the denominator (and the maximum) without a value; -inf is none.
+    let sink = mods.sink.filter(|&s| s != f32::NEG_INFINITY).map(f64::from);
     let mut weights = Mat::<f64>::zeros(n_q, n_k);
     let mut lse = vec![f64::NEG_INFINITY; n_q];
     for i in 0..n_q {
@@ -78,9 +83,12 @@ pub(crate) fn attend(
                 },
             );
         if max == f64::NEG_INFINITY {
-            continue; // no visible key: weights, output stay 0 and LSE -inf
+            // No visible key: weights and output stay 0; the LSE is the sink's (or -inf).
+            lse[i] = sink.unwrap_or(f64::NEG_INFINITY);
+            continue;
         }
-        let mut sum = 0.0;
+        let max = sink.map_or(max, |s| if s > max { s } else { max });
+        let mut sum = sink.map_or(0.0, |s| (s - max).exp());
         for j in 0..n_k {
             let e = (scores[(i, j)] - max).exp();
             weights[(i, j)] = e;
@@ -134,12 +142,14 @@ pub fn attention_materialized<T: Element>(
     let shape = validate_head(q, k, v, options)?;
     let scale = options.scale_for_f64(shape.d_k)?;
     let mask = HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0));
+    let mods = options.head_modifiers(0, 0, 1, shape.n_q, shape.n_k);
     Ok(attend(
         widen(q).as_ref(),
         widen(k).as_ref(),
         widen(v).as_ref(),
         scale,
         &mask,
+        &mods,
     ))
 }
 
@@ -205,6 +215,7 @@ pub fn attention_batched_materialized<T: Element>(
                     let kv = shape.kv_head(h);
                     let (n_q, n_k) = (shape.head.n_q, shape.head.n_k);
                     let mask = HeadMask::for_head(options, b, h, n_q, n_k, options.key_length(b))?;
+                    let mods = options.head_modifiers(b, h, shape.h_q, n_q, n_k);
                     let (qh, kh, vh) = (q.head(b, h)?, k.head(b, kv)?, v.head(b, kv)?);
                     Ok(attend(
                         widen(qh).as_ref(),
@@ -212,6 +223,7 @@ pub fn attention_batched_materialized<T: Element>(
                         widen(vh).as_ref(),
                         scale,
                         &mask,
+                        &mods,
                     ))
                 })
                 .collect()

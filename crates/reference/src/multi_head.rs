@@ -1,7 +1,7 @@
 //! Multi-head attention with projections, by the formula: forward, training forward and
 //! backward pass, f64 throughout.
 
-use attn_core::{HeadMask, Options, Result};
+use attn_core::{HeadMask, HeadModifiers, Options, Result};
 pub use attn_core::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
@@ -193,6 +193,7 @@ impl MultiHeadAttention {
         w.check_backward(activations, x_q, x_kv, grad_y)?;
         let (n_q, n_k) = (x_q.nrows(), x_kv.nrows());
         let (d_k, d_v) = (w.d_k(), w.d_v());
+        options.reject_modifiers("MultiHeadAttention")?;
         options.validate(1, n_q, n_k, d_k)?;
         let scale = options.scale_for_f64(d_k)?;
         let mask = HeadMask::new(options, n_q, n_k, options.key_length(0));
@@ -265,6 +266,7 @@ impl MultiHeadAttention {
         let w = &self.weights;
         w.check_inputs(x_q, x_kv)?;
         let (n_q, n_k, d_k, d_v) = (x_q.nrows(), x_kv.nrows(), w.d_k(), w.d_v());
+        options.reject_modifiers("MultiHeadAttention")?;
         options.validate(1, n_q, n_k, d_k)?;
         let scale = options.scale_for_f64(d_k)?;
         let mask = HeadMask::new(options, n_q, n_k, options.key_length(0));
@@ -285,6 +287,7 @@ impl MultiHeadAttention {
                 v.subcols(kv * d_v, d_v),
                 scale,
                 &mask,
+                &HeadModifiers::default(),
             );
             concat.subcols_mut(h * d_v, d_v).copy_from(&head.output);
             lse.extend_from_slice(&head.lse);

@@ -53,12 +53,14 @@ pub fn attention_packed_with_lse<T: Element + Default>(
             let qh = q.head(0, h)?.subrows(rows.start, rows.len());
             let kh = k.head(0, kv)?.subrows(keys.start, keys.len());
             let vh = v.head(0, kv)?.subrows(keys.start, keys.len());
+            let mods = options.head_modifiers(s, h, h_q, rows.len(), keys.len());
             let m = attend(
                 widen(qh).as_ref(),
                 widen(kh).as_ref(),
                 widen(vh).as_ref(),
                 scale,
                 &mask,
+                &mods,
             );
             let mut view = out.as_mut();
             let mut dst = view.head_mut(0, h)?;
