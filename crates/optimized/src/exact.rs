@@ -22,6 +22,7 @@ use core::ops::Range;
 use faer::{MatRef, RowRef};
 
 use crate::kernel::element::Element;
+use crate::kernel::finite::row_is_finite;
 use crate::problem::HeadInputs;
 
 /// The contract's score limit in the base-2 domain (`SCORE_LIMIT · log2(e)`).
@@ -29,10 +30,6 @@ const LIMIT: f64 = f32::MAX as f64;
 
 fn saturate(x: f64) -> f64 {
     x.clamp(-LIMIT, LIMIT)
-}
-
-fn finite<T: Element>(row: RowRef<'_, T>) -> bool {
-    row.iter().all(|x| x.to_f32().is_finite())
 }
 
 /// `scale·log2(e) · q·k` in f64, saturated: the exact log2-domain score of two rows.
@@ -43,6 +40,28 @@ fn exact_score<T: Element>(q: RowRef<'_, T>, k: RowRef<'_, T>, scale_log2: f32) 
         .map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32()))
         .sum();
     saturate(dot * f64::from(scale_log2))
+}
+
+/// The exact log2-domain score of query `row` and key `j` of `head` with the additive bias
+/// saturated in as the masks add it; `None` where the key is hidden from the row (by the
+/// structure, the boolean mask or a `-inf` bias). A NaN bias gives a NaN score.
+fn visible_score<T: Element>(head: &HeadInputs<'_, T>, row: usize, j: usize) -> Option<f64> {
+    let mrow = head.mask_row(row);
+    let bias = head.mask.bias(mrow, j);
+    if !head.key_range(row).contains(&j) || !head.mask.allows(mrow, j) || bias == f32::NEG_INFINITY
+    {
+        return None;
+    }
+    let s = exact_score(
+        head.q.row(row),
+        head.k.row(j - head.key_base),
+        head.scale_log2,
+    );
+    Some(if head.mask.additive().is_some() {
+        saturate(s + saturate(f64::from(bias) * core::f64::consts::LOG2_E))
+    } else {
+        s
+    })
 }
 
 /// Recomputes, exactly, the raw log2-domain scores of a tile that f32 could not carry:
@@ -59,9 +78,9 @@ pub(crate) fn rescore<T: Element>(
     rescaled: Option<&[bool]>,
 ) {
     // Allocated on this rare path only; at most one tile's keys.
-    let k_finite: Vec<bool> = (0..k.nrows()).map(|j| finite(k.row(j))).collect();
+    let k_finite: Vec<bool> = (0..k.nrows()).map(|j| row_is_finite(k.row(j))).collect();
     for i in 0..q.nrows() {
-        if !finite(q.row(i)) {
+        if !row_is_finite(q.row(i)) {
             continue;
         }
         let all = rescaled.is_some_and(|r| r[i]);
@@ -87,8 +106,9 @@ impl FiniteKeys {
         ok.try_reserve_exact(keys.len()).ok()?;
         let local = |j: usize| j - head.key_base;
         ok.extend(
-            keys.clone()
-                .map(|j| finite(head.k.row(local(j))) && finite(head.v.row(local(j)))),
+            keys.clone().map(|j| {
+                row_is_finite(head.k.row(local(j))) && row_is_finite(head.v.row(local(j)))
+            }),
         );
         Some(Self {
             start: keys.start,
@@ -106,31 +126,21 @@ fn exact_row<T: Element>(
     keys: &FiniteKeys,
     out: &mut [f64],
 ) -> Option<f32> {
-    let q = head.q.row(row);
-    if !finite(q) {
+    if !row_is_finite(head.q.row(row)) {
         return None;
     }
-    let mrow = head.mask_row(row);
     let range = head.key_range(row);
     let visible = range.start.max(keys.start)..range.end.min(keys.start + keys.ok.len());
     out.fill(0.0);
     let (mut m, mut l) = (f64::NEG_INFINITY, 0.0f64);
     for j in visible {
-        if !head.mask.allows(mrow, j) {
+        let Some(s) = visible_score(head, row, j) else {
             continue;
-        }
-        let bias = head.mask.bias(mrow, j);
-        if bias == f32::NEG_INFINITY {
-            continue;
-        }
-        if bias.is_nan() || !keys.ok[j - keys.start] {
+        };
+        if s.is_nan() || !keys.ok[j - keys.start] {
             return None;
         }
         let local = j - head.key_base;
-        let mut s = exact_score(q, head.k.row(local), head.scale_log2);
-        if head.mask.additive().is_some() {
-            s = saturate(s + saturate(f64::from(bias) * core::f64::consts::LOG2_E));
-        }
         // Online softmax in f64: rescale when the maximum moves.
         if s > m {
             let alpha = (m - s).exp2();
@@ -198,7 +208,6 @@ fn flags(n: usize, f: impl Fn(usize) -> bool) -> Option<Vec<bool>> {
 /// A backward group prepared for exact repairs: which rows and keys are finite, and `D`.
 struct BackwardGroup<'h, 'a, T> {
     heads: &'h [BackwardHead<'a, T>],
-    k: MatRef<'a, T>,
     v: MatRef<'a, T>,
     scale: f64,
     /// Per head: whether row `i`'s Q, dO, O, biases are finite and its LSE is not NaN.
@@ -214,20 +223,11 @@ impl<T: Element> BackwardGroup<'_, '_, T> {
     /// from the row or its weight is 0 (then it contributes nothing).
     fn pair(&self, h: usize, i: usize, j: usize) -> Option<(f64, f64)> {
         let head = &self.heads[h];
-        let x = &head.inputs;
-        let (lse, mrow) = (head.lse[i], x.mask_row(i));
-        if lse == f32::NEG_INFINITY
-            || !x.key_range(i).contains(&j)
-            || !x.mask.allows(mrow, j)
-            || x.mask.bias(mrow, j) == f32::NEG_INFINITY
-        {
+        let lse = head.lse[i];
+        if lse == f32::NEG_INFINITY {
             return None;
         }
-        let mut s = exact_score(x.q.row(i), self.k.row(j), x.scale_log2);
-        if x.mask.additive().is_some() {
-            let bias = f64::from(x.mask.bias(mrow, j)) * core::f64::consts::LOG2_E;
-            s = saturate(s + saturate(bias));
-        }
+        let s = visible_score(&head.inputs, i, j)?;
         let lse2 = saturate(f64::from(lse) * core::f64::consts::LOG2_E);
         let p = (s - lse2).min(0.0).exp2();
         if p == 0.0 {
@@ -291,9 +291,9 @@ pub(crate) fn repair_gradients<T: Element>(
                 .is_none_or(|a| a.row(x.mask_row(i)).iter().all(|b| !b.is_nan()))
         };
         row_ok.push(flags(n_q, |i| {
-            finite(x.q.row(i))
-                && finite(head.d_out.row(i))
-                && finite(head.out.row(i))
+            row_is_finite(x.q.row(i))
+                && row_is_finite(head.d_out.row(i))
+                && row_is_finite(head.out.row(i))
                 && !head.lse[i].is_nan()
                 && bias_ok(i)
         })?);
@@ -308,10 +308,9 @@ pub(crate) fn repair_gradients<T: Element>(
         }));
         d.push(di);
     }
-    let key_ok = flags(n_k, |j| finite(k.row(j)) && finite(v.row(j)))?;
+    let key_ok = flags(n_k, |j| row_is_finite(k.row(j)) && row_is_finite(v.row(j)))?;
     let g = BackwardGroup {
         heads,
-        k,
         v,
         scale: f64::from(scale),
         row_ok,

@@ -12,7 +12,7 @@ use attn_core::TileCoverage;
 use faer::{MatMut, MatRef};
 
 use crate::kernel::element::Element;
-use crate::kernel::finite::rows_are_finite;
+use crate::kernel::finite::{row_is_finite, rows_are_finite};
 use crate::kernel::online_softmax::saturate;
 use crate::problem::HeadInputs;
 
@@ -99,7 +99,7 @@ pub(crate) fn zero_weight_meets_non_finite<T: Element>(
     if T::as_f32(v).is_some_and(rows_are_finite) {
         return false;
     }
-    (0..v.nrows()).any(|j| zero_weight(j) && v.row(j).iter().any(|x| !x.to_f32().is_finite()))
+    (0..v.nrows()).any(|j| zero_weight(j) && !row_is_finite(v.row(j)))
 }
 
 /// `v` copied into `buf` in `v`'s own layout with its non-finite rows set to 0: the values
@@ -116,7 +116,7 @@ pub(crate) fn without_non_finite_rows<'b, T: Element>(
     // At most one block of values, on the rare path of a hidden non-finite value.
     buf.clear();
     buf.resize(n * d, T::from_f32(0.0));
-    for j in (0..n).filter(|&j| finite_row(v, j)) {
+    for j in (0..n).filter(|&j| row_is_finite(v.row(j))) {
         for c in 0..d {
             buf[if col_major { c * n + j } else { j * d + c }] = v[(j, c)];
         }
@@ -126,10 +126,6 @@ pub(crate) fn without_non_finite_rows<'b, T: Element>(
     } else {
         MatRef::from_row_major_slice(buf, n, d)
     }
-}
-
-fn finite_row<T: Element>(v: MatRef<'_, T>, j: usize) -> bool {
-    v.row(j).iter().all(|x| x.to_f32().is_finite())
 }
 
 /// The terms [`without_non_finite_rows`] left out, for the rows that see them: for each key
@@ -142,7 +138,7 @@ pub(crate) fn add_non_finite_terms<T, V: Element>(
     p: impl Fn(usize, usize) -> f32,
     mut add: impl FnMut(usize, usize, f32),
 ) {
-    for jj in (0..v.nrows()).filter(|&jj| !finite_row(v, jj)) {
+    for jj in (0..v.nrows()).filter(|&jj| !row_is_finite(v.row(jj))) {
         let j = cols.start + jj;
         for (i, row) in rows.clone().enumerate() {
             let pij = p(i, jj);

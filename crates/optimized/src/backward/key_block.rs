@@ -12,7 +12,7 @@ use faer::{Accum, MatMut, MatRef, Par, RowMut};
 use super::{Group, QueryHead};
 use crate::exact::rescore;
 use crate::kernel::element::{Element, f32_rows, widen_rows};
-use crate::kernel::finite::tile_is_finite;
+use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
@@ -40,7 +40,7 @@ struct RowTerms {
 impl RowTerms {
     /// `D`, the LSE in the log2 domain and the finiteness of each row of `head`.
     fn compute<T: Element>(&mut self, head: &QueryHead<'_, T>, d_v: usize) {
-        let finite = |m: MatRef<'_, T>, i: usize| m.row(i).iter().all(|x| x.to_f32().is_finite());
+        let finite = |m: MatRef<'_, T>, i: usize| row_is_finite(m.row(i));
         for i in 0..head.q.nrows() {
             self.d[i] = (0..d_v)
                 .map(|t| head.d_out[(i, t)].to_f32() * head.out[(i, t)].to_f32())

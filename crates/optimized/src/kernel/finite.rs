@@ -7,7 +7,9 @@
 //! that is entirely finite needs no repair. The test compares the magnitude bits against
 //! those of `+inf`: an integer maximum per element, no floating-point comparisons.
 
-use faer::MatRef;
+use faer::{MatRef, RowRef};
+
+use super::element::Element;
 
 use super::multiversion;
 
@@ -52,6 +54,12 @@ fn rows_are_finite_body<const FMA: bool>(m: MatRef<'_, f32>) -> bool {
         };
     }
     high < INF_BITS
+}
+
+/// Whether every entry of one row is finite (any storage type): the per-row test of the
+/// slow paths, which already know that some row is not.
+pub(crate) fn row_is_finite<T: Element>(row: RowRef<'_, T>) -> bool {
+    row.iter().all(|x| x.to_f32().is_finite())
 }
 
 multiversion! {
