@@ -25,6 +25,7 @@ mod modifiers;
 mod multi_head;
 mod options;
 mod packed;
+mod score_mod;
 mod shape;
 mod tensor;
 
@@ -37,5 +38,6 @@ pub use modifiers::{Alibi, HeadModifiers, SoftCap, alignment_offset};
 pub use multi_head::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
 pub use options::{Options, SCORE_LIMIT, check_shape};
 pub use packed::{CuSeqlens, validate_packed, validate_packed_backward};
+pub use score_mod::{MaskMod, ScoreMod, ScoreTile, tanh};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};
 pub use tensor::{Layout, Tensor4, Tensor4Mut, Tensor4Ref};

@@ -154,6 +154,9 @@ pub struct HeadMask<'a> {
     key_len: usize,
     boolean: Option<BoolMask<'a>>,
     additive: Option<MatRef<'a, f32>>,
+    /// The user's mask and the (batch entry, query head) it is asked about.
+    user: Option<&'a dyn crate::MaskMod>,
+    position: (usize, usize),
 }
 
 impl<'a> HeadMask<'a> {
@@ -173,6 +176,33 @@ impl<'a> HeadMask<'a> {
             key_len: key_len.unwrap_or(n_k).min(n_k),
             boolean: options.bool_mask,
             additive: options.additive_mask,
+            user: options.mask_mod,
+            position: (0, 0),
+        }
+    }
+
+    /// The same mask for head `head` of batch entry `batch` (a packed call's sequence): the
+    /// position a user's [`crate::MaskMod`] is asked about.
+    pub fn at(self, batch: usize, head: usize) -> Self {
+        Self {
+            position: (batch, head),
+            ..self
+        }
+    }
+
+    /// The user's mask, if any, with the position it is asked about.
+    pub fn user(&self) -> Option<(&'a dyn crate::MaskMod, (usize, usize))> {
+        self.user.map(|m| (m, self.position))
+    }
+
+    /// What the user's mask says of the tile `rows × cols` (`Full` without one).
+    pub fn user_coverage(&self, rows: Range<usize>, cols: Range<usize>) -> TileCoverage {
+        match self.user {
+            Some(m) if !rows.is_empty() && !cols.is_empty() => {
+                m.coverage(self.position.0, self.position.1, rows, cols)
+            }
+            Some(_) => TileCoverage::Hidden,
+            None => TileCoverage::Full,
         }
     }
 
@@ -224,7 +254,7 @@ impl<'a> HeadMask<'a> {
         mask_keys: usize,
         key_len: Option<usize>,
     ) -> crate::Result<Self> {
-        let mut mask = Self::new(options, n_q, n_k, key_len);
+        let mut mask = Self::new(options, n_q, n_k, key_len).at(batch, head);
         let keys = n_k.min(mask_keys);
         if let Some(m) = options.bool_mask_4d {
             let m = m.head(batch, head, n_q, mask_keys)?;
@@ -281,7 +311,11 @@ impl<'a> HeadMask<'a> {
     /// Whether query `i` may attend key `j` under every structural and boolean constraint.
     /// The additive mask is not consulted: a `-inf` entry hides the key through the sum.
     pub fn allows(&self, i: usize, j: usize) -> bool {
-        self.key_range(i).contains(&j) && self.boolean.is_none_or(|b| b.allows(i, j))
+        self.key_range(i).contains(&j)
+            && self.boolean.is_none_or(|b| b.allows(i, j))
+            && self
+                .user
+                .is_none_or(|m| m.visible(self.position.0, self.position.1, i, j))
     }
 
     /// Whether key `j` reaches query `i` at all: [`HeadMask::allows`] and no `-inf` in the
@@ -295,9 +329,10 @@ impl<'a> HeadMask<'a> {
         self.additive.map_or(0.0, |m| m[(i, j)])
     }
 
-    /// How the tile `rows × cols` relates to the structural constraints: `Hidden` also
-    /// when the boolean mask hides every entry the structure leaves visible. Otherwise
-    /// element-wise masks are not considered (see [`HeadMask::has_elementwise`]).
+    /// How the tile `rows × cols` relates to the structural constraints and the user's
+    /// mask ([`HeadMask::user_coverage`]): `Hidden` also when the boolean mask hides every
+    /// entry the structure leaves visible. Otherwise element-wise masks are not considered
+    /// (see [`HeadMask::has_elementwise`]).
     pub fn tile_coverage(&self, rows: Range<usize>, cols: Range<usize>) -> TileCoverage {
         if rows.is_empty() || cols.is_empty() {
             return TileCoverage::Hidden;
@@ -323,7 +358,12 @@ impl<'a> HeadMask<'a> {
                 return TileCoverage::Hidden;
             }
         }
-        let all_cover = first.start <= cols.start
+        let user = self.user_coverage(rows.clone(), cols.clone());
+        if user == TileCoverage::Hidden {
+            return TileCoverage::Hidden;
+        }
+        let all_cover = user == TileCoverage::Full
+            && first.start <= cols.start
             && cols.end <= first.end
             && last.start <= cols.start
             && cols.end <= last.end;

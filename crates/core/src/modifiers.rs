@@ -18,7 +18,7 @@
 //!
 //! [`Options`]: crate::Options
 
-use crate::{Causal, Error, Result};
+use crate::{Causal, Error, Result, ScoreMod, ScoreTile, tanh};
 
 /// Logit soft-capping at `cap`: `s ← cap · tanh(s / cap)`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -64,6 +64,36 @@ impl SoftCap {
         let t = (s / f64::from(self.cap)).tanh();
         1.0 - t * t
     }
+
+    /// [`SoftCap::apply`] in f32 as the engines compute it (with [`tanh`]), and its
+    /// derivative: within `[−c, c]`, and `1 − tanh²`.
+    ///
+    /// ```
+    /// use attn_core::SoftCap;
+    /// let cap = SoftCap::new(10.0)?;
+    /// assert_eq!(cap.apply_f32(1e30).0, 10.0);
+    /// assert!((cap.apply_f32(5.0).0 - 10.0 * 0.5f32.tanh()).abs() < 1e-5);
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    #[inline(always)]
+    pub fn apply_f32(self, s: f32) -> (f32, f32) {
+        let t = tanh(s / self.cap);
+        ((self.cap * t).clamp(-self.cap, self.cap), 1.0 - t * t)
+    }
+}
+
+/// The soft-cap as a score modifier: a user modifier computing [`SoftCap::apply_f32`]
+/// gives the built-in's bits.
+impl ScoreMod for SoftCap {
+    #[inline(always)]
+    fn score(&self, s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
+        self.apply_f32(s).0
+    }
+
+    #[inline(always)]
+    fn derivative(&self, s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
+        self.apply_f32(s).1
+    }
 }
 
 /// ALiBi: one slope per query head, or per (batch entry, query head), and the alignment of
@@ -108,29 +138,41 @@ impl<'a> Alibi<'a> {
     }
 }
 
-/// What one head sees of the score modifiers.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct HeadModifiers {
+/// What one head sees of the score modifiers: the built-ins resolved for the head, and the
+/// user's [`ScoreMod`] with the head's position.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeadModifiers<'a> {
     /// The soft-cap, if any.
     pub softcap: Option<SoftCap>,
     /// The head's ALiBi slope and the diagonal offset of its alignment, if any.
     pub alibi: Option<(f32, i128)>,
     /// The head's sink logit, if any (`-inf` is no sink).
     pub sink: Option<f32>,
+    /// The user's score modifier, applied after the built-ins.
+    pub user: Option<&'a dyn ScoreMod>,
+    /// The head's batch entry (a packed call's sequence) and query head, as the user's
+    /// modifier sees them.
+    pub position: (usize, usize),
 }
 
-impl HeadModifiers {
+impl<'a> HeadModifiers<'a> {
     /// Whether any modifier is set.
     pub fn is_empty(&self) -> bool {
-        self.softcap.is_none() && self.alibi.is_none() && self.sink.is_none()
+        !self.modifies_scores() && self.sink.is_none()
     }
 
-    /// The modified score of query `i` and key `j` from `s = scale · q·k`, in f64: the
-    /// soft-cap, then the ALiBi bias (masks come after).
+    /// Whether any modifier changes the scores (everything but the sink).
+    pub fn modifies_scores(&self) -> bool {
+        self.softcap.is_some() || self.alibi.is_some() || self.user.is_some()
+    }
+
+    /// The modified score of query `i` and key `j` from `s = scale · q·k`: the soft-cap
+    /// and the ALiBi bias in f64 (the reference's), then the user's modifier (an f32
+    /// function). Masks come after.
     ///
     /// ```
     /// use attn_core::{HeadModifiers, SoftCap};
-    /// let m = HeadModifiers { softcap: Some(SoftCap::new(2.0)?), alibi: Some((0.5, 0)), sink: None };
+    /// let m = HeadModifiers { softcap: Some(SoftCap::new(2.0)?), alibi: Some((0.5, 0)), ..Default::default() };
     /// let s = m.score(100.0, 3, 1);
     /// assert!((s - (2.0 - 0.5 * 2.0)).abs() < 1e-12); // capped at 2, then 2 positions away
     /// # Ok::<(), attn_core::Error>(())
@@ -138,11 +180,72 @@ impl HeadModifiers {
     pub fn score(&self, s: f64, i: usize, j: usize) -> f64 {
         let mut s = self.softcap.map_or(s, |c| c.apply(s));
         if let Some((slope, off)) = self.alibi {
-            let distance = (i as i128 + off - j as i128).unsigned_abs() as f64;
-            s -= f64::from(slope) * distance;
+            s -= f64::from(slope) * distance(i, j, off);
         }
-        s
+        match self.user {
+            Some(m) => {
+                let (b, h) = self.position;
+                f64::from(m.score(s as f32, b, h, i, j))
+            }
+            None => s,
+        }
     }
+
+    /// `∂score/∂s` of [`HeadModifiers::score`] (the ALiBi bias has derivative 1).
+    pub fn derivative(&self, s: f64, i: usize, j: usize) -> f64 {
+        let mut d = self.softcap.map_or(1.0, |c| c.derivative(s));
+        if let Some(m) = self.user {
+            let (b, h) = self.position;
+            let before = self.softcap.map_or(s, |c| c.apply(s))
+                - self.alibi.map_or(0.0, |(m, off)| f64::from(m) * distance(i, j, off));
+            d *= f64::from(m.derivative(before as f32, b, h, i, j));
+        }
+        d
+    }
+
+    /// The built-ins' score in f32, as the engines compute it: [`SoftCap::apply_f32`], then
+    /// `s − slope·|i + off − j|` (the distance exact below 2^24), and `∂/∂s`.
+    #[inline(always)]
+    fn builtin_f32(&self, s: f32, i: usize, j: usize) -> (f32, f32) {
+        let (mut s, d) = match self.softcap {
+            Some(c) => c.apply_f32(s),
+            None => (s, 1.0),
+        };
+        if let Some((slope, off)) = self.alibi {
+            // i64, not i128, so that the loop vectorises (offsets beyond i64 cannot occur:
+            // they are differences of lengths).
+            s -= slope * (i as i64 + off as i64 - j as i64).unsigned_abs() as f32;
+        }
+        (s, d)
+    }
+
+    /// Modifies a tile of this head's scores: the built-ins in one pass through
+    /// [`ScoreTile::map`], then the user's [`ScoreMod::modify`].
+    pub fn modify(&self, tile: &mut ScoreTile<'_>) {
+        if self.softcap.is_some() || self.alibi.is_some() {
+            tile.map(|s, i, j| self.builtin_f32(s, i, j).0);
+        }
+        if let Some(m) = self.user {
+            m.modify(tile);
+        }
+    }
+
+    /// [`HeadModifiers::modify`] that also multiplies `derivative` by `∂score/∂s`.
+    pub fn modify_chained(&self, tile: &mut ScoreTile<'_>, derivative: &mut [f32]) -> Result<()> {
+        if self.softcap.is_some() || self.alibi.is_some() {
+            tile.map_chained(derivative, |s, i, j| self.builtin_f32(s, i, j))?;
+        }
+        if let Some(m) = self.user {
+            m.modify_chained(tile, derivative)?;
+        }
+        Ok(())
+    }
+}
+
+/// `|i + off − j|`, in f64.
+#[inline(always)]
+fn distance(i: usize, j: usize, off: i128) -> f64 {
+    (i as i128 + off - j as i128).unsigned_abs() as f64
 }
 
 /// Checks that every value of a per-head parameter is acceptable.

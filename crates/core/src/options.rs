@@ -4,8 +4,8 @@ use faer::MatRef;
 
 use crate::modifiers::{check_values, per_head};
 use crate::{
-    Alibi, BoolMask, BoolMask4, Causal, Error, HeadModifiers, KeyPadding, Mask4Ref, Result,
-    SlidingWindow, SoftCap, alignment_offset, check_dim,
+    Alibi, BoolMask, BoolMask4, Causal, Error, HeadModifiers, KeyPadding, Mask4Ref, MaskMod,
+    Result, ScoreMod, SlidingWindow, SoftCap, alignment_offset, check_dim,
 };
 
 /// The largest score magnitude of the contract: `f32::MAX · ln 2` (≈ 2.36e38), which is
@@ -56,6 +56,10 @@ pub struct Options<'a> {
     pub alibi: Option<Alibi<'a>>,
     /// Sink logits, one per query head: each joins its head's softmax denominator.
     pub sinks: Option<&'a [f32]>,
+    /// A user-defined score modifier, applied after the built-in ones ([`ScoreMod`]).
+    pub score_mod: Option<&'a dyn ScoreMod>,
+    /// A user-defined mask, on top of every other one ([`MaskMod`]).
+    pub mask_mod: Option<&'a dyn MaskMod>,
 }
 
 impl<'a> Options<'a> {
@@ -180,6 +184,44 @@ impl<'a> Options<'a> {
         self
     }
 
+    /// Adds a user-defined score modifier ([`ScoreMod`]), applied to every score after the
+    /// soft-cap and ALiBi and before the masks.
+    ///
+    /// ```
+    /// use attn_core::{Options, ScoreMod};
+    /// #[derive(Debug)]
+    /// struct Double;
+    /// impl ScoreMod for Double {
+    ///     fn score(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 { 2.0 * s }
+    ///     fn derivative(&self, _: f32, _: usize, _: usize, _: usize, _: usize) -> f32 { 2.0 }
+    /// }
+    /// let opts = Options::default().with_score_mod(&Double);
+    /// assert_eq!(opts.head_modifiers(0, 0, 1, 2, 2).score(1.5, 0, 0), 3.0);
+    /// ```
+    pub fn with_score_mod(mut self, score_mod: &'a dyn ScoreMod) -> Self {
+        self.score_mod = Some(score_mod);
+        self
+    }
+
+    /// Adds a user-defined mask ([`MaskMod`]): a key is visible only where it and every
+    /// other mask allow it.
+    ///
+    /// ```
+    /// use attn_core::{HeadMask, MaskMod, Options};
+    /// #[derive(Debug)]
+    /// struct EvenKeys;
+    /// impl MaskMod for EvenKeys {
+    ///     fn visible(&self, _: usize, _: usize, _: usize, j: usize) -> bool { j % 2 == 0 }
+    /// }
+    /// let opts = Options::default().with_mask_mod(&EvenKeys);
+    /// let mask = HeadMask::new(&opts, 2, 4, None);
+    /// assert!(mask.allows(0, 2) && !mask.allows(0, 3));
+    /// ```
+    pub fn with_mask_mod(mut self, mask_mod: &'a dyn MaskMod) -> Self {
+        self.mask_mod = Some(mask_mod);
+        self
+    }
+
     /// What query head `h` of batch entry `b` (of `h_q` heads, `n_q` queries and `n_k`
     /// keys) sees of the score modifiers; the options validated for that shape.
     pub fn head_modifiers(
@@ -189,7 +231,7 @@ impl<'a> Options<'a> {
         h_q: usize,
         n_q: usize,
         n_k: usize,
-    ) -> HeadModifiers {
+    ) -> HeadModifiers<'a> {
         HeadModifiers {
             softcap: self.softcap,
             alibi: self.alibi.map(|a| {
@@ -198,7 +240,13 @@ impl<'a> Options<'a> {
                     alignment_offset(a.align(), n_q, n_k),
                 )
             }),
-            sink: self.sinks.map(|s| s[h]),
+            // A sink of -inf is no sink, exactly.
+            sink: self
+                .sinks
+                .map(|s| s[h])
+                .filter(|&s| s != f32::NEG_INFINITY),
+            user: self.score_mod,
+            position: (b, h),
         }
     }
 
@@ -216,16 +264,32 @@ impl<'a> Options<'a> {
         if self.has_modifiers() {
             Err(Error::unsupported(
                 what,
-                "score modifiers (soft-cap, ALiBi, sinks) are not supported here yet",
+                "score modifiers (soft-cap, ALiBi, sinks, user score and mask modifiers) are not supported here",
             ))
         } else {
             Ok(())
         }
     }
 
-    /// Whether any score modifier (soft-cap, ALiBi, sinks) is set.
+    /// Whether any score modifier (soft-cap, ALiBi, sinks, a user score or mask modifier)
+    /// is set.
     pub fn has_modifiers(&self) -> bool {
-        self.softcap.is_some() || self.alibi.is_some() || self.sinks.is_some()
+        self.softcap.is_some()
+            || self.alibi.is_some()
+            || self.sinks.is_some()
+            || self.score_mod.is_some()
+            || self.mask_mod.is_some()
+    }
+
+    /// Whether what one query head computes may differ from another's beyond its operands:
+    /// a 4-D mask that varies over heads, per-head modifiers (ALiBi, sinks) or a user
+    /// modifier (which sees the head). Engines that stack heads must not then.
+    pub fn varies_over_heads(&self) -> bool {
+        self.mask_varies_over_heads()
+            || self.alibi.is_some()
+            || self.sinks.is_some()
+            || self.score_mod.is_some()
+            || self.mask_mod.is_some()
     }
 
     /// Checks the modifiers' lengths and values for `batch` entries of `h_q` query heads.

@@ -38,6 +38,7 @@ mod forward;
 mod kernel;
 mod kv_cache;
 mod mask;
+mod modifiers;
 mod multi_head;
 mod problem;
 mod schedule;

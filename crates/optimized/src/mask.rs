@@ -8,7 +8,7 @@
 
 use core::ops::Range;
 
-use attn_core::TileCoverage;
+use attn_core::{ScoreTile, TileCoverage};
 use faer::{MatMut, MatRef};
 
 use crate::kernel::element::Element;
@@ -78,6 +78,7 @@ pub(crate) fn mask_tile<T>(
                 }
             }
         }
+        hide_by_user(s, (1, br), head, (rows, cols));
     } else if head.mask.has_elementwise() {
         for j in cols.clone() {
             let col = &mut s[(j - cols.start) * br..];
@@ -186,7 +187,7 @@ pub(crate) fn mask_row<T>(
         return;
     }
     let (r, elementwise) = (head.key_range(row), head.mask.has_elementwise());
-    for (j, x) in cols.zip(s.iter_mut()) {
+    for (j, x) in cols.clone().zip(s.iter_mut()) {
         if partial && !r.contains(&j) {
             *x = f32::NEG_INFINITY;
         } else if elementwise {
@@ -194,6 +195,31 @@ pub(crate) fn mask_row<T>(
         } else {
             *x = saturate(*x); // visible: an overflow to -inf is not a hidden key
         }
+    }
+    if partial {
+        hide_by_user(s, (cols.len(), 1), head, (row..row + 1, cols));
+    }
+}
+
+/// Hides (`-inf`) the entries of a tile that the user's mask hides, where its answer for
+/// the tile is `Partial`; entry `(i, j)` at `s[i·rs + j·cs]`. Runs after every other mask,
+/// whose saturation of the visible scores must not turn these `-inf` back into scores.
+fn hide_by_user<T>(
+    s: &mut [f32],
+    strides: (usize, usize),
+    head: &HeadInputs<'_, T>,
+    (rows, cols): (Range<usize>, Range<usize>),
+) {
+    let Some((user, (b, h))) = head.mask.user() else {
+        return;
+    };
+    let queries = head.mask_rows(rows);
+    if head.mask.user_coverage(queries.clone(), cols.clone()) != TileCoverage::Partial {
+        return;
+    }
+    match ScoreTile::new(s, strides, queries, cols, b, h) {
+        Ok(mut tile) => user.hide(&mut tile),
+        Err(_) => debug_assert!(false, "score tile outside its scratch"),
     }
 }
 

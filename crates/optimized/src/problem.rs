@@ -7,8 +7,8 @@
 use core::ops::Range;
 
 use attn_core::{
-    BatchShape, CuSeqlens, Error, HeadMask, HeadShape, Options, Result, Tensor4Mut, Tensor4Ref,
-    check_shape, validate_packed,
+    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Result, Tensor4Mut,
+    Tensor4Ref, check_shape, validate_packed,
 };
 use faer::{Mat, MatMut, MatRef, RowMut, TryReserveError};
 
@@ -74,12 +74,12 @@ impl Problem {
                 "a shard holds exactly its key range, inside n_k_total",
             ));
         }
-        options.reject_modifiers("attn-optimized")?;
         let scale = options.validate(1, n_q, n_k_total, d_k)?;
         check_row_handles(Some(n_q))?;
         let mask = HeadMask::new(options, n_q, n_k_total, options.key_length(0));
+        let mods = options.head_modifiers(0, 0, 1, n_q, n_k_total);
         let problem = Self::new(n_q, n_k, d_k, d_v, scale);
-        Ok((problem, problem.inputs(q, k, v, keys.start, mask)))
+        Ok((problem, problem.inputs(q, k, v, keys.start, mask, mods)))
     }
 
     /// Checks a caller's output `[n_q, d_v]` and LSE (`n_q` entries) for one head.
@@ -99,6 +99,7 @@ impl Problem {
         v: MatRef<'a, T>,
         key_base: usize,
         mask: HeadMask<'a>,
+        mods: HeadModifiers<'a>,
     ) -> HeadInputs<'a, T> {
         HeadInputs {
             q,
@@ -106,6 +107,7 @@ impl Problem {
             v,
             key_base,
             mask,
+            mods,
             scale_log2: self.scale_log2,
             stacked: false,
         }
@@ -121,6 +123,8 @@ pub(crate) struct HeadInputs<'a, T> {
     pub v: MatRef<'a, T>,
     pub key_base: usize,
     pub mask: HeadMask<'a>,
+    /// The head's score modifiers ([`crate::modifiers`]).
+    pub mods: HeadModifiers<'a>,
     /// `scale · log2(e)`.
     pub scale_log2: f32,
     /// Each row is the single query of its own head (grouped-query decoding stacks the
@@ -192,7 +196,6 @@ impl<'a, T> Batched<'a, T> {
     ) -> Result<Self> {
         let shape = BatchShape::of(q, k, v)?;
         let HeadShape { n_q, n_k, d_k, .. } = shape.head;
-        options.reject_modifiers("attn-optimized")?;
         let scale = options.validate_batched(shape.batch, shape.h_q, n_q, n_k, d_k)?;
         Self::build(shape, n_k, scale, q, k, v, options, EntryKeys::Padded)
     }
@@ -240,8 +243,9 @@ impl<'a, T> Batched<'a, T> {
         let HeadShape { n_q, d_k, d_v, .. } = shape.head;
         let out_rows = check_row_handles(element_count(&[shape.batch, shape.h_q, n_q]))?;
         let group = shape.h_q / shape.h_kv.max(1);
-        // Stacked heads share one mask: not when the mask differs between them.
-        let stack = if options.mask_varies_over_heads() {
+        // Stacked heads share one mask and one set of modifiers: not when those differ
+        // between them.
+        let stack = if options.varies_over_heads() {
             1
         } else {
             heads_per_job(n_q, group)
@@ -323,7 +327,8 @@ impl<'a, T> Batched<'a, T> {
             };
             let mask =
                 HeadMask::for_cached_head(&self.options, b, h, n_q, n_k, mask_keys, key_len)?;
-            let mut inputs = self.problem.inputs(q, k, v, 0, mask);
+            let mods = self.options.head_modifiers(b, h, h_q, n_q, n_k);
+            let mut inputs = self.problem.inputs(q, k, v, 0, mask, mods);
             inputs.stacked = self.stack > 1;
             jobs.push(HeadJob {
                 inputs,
@@ -364,7 +369,6 @@ impl<'a, T> Packed<'a, T> {
         seqs: &CuSeqlens<'a>,
         options: &Options<'a>,
     ) -> Result<Self> {
-        options.reject_modifiers("attn-optimized")?;
         let (shape, scale) = validate_packed(q, k, v, seqs, options)?;
         let HeadShape { n_q, d_k, d_v, .. } = shape.head;
         let out_rows = check_row_handles(element_count(&[shape.h_q, n_q]))?;
@@ -442,13 +446,15 @@ impl<'a, T> Packed<'a, T> {
                 if rows.is_empty() {
                     continue;
                 }
-                let mask = HeadMask::new(&self.options, rows.len(), keys.len(), None);
+                let mask = HeadMask::new(&self.options, rows.len(), keys.len(), None).at(s, h);
+                let mods = self.options.head_modifiers(s, h, h_q, rows.len(), keys.len());
                 let inputs = self.problem.inputs(
                     qh.subrows(rows.start, rows.len()),
                     kh.subrows(keys.start, keys.len()),
                     vh.subrows(keys.start, keys.len()),
                     0,
                     mask,
+                    mods,
                 );
                 jobs.push(HeadJob {
                     inputs,

@@ -47,8 +47,9 @@ pub fn attention_packed_with_lse<T: Element + Default>(
     let mut lse = vec![f32::NEG_INFINITY; h_q * total_q];
     for s in 0..seqs.batch() {
         let (rows, keys) = (seqs.queries(s), seqs.keys(s));
-        let mask = HeadMask::new(options, rows.len(), keys.len(), None);
+        let seq_mask = HeadMask::new(options, rows.len(), keys.len(), None);
         for h in 0..h_q {
+            let mask = seq_mask.at(s, h);
             let kv = shape.kv_head(h);
             let qh = q.head(0, h)?.subrows(rows.start, rows.len());
             let kh = k.head(0, kv)?.subrows(keys.start, keys.len());

@@ -423,6 +423,7 @@ impl<'a, T: Element> Backward<'a, T> {
                 v: group.v,
                 key_base: 0,
                 mask: h.mask,
+                mods: attn_core::HeadModifiers::default(),
                 scale_log2: self.scale * core::f32::consts::LOG2_E,
                 stacked: false,
             })

@@ -1,0 +1,382 @@
+//! User-defined modifiers: a score modifier (`score_mod`) changes each score before the
+//! masks, a mask modifier (`mask_mod`) hides keys — FlexAttention's two hooks, for the CPU.
+//!
+//! An engine hands a modifier a whole [`ScoreTile`] at a time (one dynamic call per tile, or
+//! per row of a decoding tile), and the tile's [`ScoreTile::map`] runs the modifier's
+//! per-score function in a loop compiled for this CPU's vector instructions: the function
+//! is monomorphised and inlined there, never called through a pointer per score. The
+//! built-in soft-cap and ALiBi go through the same mechanism ([`crate::HeadModifiers`]).
+//!
+//! Scores are in natural units (`s = scale · q·k`, what the formula writes), whatever unit
+//! an engine stores them in; positions are the call's own: batch entry `b` (a packed call's
+//! sequence), query head `h`, query `i` and key `j` of that head (a KV cache's keys are its
+//! positions, its queries the call's new rows).
+
+use core::fmt::Debug;
+use core::ops::Range;
+
+use pulp::{Arch, Simd, WithSimd};
+
+use crate::{Error, Result, TileCoverage};
+
+/// A block of scores of one head: queries `queries` against keys `keys`, score `(i, j)` at
+/// `scores[(i − queries.start)·query_stride + (j − keys.start)·key_stride]`.
+#[derive(Debug)]
+pub struct ScoreTile<'t> {
+    scores: &'t mut [f32],
+    strides: (usize, usize),
+    queries: Range<usize>,
+    keys: Range<usize>,
+    batch: usize,
+    head: usize,
+    /// A stored score times `unit` is the natural score.
+    unit: f32,
+    inv_unit: f32,
+}
+
+impl<'t> ScoreTile<'t> {
+    /// A tile of natural-unit scores of batch entry `batch`, query head `head`, with
+    /// `strides = (query_stride, key_stride)`; [`Error::Layout`] when `scores` does not
+    /// hold it.
+    ///
+    /// ```
+    /// use attn_core::ScoreTile;
+    /// let mut s = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]; // 2 queries × 3 keys, row-major
+    /// let mut tile = ScoreTile::new(&mut s, (3, 1), 10..12, 0..3, 0, 1)?;
+    /// tile.map(|s, i, j| s + (i * 100 + j) as f32);
+    /// assert_eq!(s, [1001.0, 1003.0, 1005.0, 1104.0, 1106.0, 1108.0]);
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn new(
+        scores: &'t mut [f32],
+        strides: (usize, usize),
+        queries: Range<usize>,
+        keys: Range<usize>,
+        batch: usize,
+        head: usize,
+    ) -> Result<Self> {
+        let last = |r: &Range<usize>, stride: usize| r.len().saturating_sub(1).checked_mul(stride);
+        let end = last(&queries, strides.0)
+            .zip(last(&keys, strides.1))
+            .and_then(|(a, b)| a.checked_add(b));
+        let empty = queries.is_empty() || keys.is_empty();
+        if !empty && end.is_none_or(|e| e >= scores.len()) {
+            return Err(Error::layout(
+                "score tile",
+                format!(
+                    "{} queries × {} keys with strides {strides:?} do not fit in {} scores",
+                    queries.len(),
+                    keys.len(),
+                    scores.len()
+                ),
+            ));
+        }
+        Ok(Self {
+            scores,
+            strides,
+            queries,
+            keys,
+            batch,
+            head,
+            unit: 1.0,
+            inv_unit: 1.0,
+        })
+    }
+
+    /// The same tile holding `stored = natural / unit` (an engine's base-2 domain has
+    /// `unit = ln 2`): [`ScoreTile::map`] converts on the way in and out.
+    pub fn with_unit(self, unit: f32) -> Self {
+        Self {
+            unit,
+            inv_unit: 1.0 / unit,
+            ..self
+        }
+    }
+
+    /// The batch entry (a packed call's sequence).
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// The query head.
+    pub fn head(&self) -> usize {
+        self.head
+    }
+
+    /// The queries of the tile.
+    pub fn queries(&self) -> Range<usize> {
+        self.queries.clone()
+    }
+
+    /// The keys of the tile.
+    pub fn keys(&self) -> Range<usize> {
+        self.keys.clone()
+    }
+
+    /// Replaces every score `s` of query `i` and key `j` by `f(s, i, j)` (natural units),
+    /// in memory order, in a loop compiled for this CPU's widest vectors.
+    pub fn map(&mut self, f: impl FnMut(f32, usize, usize) -> f32) {
+        self.map_with_derivative(None, |_, _, _| (0.0, 1.0), f)
+    }
+
+    /// [`ScoreTile::map`] that also multiplies `derivative` (laid out like the scores) by
+    /// the derivative of the change: `f(s, i, j)` returns the new score and `∂new/∂s`
+    /// (chained, so modifiers applied one after another leave the derivative of all).
+    /// [`Error::Layout`] when `derivative` is shorter than the scores.
+    pub fn map_chained(
+        &mut self,
+        derivative: &mut [f32],
+        f: impl FnMut(f32, usize, usize) -> (f32, f32),
+    ) -> Result<()> {
+        if derivative.len() < self.scores.len() {
+            return Err(Error::layout(
+                "score derivative",
+                format!(
+                    "{} entries for a tile of {} scores",
+                    derivative.len(),
+                    self.scores.len()
+                ),
+            ));
+        }
+        self.map_with_derivative(Some(derivative), f, |_, _, _| 0.0);
+        Ok(())
+    }
+
+    /// Sets every score whose key query `i` may not see (`visible(i, j)` false) to `-inf`.
+    pub fn hide(&mut self, mut visible: impl FnMut(usize, usize) -> bool) {
+        let (qs, ks) = self.strides;
+        for (jj, j) in self.keys.clone().enumerate() {
+            for (ii, i) in self.queries.clone().enumerate() {
+                if !visible(i, j) {
+                    self.scores[ii * qs + jj * ks] = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+
+    /// The shared loop of [`ScoreTile::map`] and [`ScoreTile::map_chained`]: `both` when a
+    /// derivative is kept, `plain` otherwise (two closures so that the plain loop carries
+    /// no derivative at all).
+    fn map_with_derivative<B, P>(&mut self, derivative: Option<&mut [f32]>, both: B, plain: P)
+    where
+        B: FnMut(f32, usize, usize) -> (f32, f32),
+        P: FnMut(f32, usize, usize) -> f32,
+    {
+        struct Op<'a, 't, B, P> {
+            tile: &'a mut ScoreTile<'t>,
+            derivative: Option<&'a mut [f32]>,
+            both: B,
+            plain: P,
+        }
+        impl<B, P> WithSimd for Op<'_, '_, B, P>
+        where
+            B: FnMut(f32, usize, usize) -> (f32, f32),
+            P: FnMut(f32, usize, usize) -> f32,
+        {
+            type Output = ();
+            #[inline(always)]
+            fn with_simd<S: Simd>(self, _simd: S) {
+                let Op {
+                    tile,
+                    derivative,
+                    mut both,
+                    mut plain,
+                } = self;
+                let (unit, inv) = (tile.unit, tile.inv_unit);
+                let (q0, k0) = (tile.queries.start, tile.keys.start);
+                let (nq, nk) = (tile.queries.len(), tile.keys.len());
+                let (qs, ks) = tile.strides;
+                // The contiguous axis innermost, so the loop vectorises.
+                let (outer, inner, os, is, queries_inner) = if qs == 1 || ks != 1 {
+                    (nk, nq, ks, qs, true)
+                } else {
+                    (nq, nk, qs, ks, false)
+                };
+                let at = |o: usize, n: usize| {
+                    if queries_inner {
+                        (q0 + n, k0 + o)
+                    } else {
+                        (q0 + o, k0 + n)
+                    }
+                };
+                match derivative {
+                    None => {
+                        for o in 0..outer {
+                            for n in 0..inner {
+                                let x = &mut tile.scores[o * os + n * is];
+                                let (i, j) = at(o, n);
+                                *x = plain(*x * unit, i, j) * inv;
+                            }
+                        }
+                    }
+                    Some(d) => {
+                        for o in 0..outer {
+                            for n in 0..inner {
+                                let k = o * os + n * is;
+                                let (i, j) = at(o, n);
+                                let (s, ds) = both(tile.scores[k] * unit, i, j);
+                                tile.scores[k] = s * inv;
+                                d[k] *= ds;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if self.queries.is_empty() || self.keys.is_empty() {
+            return;
+        }
+        Arch::new().dispatch(Op {
+            tile: self,
+            derivative,
+            both,
+            plain,
+        });
+    }
+}
+
+/// A user-defined score modifier: `score(s, b, h, i, j)` replaces the score `s` (natural
+/// units) of query `i` and key `j` of head `h` of batch entry `b`, before the masks; the
+/// backward pass multiplies the score gradient by `derivative` (`∂score/∂s`).
+///
+/// Set one with [`crate::Options::with_score_mod`]. The engines call [`ScoreMod::modify`]
+/// once per tile; its default runs `score` through [`ScoreTile::map`], where it is inlined
+/// into a vectorised loop — keep it branch-free arithmetic (no calls into libm) and it
+/// vectorises. A NaN it returns poisons its row, as a NaN operand would.
+///
+/// ```
+/// use attn_core::{ScoreMod, ScoreTile};
+/// /// Favours keys near the query: `s − 0.1·|i − j|`.
+/// #[derive(Debug)]
+/// struct Near;
+/// impl ScoreMod for Near {
+///     fn score(&self, s: f32, _b: usize, _h: usize, i: usize, j: usize) -> f32 {
+///         s - 0.1 * (i as f32 - j as f32).abs()
+///     }
+///     fn derivative(&self, _s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
+///         1.0
+///     }
+/// }
+/// let mut s = [1.0f32; 3];
+/// Near.modify(&mut ScoreTile::new(&mut s, (3, 1), 0..1, 0..3, 0, 0)?);
+/// assert_eq!(s, [1.0, 0.9, 0.8]);
+/// # Ok::<(), attn_core::Error>(())
+/// ```
+pub trait ScoreMod: Debug + Sync {
+    /// The modified score of query `i` and key `j` of head `h` of batch entry `b`.
+    fn score(&self, s: f32, b: usize, h: usize, i: usize, j: usize) -> f32;
+
+    /// `∂score/∂s` at `s`, for the backward pass.
+    fn derivative(&self, s: f32, b: usize, h: usize, i: usize, j: usize) -> f32;
+
+    /// Modifies every score of `tile` (default: [`ScoreMod::score`] through
+    /// [`ScoreTile::map`]).
+    fn modify(&self, tile: &mut ScoreTile<'_>) {
+        let (b, h) = (tile.batch(), tile.head());
+        tile.map(|s, i, j| self.score(s, b, h, i, j));
+    }
+
+    /// Modifies every score of `tile` and multiplies `derivative` by `∂score/∂s` (default:
+    /// both methods through [`ScoreTile::map_chained`]).
+    fn modify_chained(&self, tile: &mut ScoreTile<'_>, derivative: &mut [f32]) -> Result<()> {
+        let (b, h) = (tile.batch(), tile.head());
+        tile.map_chained(derivative, |s, i, j| {
+            (self.score(s, b, h, i, j), self.derivative(s, b, h, i, j))
+        })
+    }
+}
+
+/// A user-defined mask: `visible(b, h, i, j)` says whether query `i` of head `h` of batch
+/// entry `b` may see key `j`, on top of every other mask. [`MaskMod::coverage`] answers for
+/// a whole block, so that the engines skip blocks it hides entirely (as causal blocks are
+/// skipped) and check no entry of blocks it leaves wholly visible; its default, `Partial`,
+/// checks every entry. It must be right: `Full` only where every entry is visible, `Hidden`
+/// only where none is.
+///
+/// ```
+/// use attn_core::{MaskMod, TileCoverage};
+/// use core::ops::Range;
+/// /// Causal, aligned top-left.
+/// #[derive(Debug)]
+/// struct Causal;
+/// impl MaskMod for Causal {
+///     fn visible(&self, _b: usize, _h: usize, i: usize, j: usize) -> bool {
+///         j <= i
+///     }
+///     fn coverage(&self, _b: usize, _h: usize, q: Range<usize>, k: Range<usize>) -> TileCoverage {
+///         if k.start > q.end - 1 {
+///             TileCoverage::Hidden
+///         } else if k.end - 1 <= q.start {
+///             TileCoverage::Full
+///         } else {
+///             TileCoverage::Partial
+///         }
+///     }
+/// }
+/// assert_eq!(Causal.coverage(0, 0, 0..64, 64..128), TileCoverage::Hidden);
+/// assert_eq!(Causal.coverage(0, 0, 64..128, 0..64), TileCoverage::Full);
+/// ```
+pub trait MaskMod: Debug + Sync {
+    /// Whether query `i` of head `h` of batch entry `b` may see key `j`.
+    fn visible(&self, b: usize, h: usize, i: usize, j: usize) -> bool;
+
+    /// What [`MaskMod::visible`] says of every entry of queries `queries` × keys `keys`
+    /// (both non-empty): `Partial` when unsure.
+    fn coverage(
+        &self,
+        b: usize,
+        h: usize,
+        queries: Range<usize>,
+        keys: Range<usize>,
+    ) -> TileCoverage {
+        let _ = (b, h, queries, keys);
+        TileCoverage::Partial
+    }
+
+    /// Sets the scores of `tile` that [`MaskMod::visible`] hides to `-inf`.
+    fn hide(&self, tile: &mut ScoreTile<'_>) {
+        let (b, h) = (tile.batch(), tile.head());
+        tile.hide(|i, j| self.visible(b, h, i, j));
+    }
+}
+
+/// `tanh(x)` in f32 as branch-free arithmetic that vectorises (the soft-cap's; libm's
+/// `tanhf` is a call per score): an odd polynomial below `|x| = 0.25`, `1 − 2/(e^{2|x|} + 1)`
+/// above (relative error below 4e-7), exactly `±1` from `|x| = 9` on; NaN stays NaN.
+///
+/// ```
+/// use attn_core::tanh;
+/// for x in [-20.0f32, -1.0, -0.1, 0.0, 0.2, 0.3, 2.5, 9.5] {
+///     assert!((tanh(x) as f64 - (x as f64).tanh()).abs() <= 4e-7 * (x as f64).tanh().abs());
+/// }
+/// assert_eq!(tanh(30.0), 1.0);
+/// ```
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    let a = x.abs().min(9.0);
+    // Small: Taylor to x⁹ (the next term is below 1e-8 relative at 0.25).
+    let x2 = a * a;
+    let mut p = 62.0 / 2835.0;
+    p = p * x2 - 17.0 / 315.0;
+    p = p * x2 + 2.0 / 15.0;
+    p = p * x2 - 1.0 / 3.0;
+    let small = a + a * x2 * p;
+    // Large: e^{2a} = 2^{2a·log2(e)}, range-reduced to 2^k · 2^f with |f| ≤ ½.
+    let t = 2.0 * core::f32::consts::LOG2_E * a;
+    const ROUND: f32 = 12_582_912.0; // 1.5·2^23: adding it rounds to an integer
+    let k = (t + ROUND) - ROUND;
+    let f = t - k;
+    let mut e = 1.535_336_2e-4;
+    e = e * f + 1.339_887_4e-3;
+    e = e * f + 9.618_438e-3;
+    e = e * f + 5.550_332_5e-2;
+    e = e * f + 2.402_264_8e-1;
+    e = e * f + 6.931_472e-1;
+    e = e * f + 1.0;
+    let two_k = f32::from_bits(((k as i32 + 127) as u32) << 23);
+    let large = 1.0 - 2.0 / (e * two_k + 1.0);
+    let r = if a < 0.25 { small } else { large };
+    let r = if a >= 9.0 { 1.0 } else { r };
+    let r = if x.is_nan() { x } else { r };
+    if x < 0.0 { -r } else { r }
+}

@@ -1,0 +1,63 @@
+//! The score modifiers on score tiles, shared by the forward and backward passes: the
+//! soft-cap, ALiBi and the user's [`attn_core::ScoreMod`] change a tile's raw scores after
+//! they are known to be finite (or repaired) and before the masks; the user's
+//! [`attn_core::MaskMod`] hides entries with the masks ([`crate::mask`]); the sink logit
+//! joins each row's softmax when the row is normalised ([`with_sink`]).
+//!
+//! Tiles hold base-2 scores (`log2(e)` is folded into Q); the modifiers see natural units
+//! through [`ScoreTile::with_unit`].
+
+use core::ops::Range;
+
+use attn_core::ScoreTile;
+
+use crate::problem::HeadInputs;
+
+/// Applies `head`'s score modifiers to the base-2 scores of query rows `rows` (the job's
+/// rows) and keys `cols` (global indices), entry `(i, j)` at `s[i·rs + j·cs]`; with
+/// `derivative` (laid out alike, filled with 1 by the caller) multiplies it by
+/// `∂modified/∂raw`. Does nothing without score modifiers.
+pub(crate) fn modify_scores<T>(
+    s: &mut [f32],
+    strides: (usize, usize),
+    head: &HeadInputs<'_, T>,
+    (rows, cols): (Range<usize>, Range<usize>),
+    derivative: Option<&mut [f32]>,
+) {
+    if !head.mods.modifies_scores() {
+        return;
+    }
+    let (b, h) = head.mods.position;
+    let queries = head.mask_rows(rows.clone());
+    // A stacked job (grouped-query decoding) never carries modifiers that see positions
+    // (they vary over heads, see `Options::varies_over_heads`): its rows are one query.
+    let queries = if head.stacked {
+        queries.start..queries.start + rows.len()
+    } else {
+        queries
+    };
+    let Ok(tile) = ScoreTile::new(s, strides, queries, cols, b, h) else {
+        debug_assert!(false, "score tile outside its scratch");
+        return;
+    };
+    let mut tile = tile.with_unit(core::f32::consts::LN_2);
+    match derivative {
+        None => head.mods.modify(&mut tile),
+        Some(d) => {
+            let _ = head.mods.modify_chained(&mut tile, d);
+        }
+    }
+}
+
+/// Folds a sink logit `sink2` (base 2) into a row's online-softmax state `(m, l)`: the
+/// new reference maximum, the factor the row's accumulator must be multiplied by, and the
+/// new sum. Without a visible key (`l = 0`) the row's state becomes the sink's alone.
+#[inline]
+pub(crate) fn with_sink(m: f32, l: f32, sink2: f32) -> (f32, f32, f32) {
+    if l == 0.0 || m == f32::NEG_INFINITY {
+        return (sink2, 0.0, 1.0);
+    }
+    let top = m.max(sink2);
+    let factor = (m - top).exp2();
+    (top, factor, l * factor + (sink2 - top).exp2())
+}
