@@ -66,7 +66,7 @@ pub(crate) fn mask_tile<T>(
                 col[..nr].iter_mut().for_each(|x| *x = saturate(*x));
             }
         }
-        for (i, row) in rows.enumerate() {
+        for (i, row) in rows.clone().enumerate() {
             let r = head.key_range(row);
             let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
             for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
