@@ -157,6 +157,8 @@ pub struct HeadMask<'a> {
     /// The user's mask and the (batch entry, query head) it is asked about.
     user: Option<&'a dyn crate::MaskMod>,
     position: (usize, usize),
+    /// Added to a query's index before the user's mask sees it (a KV cache's new rows).
+    query_offset: usize,
 }
 
 impl<'a> HeadMask<'a> {
@@ -178,6 +180,7 @@ impl<'a> HeadMask<'a> {
             additive: options.additive_mask,
             user: options.mask_mod,
             position: (0, 0),
+            query_offset: 0,
         }
     }
 
@@ -190,15 +193,27 @@ impl<'a> HeadMask<'a> {
         }
     }
 
-    /// The user's mask, if any, with the position it is asked about.
-    pub fn user(&self) -> Option<(&'a dyn crate::MaskMod, (usize, usize))> {
-        self.user.map(|m| (m, self.position))
+    /// The same mask with query `i` shown to the user's mask as `i + offset`: a KV
+    /// cache's new rows are the positions after the cached keys.
+    pub fn with_query_offset(self, offset: usize) -> Self {
+        Self {
+            query_offset: offset,
+            ..self
+        }
+    }
+
+    /// The user's mask, if any, with the position it is asked about and the offset of
+    /// query indices.
+    pub fn user(&self) -> Option<(&'a dyn crate::MaskMod, (usize, usize), usize)> {
+        self.user.map(|m| (m, self.position, self.query_offset))
     }
 
     /// What the user's mask says of the tile `rows × cols` (`Full` without one).
     pub fn user_coverage(&self, rows: Range<usize>, cols: Range<usize>) -> TileCoverage {
         match self.user {
             Some(m) if !rows.is_empty() && !cols.is_empty() => {
+                let off = self.query_offset;
+                let rows = rows.start + off..rows.end + off;
                 m.coverage(self.position.0, self.position.1, rows, cols)
             }
             Some(_) => TileCoverage::Hidden,
@@ -313,9 +328,9 @@ impl<'a> HeadMask<'a> {
     pub fn allows(&self, i: usize, j: usize) -> bool {
         self.key_range(i).contains(&j)
             && self.boolean.is_none_or(|b| b.allows(i, j))
-            && self
-                .user
-                .is_none_or(|m| m.visible(self.position.0, self.position.1, i, j))
+            && self.user.is_none_or(|m| {
+                m.visible(self.position.0, self.position.1, i + self.query_offset, j)
+            })
     }
 
     /// Whether key `j` reaches query `i` at all: [`HeadMask::allows`] and no `-inf` in the

@@ -40,6 +40,25 @@ impl PartialState {
         }
     }
 
+    /// The state of a sink logit `sink` for `n_q` rows of width `d_v`: output 0, LSE
+    /// `sink` — one more state to merge, exactly once, into the states of a head's key
+    /// shards when the head has a sink (a shard's own state leaves it out).
+    ///
+    /// ```
+    /// use attn_core::PartialState;
+    /// use faer::mat;
+    /// let a = PartialState::new(mat![[2.0f32]], vec![0.0]).unwrap();
+    /// let m = a.merge(&PartialState::sink(1, 1, 0.0)).unwrap(); // sink weight ½
+    /// assert!((m.output()[(0, 0)] - 1.0).abs() < 1e-6);
+    /// assert!((m.lse()[0] - 2f32.ln()).abs() < 1e-6);
+    /// ```
+    pub fn sink(n_q: usize, d_v: usize, sink: f32) -> Self {
+        Self {
+            output: Mat::zeros(n_q, d_v),
+            lse: vec![sink; n_q],
+        }
+    }
+
     /// A state from a normalised output `[n_q, d_v]` and its `n_q` natural-log LSEs.
     pub fn new(output: Mat<f32>, lse: Vec<f32>) -> Result<Self> {
         if lse.len() != output.nrows() {

@@ -153,6 +153,9 @@ pub struct HeadModifiers<'a> {
     /// The head's batch entry (a packed call's sequence) and query head, as the user's
     /// modifier sees them.
     pub position: (usize, usize),
+    /// Added to a query's index before the user's modifier sees it: a KV cache's new rows
+    /// are the positions after the cached keys (`len − n_q + i`); 0 elsewhere.
+    pub query_offset: usize,
 }
 
 impl<'a> HeadModifiers<'a> {
@@ -185,7 +188,7 @@ impl<'a> HeadModifiers<'a> {
         match self.user {
             Some(m) => {
                 let (b, h) = self.position;
-                f64::from(m.score(s as f32, b, h, i, j))
+                f64::from(m.score(s as f32, b, h, i + self.query_offset, j))
             }
             None => s,
         }
@@ -197,7 +200,10 @@ impl<'a> HeadModifiers<'a> {
         if let Some(m) = self.user {
             let (b, h) = self.position;
             let before = self.softcap.map_or(s, |c| c.apply(s))
-                - self.alibi.map_or(0.0, |(m, off)| f64::from(m) * distance(i, j, off));
+                - self
+                    .alibi
+                    .map_or(0.0, |(m, off)| f64::from(m) * distance(i, j, off));
+            let i = i + self.query_offset;
             d *= f64::from(m.derivative(before as f32, b, h, i, j));
         }
         d
@@ -226,7 +232,7 @@ impl<'a> HeadModifiers<'a> {
             tile.map(|s, i, j| self.builtin_f32(s, i, j).0);
         }
         if let Some(m) = self.user {
-            m.modify(tile);
+            m.modify(&mut tile.shifted(self.query_offset));
         }
     }
 
@@ -236,7 +242,7 @@ impl<'a> HeadModifiers<'a> {
             tile.map_chained(derivative, |s, i, j| self.builtin_f32(s, i, j))?;
         }
         if let Some(m) = self.user {
-            m.modify_chained(tile, derivative)?;
+            m.modify_chained(&mut tile.shifted(self.query_offset), derivative)?;
         }
         Ok(())
     }

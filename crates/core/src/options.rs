@@ -234,19 +234,21 @@ impl<'a> Options<'a> {
     ) -> HeadModifiers<'a> {
         HeadModifiers {
             softcap: self.softcap,
-            alibi: self.alibi.map(|a| {
-                (
-                    per_head(a.slopes(), b, h, h_q),
-                    alignment_offset(a.align(), n_q, n_k),
-                )
-            }),
+            // A slope of 0 is no bias, exactly (and no work).
+            alibi: self
+                .alibi
+                .map(|a| {
+                    (
+                        per_head(a.slopes(), b, h, h_q),
+                        alignment_offset(a.align(), n_q, n_k),
+                    )
+                })
+                .filter(|&(slope, _)| slope != 0.0),
             // A sink of -inf is no sink, exactly.
-            sink: self
-                .sinks
-                .map(|s| s[h])
-                .filter(|&s| s != f32::NEG_INFINITY),
+            sink: self.sinks.map(|s| s[h]).filter(|&s| s != f32::NEG_INFINITY),
             user: self.score_mod,
             position: (b, h),
+            query_offset: 0,
         }
     }
 

@@ -93,6 +93,21 @@ impl<'t> ScoreTile<'t> {
         }
     }
 
+    /// The same tile with every query index moved by `offset` (a KV cache's new rows are
+    /// the positions after the cached ones).
+    pub fn shifted(&mut self, offset: usize) -> ScoreTile<'_> {
+        ScoreTile {
+            scores: self.scores,
+            strides: self.strides,
+            queries: self.queries.start + offset..self.queries.end + offset,
+            keys: self.keys.clone(),
+            batch: self.batch,
+            head: self.head,
+            unit: self.unit,
+            inv_unit: self.inv_unit,
+        }
+    }
+
     /// The batch entry (a packed call's sequence).
     pub fn batch(&self) -> usize {
         self.batch

@@ -52,11 +52,16 @@ fn visible_score<T: Element>(head: &HeadInputs<'_, T>, row: usize, j: usize) -> 
     {
         return None;
     }
-    let s = exact_score(
+    let mut s = exact_score(
         head.q.row(row),
         head.k.row(j - head.key_base),
         head.scale_log2,
     );
+    if head.mods.modifies_scores() {
+        // The modifiers' own definition (f64 built-ins), in natural units.
+        let natural = head.mods.score(s * core::f64::consts::LN_2, mrow, j);
+        s = saturate(natural * core::f64::consts::LOG2_E);
+    }
     Some(if head.mask.additive().is_some() {
         saturate(s + saturate(f64::from(bias) * core::f64::consts::LOG2_E))
     } else {

@@ -398,7 +398,6 @@ impl<T: Element> KvCache<T> {
             return Err(Error::head_grouping(h_q, self.kv_heads));
         }
         let longest = self.lens.iter().copied().max().unwrap_or(0);
-        options.reject_modifiers("the KV cache")?;
         let scale = options.validate_batched(b, h_q, q.dims()[2], longest, d_k)?;
         let (keys, values) = (self.keys(), self.values());
         let batch = Batched::cached(q, keys, values, &self.lens, options, scale)?;

@@ -176,6 +176,13 @@ pub fn partial_attention<T: Element>(
     n_k_total: usize,
     options: &Options<'_>,
 ) -> Result<PartialState> {
+    if options.sinks.is_some() {
+        // Each shard would count the sink once: merged, it would count P times.
+        return Err(Error::unsupported(
+            "partial_attention",
+            "sink logits: compute the shards without them and merge PartialState::sink once",
+        ));
+    }
     let (problem, head) = Problem::shard(q, k, v, &keys, n_k_total, options)?;
     let mut out = zeroed_mat::<f32>("partial attention output", problem.rows, problem.d_v)?;
     let mut lse = filled("LSE", Some(problem.rows), f32::NEG_INFINITY)?;

@@ -210,13 +210,14 @@ fn hide_by_user<T>(
     head: &HeadInputs<'_, T>,
     (rows, cols): (Range<usize>, Range<usize>),
 ) {
-    let Some((user, (b, h))) = head.mask.user() else {
+    let Some((user, (b, h), off)) = head.mask.user() else {
         return;
     };
     let queries = head.mask_rows(rows);
     if head.mask.user_coverage(queries.clone(), cols.clone()) != TileCoverage::Partial {
         return;
     }
+    let queries = queries.start + off..queries.end + off;
     match ScoreTile::new(s, strides, queries, cols, b, h) {
         Ok(mut tile) => user.hide(&mut tile),
         Err(_) => debug_assert!(false, "score tile outside its scratch"),

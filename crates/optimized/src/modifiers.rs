@@ -61,3 +61,17 @@ pub(crate) fn with_sink(m: f32, l: f32, sink2: f32) -> (f32, f32, f32) {
     let factor = (m - top).exp2();
     (top, factor, l * factor + (sink2 - top).exp2())
 }
+
+/// Folds a sink logit `sink` (natural units) into a row's natural-log `lse` in f64: the
+/// factor the row's output must be multiplied by, and the new LSE (`sink` itself for a row
+/// that saw nothing, `lse = -inf`). For rows whose partial states were merged (split-KV) or
+/// recomputed exactly.
+pub(crate) fn sink_into_lse(lse: f32, sink: f32) -> (f64, f32) {
+    if lse == f32::NEG_INFINITY {
+        return (0.0, sink);
+    }
+    let (lse, sink) = (f64::from(lse), f64::from(sink));
+    let top = lse.max(sink);
+    let total = top + ((lse - top).exp() + (sink - top).exp()).ln();
+    ((lse - total).exp(), total as f32)
+}

@@ -325,9 +325,15 @@ impl<'a, T> Batched<'a, T> {
                 EntryKeys::Padded => n_k,
                 EntryKeys::Cached(lens) => lens.iter().copied().max().unwrap_or(0),
             };
-            let mask =
+            let mut mask =
                 HeadMask::for_cached_head(&self.options, b, h, n_q, n_k, mask_keys, key_len)?;
-            let mods = self.options.head_modifiers(b, h, h_q, n_q, n_k);
+            let mut mods = self.options.head_modifiers(b, h, h_q, n_q, n_k);
+            if let EntryKeys::Cached(_) = self.entry_keys {
+                // The user's modifiers see a cache's new rows at their positions.
+                let offset = n_k.saturating_sub(n_q);
+                mask = mask.with_query_offset(offset);
+                mods.query_offset = offset;
+            }
             let mut inputs = self.problem.inputs(q, k, v, 0, mask, mods);
             inputs.stacked = self.stack > 1;
             jobs.push(HeadJob {
@@ -447,7 +453,9 @@ impl<'a, T> Packed<'a, T> {
                     continue;
                 }
                 let mask = HeadMask::new(&self.options, rows.len(), keys.len(), None).at(s, h);
-                let mods = self.options.head_modifiers(s, h, h_q, rows.len(), keys.len());
+                let mods = self
+                    .options
+                    .head_modifiers(s, h, h_q, rows.len(), keys.len());
                 let inputs = self.problem.inputs(
                     qh.subrows(rows.start, rows.len()),
                     kh.subrows(keys.start, keys.len()),

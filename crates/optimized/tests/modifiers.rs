@@ -1,32 +1,376 @@
-//! Score modifiers (issue 16) are not in the streaming engine yet: every entry point says
-//! so with a typed error rather than ignoring them.
+//! Score modifiers in the streaming engine's forward pass — soft-cap, ALiBi, sink logits and
+//! the user's `ScoreMod` / `MaskMod` — against the f64 reference, through the GEMM tiles
+//! (prefill), the row tiles (decoding), split-KV, the KV cache and packed calls; and the
+//! identities the contract promises bit for bit.
 
-use attn_core::{Alibi, Error, Layout, Options, SoftCap, Tensor4Ref};
-use faer::Mat;
+use core::ops::Range;
+
+use attn_core::{
+    Alibi, Causal, CuSeqlens, Error, Layout, MaskMod, Options, ScoreMod, SoftCap, Tensor4Ref,
+    TileCoverage,
+};
+use attn_optimized::{Element, KvCache, SplitKv};
+
+/// The storage types both engines take.
+trait Both: Element + attn_reference::Element + Default {}
+impl<T: Element + attn_reference::Element + Default> Both for T {}
+use half::{bf16, f16};
+
+fn data<T: Element>(len: usize, seed: u64, amp: f32) -> Vec<T> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            T::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp)
+        })
+        .collect()
+}
+
+/// A user modifier that re-implements the soft-cap with the built-in's arithmetic.
+#[derive(Debug)]
+struct UserCap(SoftCap);
+
+impl ScoreMod for UserCap {
+    fn score(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
+        self.0.apply_f32(s).0
+    }
+    fn derivative(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
+        self.0.apply_f32(s).1
+    }
+}
+
+/// A position- and head-dependent user modifier: `s + 0.05·h − 0.01·|i − j|·(b + 1)`.
+#[derive(Debug)]
+struct Bias;
+
+impl ScoreMod for Bias {
+    fn score(&self, s: f32, b: usize, h: usize, i: usize, j: usize) -> f32 {
+        s + 0.05 * h as f32 - 0.01 * (i as f32 - j as f32).abs() * (b + 1) as f32
+    }
+    fn derivative(&self, _: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
+        1.0
+    }
+}
+
+/// Causal, aligned top-left, as a user mask with exact block answers.
+#[derive(Debug)]
+struct UserCausal;
+
+impl MaskMod for UserCausal {
+    fn visible(&self, _: usize, _: usize, i: usize, j: usize) -> bool {
+        j <= i
+    }
+    fn coverage(&self, _: usize, _: usize, q: Range<usize>, k: Range<usize>) -> TileCoverage {
+        if k.start > q.end - 1 {
+            TileCoverage::Hidden
+        } else if k.end - 1 <= q.start {
+            TileCoverage::Full
+        } else {
+            TileCoverage::Partial
+        }
+    }
+}
+
+/// Hides every third key from odd heads, the first keys from batch entry 1 (no block answer).
+#[derive(Debug)]
+struct Stripes;
+
+impl MaskMod for Stripes {
+    fn visible(&self, b: usize, h: usize, _: usize, j: usize) -> bool {
+        !(h % 2 == 1 && j % 3 == 0) && !(b == 1 && j < 2)
+    }
+}
+
+struct Case {
+    dims: (usize, usize, usize, usize, usize, usize), // b, h_q, h_kv, n_q, n_k, d
+    layout: Layout,
+}
+
+/// The optimized engine's output and LSE against the reference's for `opts`, within `tol`.
+fn compare<T: Both>(case: &Case, opts: &Options<'_>, split: SplitKv, tol: f32) {
+    let (b, hq, hkv, nq, nk, d) = case.dims;
+    let qd = data::<T>(b * hq * nq * d, 1, 1.5);
+    let kd = data::<T>(b * hkv * nk * d, 2, 1.5);
+    let vd = data::<T>(b * hkv * nk * d, 3, 1.0);
+    let q = Tensor4Ref::from_layout(&qd, [b, hq, nq, d], case.layout).unwrap();
+    let k = Tensor4Ref::from_layout(&kd, [b, hkv, nk, d], case.layout).unwrap();
+    let v = Tensor4Ref::from_layout(&vd, [b, hkv, nk, d], case.layout).unwrap();
+    let (o, lse) = match split {
+        SplitKv::Auto => attn_optimized::attention_batched_with_lse(q, k, v, opts).unwrap(),
+        _ => {
+            let o = attn_optimized::attention_batched_with(q, k, v, opts, split).unwrap();
+            let lse = attn_reference::attention_batched_with_lse(q, k, v, opts)
+                .unwrap()
+                .1;
+            (o, lse)
+        }
+    };
+    let (r, rlse) = attn_reference::attention_batched_with_lse(q, k, v, opts).unwrap();
+    for (x, y) in o.as_slice().iter().zip(r.as_slice()) {
+        let (x, y) = (x.to_f32(), y.to_f32());
+        assert!(
+            (x - y).abs() <= tol,
+            "{}: {x} vs {y} ({:?})",
+            T::NAME,
+            case.dims
+        );
+    }
+    for (x, y) in lse.iter().zip(&rlse) {
+        let ok = x == y || (x - y).abs() <= tol * (1.0 + y.abs());
+        assert!(ok, "{}: LSE {x} vs {y} ({:?})", T::NAME, case.dims);
+    }
+}
+
+fn every_modifier<T: Both>(tol: f32) {
+    let cap = SoftCap::new(3.0).unwrap();
+    let slopes = [0.5f32, 0.25, 0.125, 0.0625];
+    let slopes_b: Vec<f32> = (0..8).map(|i| 0.3 / (i + 1) as f32).collect();
+    let sinks = [0.5f32, f32::NEG_INFINITY, -1.0, 3.0];
+    let (user_cap, bias) = (UserCap(cap), Bias);
+    let options = [
+        Options::default().with_softcap(cap),
+        Options::default().with_alibi(Alibi::new(&slopes)),
+        Options::default().with_alibi(Alibi::new(&slopes_b).with_align(Causal::TopLeft)),
+        Options::default().with_sinks(&sinks),
+        Options::default().with_score_mod(&user_cap),
+        Options::default().with_score_mod(&bias),
+        Options::default().with_mask_mod(&Stripes),
+        Options::default()
+            .with_causal(Causal::BottomRight)
+            .with_softcap(cap)
+            .with_alibi(Alibi::new(&slopes))
+            .with_sinks(&sinks)
+            .with_score_mod(&bias)
+            .with_mask_mod(&Stripes),
+        Options::default()
+            .with_causal(Causal::TopLeft)
+            .with_sinks(&sinks)
+            .with_alibi(Alibi::new(&slopes)),
+    ];
+    let cases = [
+        (2, 4, 2, 150, 300, 32, Layout::Bhsd), // GEMM tiles
+        (2, 4, 4, 3, 400, 16, Layout::Bshd),   // row tiles
+        (2, 4, 1, 1, 3000, 32, Layout::Bshd),  // decoding, split-KV, GQA
+        (2, 4, 2, 70, 5, 8, Layout::Bhsd),     // more queries than keys (empty causal rows)
+    ];
+    for (b, hq, hkv, nq, nk, d, layout) in cases {
+        let case = Case {
+            dims: (b, hq, hkv, nq, nk, d),
+            layout,
+        };
+        for opts in &options {
+            for split in [SplitKv::Auto, SplitKv::Never] {
+                compare::<T>(&case, opts, split, tol);
+            }
+        }
+    }
+}
 
 #[test]
-fn every_entry_point_rejects_score_modifiers_it_does_not_compute() {
-    let x = Mat::<f32>::from_fn(4, 4, |i, j| (i + j) as f32 * 0.1);
-    let (slope, sink) = ([0.5f32], [0.5f32]);
-    let cap = SoftCap::new(5.0).unwrap();
-    let all = [
-        Options::default().with_softcap(cap),
-        Options::default().with_alibi(Alibi::new(&slope)),
-        Options::default().with_sinks(&sink),
-    ];
-    let flat: Vec<f32> = (0..16).map(|i| i as f32 * 0.1).collect();
-    let t = Tensor4Ref::from_layout(&flat, [1, 1, 4, 4], Layout::Bhsd).unwrap();
-    for opts in &all {
-        let unsupported = |r: Result<(), Error>| matches!(r, Err(Error::Unsupported { .. }));
-        assert!(unsupported(
-            attn_optimized::attention(x.as_ref(), x.as_ref(), x.as_ref(), opts).map(|_| ())
-        ));
-        assert!(unsupported(
-            attn_optimized::attention_batched(t, t, t, opts).map(|_| ())
-        ));
-        assert!(unsupported(
-            attn_optimized::partial_attention(x.as_ref(), x.as_ref(), x.as_ref(), 0..4, 4, opts)
-                .map(|_| ())
-        ));
+fn every_modifier_matches_the_reference_f32() {
+    every_modifier::<f32>(2e-5);
+}
+
+#[test]
+fn every_modifier_matches_the_reference_half() {
+    every_modifier::<f16>(4e-3);
+    every_modifier::<bf16>(3e-2);
+}
+
+/// The output bits of `opts` against those of `other`.
+fn same_bits(what: &str, a: &Options<'_>, b: &Options<'_>, dims: [usize; 6]) {
+    let [bt, hq, hkv, nq, nk, d] = dims;
+    let qd = data::<f32>(bt * hq * nq * d, 4, 2.0);
+    let kd = data::<f32>(bt * hkv * nk * d, 5, 2.0);
+    let vd = data::<f32>(bt * hkv * nk * d, 6, 1.0);
+    let q = Tensor4Ref::from_layout(&qd, [bt, hq, nq, d], Layout::Bhsd).unwrap();
+    let k = Tensor4Ref::from_layout(&kd, [bt, hkv, nk, d], Layout::Bhsd).unwrap();
+    let v = Tensor4Ref::from_layout(&vd, [bt, hkv, nk, d], Layout::Bhsd).unwrap();
+    let (x, lx) = attn_optimized::attention_batched_with_lse(q, k, v, a).unwrap();
+    let (y, ly) = attn_optimized::attention_batched_with_lse(q, k, v, b).unwrap();
+    let first_difference = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .position(|(x, y)| x.to_bits() != y.to_bits())
+            .map(|i| (i, a[i], b[i]))
+    };
+    assert_eq!(
+        first_difference(x.as_slice(), y.as_slice()),
+        None,
+        "{what} {dims:?}"
+    );
+    assert_eq!(first_difference(&lx, &ly), None, "{what}: LSE {dims:?}");
+}
+
+#[test]
+fn identities_hold_bit_for_bit() {
+    let zeros = [0.0f32; 4];
+    let no_sinks = [f32::NEG_INFINITY; 4];
+    let cap = SoftCap::new(4.0).unwrap();
+    let user = UserCap(cap);
+    for dims in [
+        [2, 4, 2, 300, 500, 32],
+        [1, 4, 4, 1, 5000, 64],
+        [1, 4, 2, 2, 700, 16],
+    ] {
+        let plain = Options::default().with_causal(Causal::BottomRight);
+        same_bits(
+            "zero slopes",
+            &plain.with_alibi(Alibi::new(&zeros)),
+            &plain,
+            dims,
+        );
+        same_bits("-inf sinks", &plain.with_sinks(&no_sinks), &plain, dims);
+        same_bits(
+            "user soft-cap",
+            &plain.with_score_mod(&user),
+            &plain.with_softcap(cap),
+            dims,
+        );
+        // Prefill: the same tiles, the same bits. (Decoding trims the causal diagonal's key
+        // block at the last visible key, which a user's mask cannot tell, and the row
+        // kernels' dot products round by the block's width: there the rounding differs.)
+        if dims[3] > 16 {
+            let top_left = Options::default().with_causal(Causal::TopLeft);
+            let user = Options::default().with_mask_mod(&UserCausal);
+            same_bits("user causal", &user, &top_left, dims);
+        }
     }
+}
+
+#[test]
+fn a_row_that_sees_nothing_returns_zero_and_the_sink_as_its_lse() {
+    // 8 queries against 3 keys, causal top-left... bottom-right: the first 5 rows see nothing.
+    let sinks = [0.75f32];
+    let opts = Options::default()
+        .with_causal(Causal::BottomRight)
+        .with_sinks(&sinks);
+    let (q, k) = (data::<f32>(8 * 4, 7, 1.0), data::<f32>(3 * 4, 8, 1.0));
+    let q = faer::MatRef::from_row_major_slice(&q, 8, 4);
+    let k = faer::MatRef::from_row_major_slice(&k, 3, 4);
+    let (o, lse) = attn_optimized::attention_with_lse(q, k, k, &opts).unwrap();
+    for i in 0..5 {
+        assert_eq!(lse[i], 0.75);
+        assert!(o.row(i).iter().all(|&x| x == 0.0));
+    }
+    assert!(lse[5..].iter().all(|&l| l > 0.75));
+}
+
+#[test]
+fn kv_cache_decoding_with_modifiers_matches_one_pass() {
+    let (b, hq, hkv, n, d) = (2, 4, 2, 200, 16);
+    let (slopes, sinks) = ([0.2f32, 0.1, 0.05, 0.3], [0.0f32, 1.0, -2.0, 0.5]);
+    let opts = Options::default()
+        .with_causal(Causal::BottomRight)
+        .with_softcap(SoftCap::new(5.0).unwrap())
+        .with_alibi(Alibi::new(&slopes))
+        .with_sinks(&sinks)
+        .with_score_mod(&Bias);
+    let qd = data::<f32>(b * n * hq * d, 9, 1.0);
+    let kd = data::<f32>(b * n * hkv * d, 10, 1.0);
+    let vd = data::<f32>(b * n * hkv * d, 11, 1.0);
+    let q = Tensor4Ref::from_layout(&qd, [b, hq, n, d], Layout::Bshd).unwrap();
+    let k = Tensor4Ref::from_layout(&kd, [b, hkv, n, d], Layout::Bshd).unwrap();
+    let v = Tensor4Ref::from_layout(&vd, [b, hkv, n, d], Layout::Bshd).unwrap();
+    let full = attn_reference::attention_batched(q, k, v, &opts).unwrap();
+    let mut cache = KvCache::<f32>::new(b, hkv, n, d, d).unwrap();
+    // Positions `t` of a `[B, S, H, D]` buffer with `h` heads.
+    let step = |buf: &'static [f32], h: usize, t: Range<usize>| {
+        Tensor4Ref::new(
+            &buf[t.start * h * d..],
+            [b, h, t.len(), d],
+            [n * h * d, d, h * d],
+        )
+        .unwrap()
+    };
+    let (qd, kd, vd): (&'static [f32], &'static [f32], &'static [f32]) =
+        (qd.leak(), kd.leak(), vd.leak());
+    cache
+        .append(step(kd, hkv, 0..120), step(vd, hkv, 0..120))
+        .unwrap();
+    let first = cache.attend(step(qd, hq, 0..120), &opts).unwrap();
+    let mut outs = vec![first];
+    for t in 120..n {
+        cache
+            .append(step(kd, hkv, t..t + 1), step(vd, hkv, t..t + 1))
+            .unwrap();
+        outs.push(cache.attend(step(qd, hq, t..t + 1), &opts).unwrap());
+    }
+    for bb in 0..b {
+        for h in 0..hq {
+            for t in 0..n {
+                let (o, row) = if t < 120 {
+                    (&outs[0], t)
+                } else {
+                    (&outs[t - 119], 0)
+                };
+                let (o, want) = (
+                    o.as_ref().head(bb, h).unwrap(),
+                    full.as_ref().head(bb, h).unwrap(),
+                );
+                for c in 0..d {
+                    let (x, y) = (o[(row, c)], want[(t, c)]);
+                    assert!((x - y).abs() < 2e-5, "b {bb} h {h} t {t}: {x} vs {y}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_sequences_see_their_own_positions() {
+    let cu = [0usize, 5, 5, 130, 131];
+    let seqs = CuSeqlens::new(&cu, &cu).unwrap();
+    let (hq, hkv, d, total) = (4, 2, 16, 131);
+    let slopes = [0.3f32, 0.2, 0.1, 0.05];
+    let sinks = [0.1f32, 0.2, 0.3, 0.4];
+    let opts = Options::default()
+        .with_causal(Causal::BottomRight)
+        .with_alibi(Alibi::new(&slopes))
+        .with_sinks(&sinks)
+        .with_score_mod(&Bias)
+        .with_mask_mod(&Stripes);
+    let qd = data::<f32>(total * hq * d, 12, 1.0);
+    let kd = data::<f32>(total * hkv * d, 13, 1.0);
+    let vd = data::<f32>(total * hkv * d, 14, 1.0);
+    let q = Tensor4Ref::from_layout(&qd, [1, hq, total, d], Layout::Bshd).unwrap();
+    let k = Tensor4Ref::from_layout(&kd, [1, hkv, total, d], Layout::Bshd).unwrap();
+    let v = Tensor4Ref::from_layout(&vd, [1, hkv, total, d], Layout::Bshd).unwrap();
+    let (o, lse) = attn_optimized::attention_packed_with_lse(q, k, v, &seqs, &opts).unwrap();
+    let (r, rlse) = attn_reference::attention_packed_with_lse(q, k, v, &seqs, &opts).unwrap();
+    for (x, y) in o.as_slice().iter().zip(r.as_slice()) {
+        assert!((x - y).abs() < 2e-5, "{x} vs {y}");
+    }
+    for (x, y) in lse.iter().zip(&rlse) {
+        assert!(
+            x == y || (x - y).abs() < 2e-5 * (1.0 + y.abs()),
+            "{x} vs {y}"
+        );
+    }
+}
+
+#[test]
+fn sinks_cannot_be_counted_once_per_shard() {
+    let x = faer::Mat::<f32>::from_fn(4, 4, |i, j| (i + j) as f32 * 0.1);
+    let sinks = [0.5f32];
+    let opts = Options::default().with_sinks(&sinks);
+    let r = attn_optimized::partial_attention(x.as_ref(), x.as_ref(), x.as_ref(), 0..4, 4, &opts);
+    assert!(matches!(r, Err(Error::Unsupported { .. })));
+}
+
+#[test]
+fn huge_scores_are_capped_not_overflowed() {
+    // q·k overflows f32 (1e30 · 1e30): the exact rescore runs before the cap, which then
+    // brings every score to ±c: the row is the average of the values at the cap.
+    let cap = SoftCap::new(2.0).unwrap();
+    let q = faer::mat![[1e30f32, 0.0]];
+    let k = faer::mat![[1e30f32, 0.0], [-1e30, 0.0]];
+    let v = faer::mat![[1.0f32, 0.0], [0.0, 1.0]];
+    let opts = Options::default().with_softcap(cap).with_scale(1.0);
+    let o = attn_optimized::attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let r = attn_reference::attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let want = 1.0 / (1.0 + (-4.0f32).exp());
+    assert!((o[(0, 0)] - want).abs() < 1e-6 && (r[(0, 0)] - want).abs() < 1e-6);
 }

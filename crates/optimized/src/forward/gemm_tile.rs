@@ -18,6 +18,7 @@ use crate::mask::{
     add_non_finite_terms, key_blocks, mask_tile, without_non_finite_rows,
     zero_weight_meets_non_finite,
 };
+use crate::modifiers::modify_scores;
 use crate::problem::HeadInputs;
 use crate::schedule::TilePlan;
 
@@ -69,11 +70,21 @@ impl Scratch {
             let (q, k) = (head.q.subrows(rows.start, nr), head.k.subrows(local, nc));
             let rescaled_rows = Some(&self.rescaled[..nr]);
             // A tile with nothing hidden is checked for a non-finite score by the softmax's
-            // own first pass (below); a masked one before the mask writes its -inf.
+            // own first pass (below); a masked one before the mask writes its -inf, and a
+            // modified one before the modifiers (a soft-cap makes an overflow look finite).
             let all_visible = coverage == TileCoverage::Full && !head.mask.has_elementwise();
-            if rescaled || (!all_visible && !tile_is_finite(&self.s, br, nr, nc)) {
+            let modified = head.mods.modifies_scores();
+            let scan = !all_visible || modified;
+            if rescaled || (scan && !tile_is_finite(&self.s, br, nr, nc)) {
                 rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
             }
+            modify_scores(
+                &mut self.s,
+                (1, br),
+                head,
+                (rows.clone(), cols.clone()),
+                None,
+            );
             mask_tile(
                 &mut self.s,
                 br,
@@ -87,7 +98,7 @@ impl Scratch {
                 alpha: &mut self.alpha,
                 m_safe: &mut self.m_safe,
             };
-            let check = all_visible && !rescaled;
+            let check = !scan && !rescaled;
             let rescale =
                 match softmax_update(&mut self.s, br, nr, nc, &mut state, all_visible, check) {
                     Some(rescale) => rescale,

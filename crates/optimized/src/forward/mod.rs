@@ -25,6 +25,8 @@ use faer::{Mat, MatMut, RowMut};
 use crate::exact;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
+use crate::kernel::online_softmax::scale_rows;
+use crate::modifiers::{sink_into_lse, with_sink};
 use crate::problem::{Batched, HeadInputs, HeadJob, Packed, Problem};
 use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
 
@@ -171,12 +173,14 @@ pub(crate) fn run<T: Element, O: Element>(
         Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
             scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone());
             let (rows, out, mut lse) = (task.rows.clone(), task.out, task.lse);
-            scratch.write_normalised(rows.len(), out, lse.as_deref_mut());
+            let sink = task.inputs.mods.sink;
+            scratch.write_normalised(rows.len(), out, lse.as_deref_mut(), sink);
             if !scratch.accumulators_finite(rows.len()) {
                 let bad = |i: usize| !scratch.row_finite(i);
                 exact::repair_rows(&task.inputs, rows, task.keys, bad, |i, o, l| {
+                    let (factor, l) = sink.map_or((1.0, l), |s| sink_into_lse(l, s));
                     for (x, &y) in out[i].rb_mut().iter_mut().zip(o) {
-                        *x = O::from_f32(y as f32);
+                        *x = O::from_f32((y * factor) as f32);
                     }
                     if let Some(lse) = lse.as_deref_mut() {
                         lse[i] = l;
@@ -228,6 +232,10 @@ pub(crate) struct Scratch {
     acc_rows: Vec<f32>,
     /// Whether the last tile ran the row loop (its result is in `acc_rows`, not `acc`).
     row_tile: bool,
+    /// The sink logit folded into the last tile's rows, if any, and which of them saw no
+    /// key (their LSE is the sink's).
+    sink: Option<f32>,
+    sink_only: Vec<bool>,
 }
 
 impl Scratch {
@@ -256,6 +264,8 @@ impl Scratch {
             v_wide: vec![0.0; wide * d_v],
             acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
             row_tile: false,
+            sink: None,
+            sink_only: vec![false; br],
         }
     }
 
@@ -296,6 +306,7 @@ impl Scratch {
         keys: Range<usize>,
     ) {
         debug_assert!(rows.len() <= self.plan.br);
+        self.sink = None;
         self.row_tile = rows.len() <= DECODE_ROWS && !self.acc_rows.is_empty();
         if self.row_tile {
             self.attend_rows(head, rows, keys);
@@ -321,14 +332,20 @@ impl Scratch {
         flags.contains(&true)
     }
 
-    /// Writes `acc / l` for the tile's `rows` rows into `out`, and the natural-log LSE.
+    /// Writes `acc / l` for the tile's `rows` rows into `out`, and the natural-log LSE;
+    /// with a sink logit, the sink joins each row's sum first (the weights then sum to
+    /// `1 − p_sink`, and a row that sees nothing has LSE `sink`).
     fn write_normalised<O: Element>(
-        &self,
+        &mut self,
         rows: usize,
         out: &mut [RowMut<'_, O>],
         lse: Option<&mut [f32]>,
+        sink: Option<f32>,
     ) {
         let (d_v, br) = (self.shape.d_v, self.plan.br);
+        if let Some(sink) = sink {
+            self.fold_sink(rows, sink);
+        }
         for (i, row) in out.iter_mut().enumerate().take(rows) {
             let l = self.l[i];
             let norm = |a: f32| O::from_f32(normalise(a, l));
@@ -346,6 +363,32 @@ impl Scratch {
                 *x = self.lse_row(i);
             }
         }
+    }
+
+    /// Folds the sink logit `sink` (natural units) into the state `(m, l)` and the
+    /// accumulator of the first `rows` rows: the sink is one more term of each row's sum,
+    /// without a value. A row that saw nothing keeps its zero accumulator, and its LSE is
+    /// `sink` itself ([`Scratch::lse_row`]).
+    fn fold_sink(&mut self, rows: usize, sink: f32) {
+        let sink2 = sink * core::f32::consts::LOG2_E;
+        for i in 0..rows {
+            let (m, factor, l) = with_sink(self.m[i], self.l[i], sink2);
+            (self.m[i], self.alpha[i], self.l[i]) = (m, factor, l);
+            self.sink_only[i] = factor == 0.0;
+        }
+        let (d_v, br) = (self.shape.d_v, self.plan.br);
+        if self.row_tile {
+            for (acc, &a) in self
+                .acc_rows
+                .chunks_exact_mut(d_v.max(1))
+                .zip(&self.alpha[..rows])
+            {
+                acc.iter_mut().for_each(|x| *x *= a);
+            }
+        } else {
+            scale_rows(&mut self.acc, br, rows, d_v, &self.alpha);
+        }
+        self.sink = Some(sink);
     }
 
     /// The tile's `rows` rows as a partial state (output and LSE) over the keys `keys`,
@@ -400,6 +443,10 @@ impl Scratch {
 
     fn lse_row(&self, i: usize) -> f32 {
         let l = self.l[i];
+        if let Some(sink) = self.sink.filter(|_| self.sink_only[i]) {
+            // A row that sees nothing: the sink's logit itself, not a rounding of it.
+            return sink;
+        }
         if l == 0.0 {
             f32::NEG_INFINITY
         } else {

@@ -22,6 +22,7 @@ use crate::mask::{
     add_non_finite_terms, key_blocks, mask_row, without_non_finite_rows,
     zero_weight_meets_non_finite,
 };
+use crate::modifiers::modify_scores;
 use crate::problem::HeadInputs;
 use crate::schedule::{KEY_TILE, TilePlan};
 
@@ -85,6 +86,13 @@ impl Scratch {
                 let rescaled = Some(&self.rescaled[..nr]);
                 rescore(&mut self.s, (bc, 1), q, k, head.scale_log2, rescaled);
             }
+            modify_scores(
+                &mut self.s,
+                (bc, 1),
+                head,
+                (rows.clone(), cols.clone()),
+                None,
+            );
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
             for i in 0..nr {
                 let s = &mut self.s[i * bc..i * bc + nc];

@@ -10,6 +10,7 @@ use attn_core::PartialState;
 
 use super::Scratch;
 use crate::kernel::element::Element;
+use crate::modifiers::sink_into_lse;
 use crate::problem::{HeadJob, Problem};
 use crate::schedule::{Order, chunked, for_each_index};
 
@@ -40,7 +41,12 @@ pub(super) fn run<T: Element, O: Element>(problem: &Problem, jobs: Vec<HeadJob<'
         .into_iter()
         .map(|s| s.into_inner().expect("every task ran"));
     for (job, chunks) in jobs.into_iter().zip(&chunks) {
-        let HeadJob { out, mut lse, .. } = job;
+        let HeadJob {
+            out,
+            mut lse,
+            inputs,
+            ..
+        } = job;
         for t in 0..tiles {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let mut merged = states.next().expect("one state per task");
@@ -50,14 +56,29 @@ pub(super) fn run<T: Element, O: Element>(problem: &Problem, jobs: Vec<HeadJob<'
                     .merge_in_place(&next)
                     .expect("same tile shape by construction");
             }
-            let src = merged.output();
+            let (src, merged_lse) = (merged.output(), merged.lse());
+            // The sink is one more partial state (output 0, LSE `sink`), merged in once,
+            // after the chunks.
+            let sink = |i: usize| {
+                inputs
+                    .mods
+                    .sink
+                    .map_or((1.0, merged_lse[i]), |s| sink_into_lse(merged_lse[i], s))
+            };
             for (i, dst) in out[rows.clone()].iter_mut().enumerate() {
+                let factor = sink(i).0;
                 for c in 0..src.ncols() {
-                    dst[c] = O::from_f32(src[(i, c)]);
+                    dst[c] = if inputs.mods.sink.is_some() {
+                        O::from_f32((f64::from(src[(i, c)]) * factor) as f32)
+                    } else {
+                        O::from_f32(src[(i, c)])
+                    };
                 }
             }
             if let Some(l) = lse.as_deref_mut() {
-                l[rows].copy_from_slice(merged.lse());
+                for (i, x) in l[rows].iter_mut().enumerate() {
+                    *x = sink(i).1;
+                }
             }
         }
     }
