@@ -77,8 +77,12 @@ impl SoftCap {
     /// ```
     #[inline(always)]
     pub fn apply_f32(self, s: f32) -> (f32, f32) {
-        let t = tanh(s / self.cap);
-        ((self.cap * t).clamp(-self.cap, self.cap), 1.0 - t * t)
+        let (c, t) = (self.cap, tanh(s / self.cap));
+        let y = c * t;
+        // Selects, not `clamp` (whose check of its bounds would stop loops vectorising).
+        let y = if y > c { c } else { y };
+        let y = if y < -c { -c } else { y };
+        (y, 1.0 - t * t)
     }
 }
 
@@ -218,9 +222,7 @@ impl<'a> HeadModifiers<'a> {
             None => (s, 1.0),
         };
         if let Some((slope, off)) = self.alibi {
-            // i64, not i128, so that the loop vectorises (offsets beyond i64 cannot occur:
-            // they are differences of lengths).
-            s -= slope * (i as i64 + off as i64 - j as i64).unsigned_abs() as f32;
+            s -= slope * alibi_distance(i, j, off);
         }
         (s, d)
     }
@@ -228,8 +230,24 @@ impl<'a> HeadModifiers<'a> {
     /// Modifies a tile of this head's scores: the built-ins in one pass through
     /// [`ScoreTile::map`], then the user's [`ScoreMod::modify`].
     pub fn modify(&self, tile: &mut ScoreTile<'_>) {
-        if self.softcap.is_some() || self.alibi.is_some() {
-            tile.map(|s, i, j| self.builtin_f32(s, i, j).0);
+        // One loop per combination, so that none carries a test per score.
+        match (self.softcap, self.alibi) {
+            (Some(c), None) => tile.map(move |s, _, _| c.apply_f32(s).0),
+            // Positions in i32 when every distance of the tile fits (always, in practice):
+            // four times the lanes of i64 on AVX2, which also has no i64-to-f32 conversion.
+            (None, Some((m, off))) if fits_i32(tile, off) => {
+                let off = off as i32;
+                tile.map(move |s, i, j| s - m * alibi_distance_i32(i, j, off))
+            }
+            (None, Some((m, off))) => tile.map(move |s, i, j| s - m * alibi_distance(i, j, off)),
+            (Some(c), Some((m, off))) if fits_i32(tile, off) => {
+                let off = off as i32;
+                tile.map(move |s, i, j| c.apply_f32(s).0 - m * alibi_distance_i32(i, j, off))
+            }
+            (Some(c), Some((m, off))) => {
+                tile.map(move |s, i, j| c.apply_f32(s).0 - m * alibi_distance(i, j, off))
+            }
+            (None, None) => {}
         }
         if let Some(m) = self.user {
             m.modify(&mut tile.shifted(self.query_offset));
@@ -246,6 +264,27 @@ impl<'a> HeadModifiers<'a> {
         }
         Ok(())
     }
+}
+
+/// `|i + off − j|` in f32 for the engines' loops: in i64, not i128, so that the loop
+/// vectorises (an offset is a difference of lengths: it fits).
+#[inline(always)]
+fn alibi_distance(i: usize, j: usize, off: i128) -> f32 {
+    ((i as i64 + off as i64 - j as i64) as f32).abs()
+}
+
+/// Whether every position and offset of `tile` fits in an i32 (then so does
+/// `i + off − j`, computed with wrapping, whose true value is below 2^31 in magnitude).
+fn fits_i32(tile: &ScoreTile<'_>, off: i128) -> bool {
+    const MAX: i128 = (i32::MAX / 4) as i128;
+    let (q, k) = (tile.queries(), tile.keys());
+    (q.end as i128) < MAX && (k.end as i128) < MAX && off.abs() < MAX
+}
+
+/// [`alibi_distance`] in i32 (see [`fits_i32`]).
+#[inline(always)]
+fn alibi_distance_i32(i: usize, j: usize, off: i32) -> f32 {
+    ((i as i32).wrapping_add(off).wrapping_sub(j as i32) as f32).abs()
 }
 
 /// `|i + off − j|`, in f64.

@@ -130,8 +130,9 @@ impl<'t> ScoreTile<'t> {
 
     /// Replaces every score `s` of query `i` and key `j` by `f(s, i, j)` (natural units),
     /// in memory order, in a loop compiled for this CPU's widest vectors.
-    pub fn map(&mut self, f: impl FnMut(f32, usize, usize) -> f32) {
-        self.map_with_derivative(None, |_, _, _| (0.0, 1.0), f)
+    pub fn map(&mut self, mut f: impl FnMut(f32, usize, usize) -> f32) {
+        let (unit, inv) = (self.unit, self.inv_unit);
+        self.lines::<false, _>(&mut [], move |x, i, j| (f(x * unit, i, j) * inv, 1.0));
     }
 
     /// [`ScoreTile::map`] that also multiplies `derivative` (laid out like the scores) by
@@ -153,87 +154,90 @@ impl<'t> ScoreTile<'t> {
                 ),
             ));
         }
-        self.map_with_derivative(Some(derivative), f, |_, _, _| 0.0);
+        let (unit, inv) = (self.unit, self.inv_unit);
+        let mut f = f;
+        self.lines::<true, _>(derivative, move |x, i, j| {
+            let (s, ds) = f(x * unit, i, j);
+            (s * inv, ds)
+        });
         Ok(())
     }
 
-    /// Sets every score whose key query `i` may not see (`visible(i, j)` false) to `-inf`.
+    /// Sets every score whose key query `i` may not see (`visible(i, j)` false) to `-inf`,
+    /// in the same vectorised loop as [`ScoreTile::map`].
     pub fn hide(&mut self, mut visible: impl FnMut(usize, usize) -> bool) {
-        let (qs, ks) = self.strides;
-        for (jj, j) in self.keys.clone().enumerate() {
-            for (ii, i) in self.queries.clone().enumerate() {
-                if !visible(i, j) {
-                    self.scores[ii * qs + jj * ks] = f32::NEG_INFINITY;
-                }
-            }
-        }
+        let hide = |x: f32, i, j| {
+            let keep = visible(i, j);
+            (if keep { x } else { f32::NEG_INFINITY }, 1.0)
+        };
+        self.lines::<false, _>(&mut [], hide);
     }
 
-    /// The shared loop of [`ScoreTile::map`] and [`ScoreTile::map_chained`]: `both` when a
-    /// derivative is kept, `plain` otherwise (two closures so that the plain loop carries
-    /// no derivative at all).
-    fn map_with_derivative<B, P>(&mut self, derivative: Option<&mut [f32]>, both: B, plain: P)
+    /// The shared loop of [`ScoreTile::map`], [`ScoreTile::map_chained`] and
+    /// [`ScoreTile::hide`]: `f(stored, i, j)` gives the new stored score and the factor of
+    /// `derivative` (ignored without one). One dispatch to the widest instruction set,
+    /// the tile's contiguous axis innermost as a slice, so that the loop vectorises.
+    fn lines<const CHAIN: bool, F>(&mut self, derivative: &mut [f32], f: F)
     where
-        B: FnMut(f32, usize, usize) -> (f32, f32),
-        P: FnMut(f32, usize, usize) -> f32,
+        F: FnMut(f32, usize, usize) -> (f32, f32),
     {
-        struct Op<'a, 't, B, P> {
-            tile: &'a mut ScoreTile<'t>,
-            derivative: Option<&'a mut [f32]>,
-            both: B,
-            plain: P,
+        struct Op<'a, const CHAIN: bool, F> {
+            scores: &'a mut [f32],
+            /// Laid out like `scores` when `CHAIN`, else empty.
+            derivative: &'a mut [f32],
+            /// (queries, keys) as (first, count, stride).
+            axes: [(usize, usize, usize); 2],
+            f: F,
         }
-        impl<B, P> WithSimd for Op<'_, '_, B, P>
+        impl<const CHAIN: bool, F> WithSimd for Op<'_, CHAIN, F>
         where
-            B: FnMut(f32, usize, usize) -> (f32, f32),
-            P: FnMut(f32, usize, usize) -> f32,
+            F: FnMut(f32, usize, usize) -> (f32, f32),
         {
             type Output = ();
             #[inline(always)]
             fn with_simd<S: Simd>(self, _simd: S) {
                 let Op {
-                    tile,
+                    scores,
                     derivative,
-                    mut both,
-                    mut plain,
+                    axes: [(q0, nq, qs), (k0, nk, ks)],
+                    mut f,
                 } = self;
-                let (unit, inv) = (tile.unit, tile.inv_unit);
-                let (q0, k0) = (tile.queries.start, tile.keys.start);
-                let (nq, nk) = (tile.queries.len(), tile.keys.len());
-                let (qs, ks) = tile.strides;
-                // The contiguous axis innermost, so the loop vectorises.
-                let (outer, inner, os, is, queries_inner) = if qs == 1 || ks != 1 {
-                    (nk, nq, ks, qs, true)
+                // The contiguous axis innermost: down a column of a column-major tile, along
+                // a row of a row-major one.
+                let queries_inner = qs == 1 || ks != 1;
+                let (outer, inner, os, is) = if queries_inner {
+                    (nk, nq, ks, qs)
                 } else {
-                    (nq, nk, qs, ks, false)
+                    (nq, nk, qs, ks)
                 };
-                let at = |o: usize, n: usize| {
-                    if queries_inner {
-                        (q0 + n, k0 + o)
+                for o in 0..outer {
+                    let base = o * os;
+                    if is != 1 {
+                        for n in 0..inner {
+                            let at = base + n * is;
+                            let (i, j) = if queries_inner {
+                                (q0 + n, k0 + o)
+                            } else {
+                                (q0 + o, k0 + n)
+                            };
+                            let (x, dx) = f(scores[at], i, j);
+                            scores[at] = x;
+                            if CHAIN {
+                                derivative[at] *= dx;
+                            }
+                        }
+                        continue;
+                    }
+                    let line = &mut scores[base..base + inner];
+                    let d = if CHAIN {
+                        &mut derivative[base..base + inner]
                     } else {
-                        (q0 + o, k0 + n)
-                    }
-                };
-                match derivative {
-                    None => {
-                        for o in 0..outer {
-                            for n in 0..inner {
-                                let x = &mut tile.scores[o * os + n * is];
-                                let (i, j) = at(o, n);
-                                *x = plain(*x * unit, i, j) * inv;
-                            }
-                        }
-                    }
-                    Some(d) => {
-                        for o in 0..outer {
-                            for n in 0..inner {
-                                let k = o * os + n * is;
-                                let (i, j) = at(o, n);
-                                let (s, ds) = both(tile.scores[k] * unit, i, j);
-                                tile.scores[k] = s * inv;
-                                d[k] *= ds;
-                            }
-                        }
+                        &mut []
+                    };
+                    if queries_inner {
+                        line_loop::<CHAIN, _>(line, d, |n| (q0 + n, k0 + o), &mut f);
+                    } else {
+                        line_loop::<CHAIN, _>(line, d, |n| (q0 + o, k0 + n), &mut f);
                     }
                 }
             }
@@ -241,12 +245,41 @@ impl<'t> ScoreTile<'t> {
         if self.queries.is_empty() || self.keys.is_empty() {
             return;
         }
-        Arch::new().dispatch(Op {
-            tile: self,
+        let axes = [
+            (self.queries.start, self.queries.len(), self.strides.0),
+            (self.keys.start, self.keys.len(), self.strides.1),
+        ];
+        Arch::new().dispatch(Op::<CHAIN, F> {
+            scores: self.scores,
             derivative,
-            both,
-            plain,
+            axes,
+            f,
         });
+    }
+}
+
+/// One contiguous line of a tile: `f` on every score, the positions from `at(n)`. A
+/// function of its own so that `line` and `derivative` are known not to alias whatever `f`
+/// reads (argument attributes survive inlining; fields of a struct do not), which is what
+/// lets the loop vectorise.
+#[inline(always)]
+fn line_loop<const CHAIN: bool, F: FnMut(f32, usize, usize) -> (f32, f32)>(
+    line: &mut [f32],
+    derivative: &mut [f32],
+    at: impl Fn(usize) -> (usize, usize),
+    f: &mut F,
+) {
+    if CHAIN {
+        for (n, (x, dx)) in line.iter_mut().zip(derivative).enumerate() {
+            let (i, j) = at(n);
+            let (y, g) = f(*x, i, j);
+            (*x, *dx) = (y, *dx * g);
+        }
+    } else {
+        for (n, x) in line.iter_mut().enumerate() {
+            let (i, j) = at(n);
+            *x = f(*x, i, j).0;
+        }
     }
 }
 
@@ -368,7 +401,10 @@ pub trait MaskMod: Debug + Sync {
 /// ```
 #[inline(always)]
 pub fn tanh(x: f32) -> f32 {
-    let a = x.abs().min(9.0);
+    // Comparisons and selects only (no `min`, `clamp` or float-to-int casts, whose NaN and
+    // saturation rules cost extra instructions per lane), so that loops vectorise.
+    let a = f32::from_bits(x.to_bits() & 0x7fff_ffff);
+    let a = if a < 9.0 { a } else { 9.0 };
     // Small: Taylor to x⁹ (the next term is below 1e-8 relative at 0.25).
     let x2 = a * a;
     let mut p = 62.0 / 2835.0;
@@ -376,10 +412,12 @@ pub fn tanh(x: f32) -> f32 {
     p = p * x2 + 2.0 / 15.0;
     p = p * x2 - 1.0 / 3.0;
     let small = a + a * x2 * p;
-    // Large: e^{2a} = 2^{2a·log2(e)}, range-reduced to 2^k · 2^f with |f| ≤ ½.
+    // Large: e^{2a} = 2^{2a·log2(e)}, range-reduced to 2^k · 2^f with |f| ≤ ½; adding
+    // 1.5·2^23 rounds to the integer k, held in the low mantissa bits.
     let t = 2.0 * core::f32::consts::LOG2_E * a;
-    const ROUND: f32 = 12_582_912.0; // 1.5·2^23: adding it rounds to an integer
-    let k = (t + ROUND) - ROUND;
+    const ROUND: f32 = 12_582_912.0;
+    let r = t + ROUND;
+    let k = r - ROUND;
     let f = t - k;
     let mut e = 1.535_336_2e-4;
     e = e * f + 1.339_887_4e-3;
@@ -388,10 +426,11 @@ pub fn tanh(x: f32) -> f32 {
     e = e * f + 2.402_264_8e-1;
     e = e * f + 6.931_472e-1;
     e = e * f + 1.0;
-    let two_k = f32::from_bits(((k as i32 + 127) as u32) << 23);
+    let k_bits = r.to_bits().wrapping_sub(0x4B40_0000);
+    let two_k = f32::from_bits(k_bits.wrapping_add(127) << 23);
     let large = 1.0 - 2.0 / (e * two_k + 1.0);
     let r = if a < 0.25 { small } else { large };
     let r = if a >= 9.0 { 1.0 } else { r };
-    let r = if x.is_nan() { x } else { r };
-    if x < 0.0 { -r } else { r }
+    let r = if x != x { x } else { r };
+    f32::from_bits(r.to_bits() | (x.to_bits() & 0x8000_0000))
 }

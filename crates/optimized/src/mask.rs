@@ -32,15 +32,41 @@ pub(crate) fn key_blocks<'a, T>(
         .step_by(block.max(1))
         .filter_map(move |j0| {
             let cols = j0..(j0 + block).min(last);
-            match head
-                .mask
-                .tile_coverage(head.mask_rows(rows.clone()), cols.clone())
-            {
+            let queries = head.mask_rows(rows.clone());
+            match head.mask.tile_coverage(queries.clone(), cols.clone()) {
                 TileCoverage::Hidden => None,
+                TileCoverage::Partial => {
+                    Some((trim_for_user(head, queries, cols), TileCoverage::Partial))
+                }
                 coverage => Some((cols, coverage)),
             }
         })
 }
+
+/// Keys at the ends of a straddling block that the user's mask hides from every row, asked
+/// [`TRIM_KEYS`] at a time, are left out of the block — as the structural bounds trim the
+/// causal diagonal's block, so that a user's causal mask costs what `Causal` does.
+fn trim_for_user<T>(
+    head: &HeadInputs<'_, T>,
+    queries: Range<usize>,
+    mut cols: Range<usize>,
+) -> Range<usize> {
+    if head.mask.user().is_none() {
+        return cols;
+    }
+    let hidden =
+        |c: Range<usize>| head.mask.user_coverage(queries.clone(), c) == TileCoverage::Hidden;
+    while cols.len() > TRIM_KEYS && hidden(cols.end - TRIM_KEYS..cols.end) {
+        cols.end -= TRIM_KEYS;
+    }
+    while cols.len() > TRIM_KEYS && hidden(cols.start..cols.start + TRIM_KEYS) {
+        cols.start += TRIM_KEYS;
+    }
+    cols
+}
+
+/// The granularity of [`trim_for_user`]: a vector's worth of keys.
+const TRIM_KEYS: usize = 16;
 
 /// Masks a column-major score tile (leading dimension `br`) of query rows `rows` and keys
 /// `cols`. When the block straddles a structural boundary (`coverage` is `Partial`), the
