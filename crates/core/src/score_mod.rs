@@ -431,6 +431,6 @@ pub fn tanh(x: f32) -> f32 {
     let large = 1.0 - 2.0 / (e * two_k + 1.0);
     let r = if a < 0.25 { small } else { large };
     let r = if a >= 9.0 { 1.0 } else { r };
-    let r = if x != x { x } else { r };
+    let r = if x.is_nan() { x } else { r };
     f32::from_bits(r.to_bits() | (x.to_bits() & 0x8000_0000))
 }
