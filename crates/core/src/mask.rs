@@ -186,6 +186,18 @@ impl<'a> HeadMask<'a> {
 
     /// The same mask for head `head` of batch entry `batch` (a packed call's sequence): the
     /// position a user's [`crate::MaskMod`] is asked about.
+    ///
+    /// ```
+    /// use attn_core::{HeadMask, MaskMod, Options};
+    /// #[derive(Debug)]
+    /// struct OddHeadsSeeNothing;
+    /// impl MaskMod for OddHeadsSeeNothing {
+    ///     fn visible(&self, _: usize, h: usize, _: usize, _: usize) -> bool { h % 2 == 0 }
+    /// }
+    /// let opts = Options::default().with_mask_mod(&OddHeadsSeeNothing);
+    /// let mask = HeadMask::new(&opts, 1, 1, None);
+    /// assert!(mask.at(0, 2).allows(0, 0) && !mask.at(0, 3).allows(0, 0));
+    /// ```
     pub fn at(self, batch: usize, head: usize) -> Self {
         Self {
             position: (batch, head),
@@ -195,6 +207,18 @@ impl<'a> HeadMask<'a> {
 
     /// The same mask with query `i` shown to the user's mask as `i + offset`: a KV
     /// cache's new rows are the positions after the cached keys.
+    ///
+    /// ```
+    /// use attn_core::{HeadMask, MaskMod, Options};
+    /// #[derive(Debug)]
+    /// struct Causal;
+    /// impl MaskMod for Causal {
+    ///     fn visible(&self, _: usize, _: usize, i: usize, j: usize) -> bool { j <= i }
+    /// }
+    /// let opts = Options::default().with_mask_mod(&Causal);
+    /// let decode = HeadMask::new(&opts, 1, 8, None).with_query_offset(7); // the 8th token
+    /// assert!(decode.allows(0, 7));
+    /// ```
     pub fn with_query_offset(self, offset: usize) -> Self {
         Self {
             query_offset: offset,
@@ -209,6 +233,12 @@ impl<'a> HeadMask<'a> {
     }
 
     /// What the user's mask says of the tile `rows × cols` (`Full` without one).
+    ///
+    /// ```
+    /// use attn_core::{HeadMask, Options, TileCoverage};
+    /// let mask = HeadMask::new(&Options::default(), 4, 4, None);
+    /// assert_eq!(mask.user_coverage(0..4, 0..4), TileCoverage::Full);
+    /// ```
     pub fn user_coverage(&self, rows: Range<usize>, cols: Range<usize>) -> TileCoverage {
         match self.user {
             Some(m) if !rows.is_empty() && !cols.is_empty() => {

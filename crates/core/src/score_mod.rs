@@ -85,6 +85,15 @@ impl<'t> ScoreTile<'t> {
 
     /// The same tile holding `stored = natural / unit` (an engine's base-2 domain has
     /// `unit = ln 2`): [`ScoreTile::map`] converts on the way in and out.
+    ///
+    /// ```
+    /// use attn_core::ScoreTile;
+    /// let mut s = [2.0f32]; // stored in units of 0.5: the natural score is 1
+    /// let tile = ScoreTile::new(&mut s, (1, 1), 0..1, 0..1, 0, 0)?;
+    /// tile.with_unit(0.5).map(|x, _, _| { assert_eq!(x, 1.0); x + 1.0 });
+    /// assert_eq!(s, [4.0]);
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
     pub fn with_unit(self, unit: f32) -> Self {
         Self {
             unit,
@@ -95,6 +104,15 @@ impl<'t> ScoreTile<'t> {
 
     /// The same tile with every query index moved by `offset` (a KV cache's new rows are
     /// the positions after the cached ones).
+    ///
+    /// ```
+    /// use attn_core::ScoreTile;
+    /// let mut s = [0.0f32; 2];
+    /// let mut tile = ScoreTile::new(&mut s, (1, 2), 0..2, 0..1, 0, 0)?;
+    /// tile.shifted(10).map(|_, i, _| i as f32);
+    /// assert_eq!(s, [10.0, 11.0]);
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
     pub fn shifted(&mut self, offset: usize) -> ScoreTile<'_> {
         ScoreTile {
             scores: self.scores,
@@ -139,6 +157,15 @@ impl<'t> ScoreTile<'t> {
     /// the derivative of the change: `f(s, i, j)` returns the new score and `∂new/∂s`
     /// (chained, so modifiers applied one after another leave the derivative of all).
     /// [`Error::Layout`] when `derivative` is shorter than the scores.
+    ///
+    /// ```
+    /// use attn_core::ScoreTile;
+    /// let (mut s, mut d) = ([1.0f32, 2.0], [1.0f32; 2]);
+    /// let mut tile = ScoreTile::new(&mut s, (1, 1), 0..1, 0..2, 0, 0)?;
+    /// tile.map_chained(&mut d, |x, _, _| (x * x, 2.0 * x))?; // s², derivative 2s
+    /// assert_eq!((s, d), ([1.0, 4.0], [2.0, 4.0]));
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
     pub fn map_chained(
         &mut self,
         derivative: &mut [f32],
@@ -165,6 +192,14 @@ impl<'t> ScoreTile<'t> {
 
     /// Sets every score whose key query `i` may not see (`visible(i, j)` false) to `-inf`,
     /// in the same vectorised loop as [`ScoreTile::map`].
+    ///
+    /// ```
+    /// use attn_core::ScoreTile;
+    /// let mut s = [1.0f32; 4]; // 2 × 2, column-major
+    /// ScoreTile::new(&mut s, (1, 2), 0..2, 0..2, 0, 0)?.hide(|i, j| j <= i);
+    /// assert_eq!(s, [1.0, 1.0, f32::NEG_INFINITY, 1.0]);
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
     pub fn hide(&mut self, mut visible: impl FnMut(usize, usize) -> bool) {
         let hide = |x: f32, i, j| {
             let keep = visible(i, j);
