@@ -14,7 +14,7 @@
 //! [`crate::ScoreMod::derivative`], chained); dQ and dK take `dS` as above. A sink logit
 //! `σ_h` has the gradient `dσ_h = −Σ_i p_sink,i · D_i`, `p_sink,i = exp(σ_h − LSE_i)`, summed
 //! over the head's rows and batch entries (a packed call's sequences): each row of `dS_mod`
-//! then sums to `−p_sink,i · D_i` instead of 0. A row whose output is 0 (it sees no key)
+//! then sums to `p_sink,i · D_i` instead of 0 (row `i`'s share of `−dσ_h`). A row whose output is 0 (it sees no key)
 //! adds nothing to it.
 
 use faer::{Mat, MatRef};

@@ -10,7 +10,8 @@
 //! score `s = scale·q·k` is `dS = dS_mod ∘ f'(s)` ([`HeadModifiers::derivative`]), which dQ
 //! and dK take. A sink `σ` joins the denominator: `∂LSE_i/∂σ = p_sink,i = exp(σ − LSE_i)`
 //! and `∂O_i/∂σ = −p_sink,i · O_i`, so `dσ = −Σ_i p_sink,i · D_i`, and row `i` of
-//! `dS_mod` sums to `Σ_j P_ij dP_ij − D_i (1 − p_sink,i) = −p_sink,i · D_i`.
+//! `dS_mod` sums to `Σ_j P_ij dP_ij − D_i (1 − p_sink,i) = p_sink,i · D_i` (the share of row
+//! `i` in `−dσ`: shifting a row's scores and `σ` together changes nothing).
 //!
 //! The reference differentiates the formula, not the saturation of scores beyond f32
 //! (`docs/conventions.md`): a saturated score is differentiated as if it were not.
