@@ -241,7 +241,10 @@ impl<'a> Options<'a> {
                 )
             }),
             // A sink of -inf is no sink, exactly.
-            sink: self.sinks.map(|s| s[h]).filter(|&s| s != f32::NEG_INFINITY),
+            sink: self
+                .sinks
+                .map(|s| s[h])
+                .filter(|&s| s != f32::NEG_INFINITY),
             user: self.score_mod,
             position: (b, h),
         }

@@ -447,9 +447,7 @@ impl<'a, T> Packed<'a, T> {
                     continue;
                 }
                 let mask = HeadMask::new(&self.options, rows.len(), keys.len(), None).at(s, h);
-                let mods = self
-                    .options
-                    .head_modifiers(s, h, h_q, rows.len(), keys.len());
+                let mods = self.options.head_modifiers(s, h, h_q, rows.len(), keys.len());
                 let inputs = self.problem.inputs(
                     qh.subrows(rows.start, rows.len()),
                     kh.subrows(keys.start, keys.len()),
