@@ -197,9 +197,7 @@ impl<'a> HeadModifiers<'a> {
         if let Some(m) = self.user {
             let (b, h) = self.position;
             let before = self.softcap.map_or(s, |c| c.apply(s))
-                - self
-                    .alibi
-                    .map_or(0.0, |(m, off)| f64::from(m) * distance(i, j, off));
+                - self.alibi.map_or(0.0, |(m, off)| f64::from(m) * distance(i, j, off));
             d *= f64::from(m.derivative(before as f32, b, h, i, j));
         }
         d
