@@ -37,8 +37,8 @@ use attn_core::{
     TileCoverage,
 };
 use attn_optimized::{
-    Element, attention_backward_batched, attention_backward_batched_into,
-    attention_backward_into, attention_backward_packed, attention_backward_packed_into,
+    Element, attention_backward_batched, attention_backward_batched_into, attention_backward_into,
+    attention_backward_packed, attention_backward_packed_into,
 };
 use attn_reference::MaterializedBackward;
 use faer::{Mat, MatRef};
@@ -110,14 +110,6 @@ impl MaskMod for Sparse {
 }
 
 static SPARSE: Sparse = Sparse { shift: 0 };
-
-/// The modifiers' numbers a bound needs.
-#[derive(Clone, Copy, Default)]
-struct Mods<'a> {
-    cap: Option<f32>,
-    /// Slopes and the alignment's offset.
-    alibi: Option<(&'a [f32], i64)>,
-}
 
 /// One head's bound terms: the errors of its gradients' sums, the absolute values the
 /// accumulation over rows multiplies (dK and dV: added per group), and dσ's error.
@@ -316,7 +308,14 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
         let mut kv_sums: Vec<[Mat<f64>; 6]> = Vec::new();
         for kv in 0..h_kv {
             let z = |r, c| Mat::<f64>::zeros(r, c);
-            kv_sums.push([z(n_k, d), z(n_k, d), z(n_k, d), z(n_k, d), z(n_k, d), z(n_k, d)]);
+            kv_sums.push([
+                z(n_k, d),
+                z(n_k, d),
+                z(n_k, d),
+                z(n_k, d),
+                z(n_k, d),
+                z(n_k, d),
+            ]);
             let _ = kv;
         }
         for h in 0..h_q {
@@ -329,7 +328,11 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
                 widen(g.head(bi, h).unwrap()),
             ];
             let slope = c.slopes.map(|(s, align)| {
-                let m = if s.len() == h_q { s[h] } else { s[bi * h_q + h] };
+                let m = if s.len() == h_q {
+                    s[h]
+                } else {
+                    s[bi * h_q + h]
+                };
                 let off = match align {
                     Causal::TopLeft => 0,
                     Causal::BottomRight => n_k as i64 - n_q as i64,
@@ -376,7 +379,13 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
     match (c.opts.sinks, dsinks) {
         (Some(_), Some(ds)) => {
             for h in 0..h_q {
-                check("dσ", ds[h], sink_want[h], sink_err[h] + U * sink_want[h].abs(), &mut worst);
+                check(
+                    "dσ",
+                    ds[h],
+                    sink_want[h],
+                    sink_err[h] + U * sink_want[h].abs(),
+                    &mut worst,
+                );
             }
         }
         (None, None) => {}
@@ -442,7 +451,6 @@ fn every_modifier<T: Element + attn_reference::Element + Default>(layout: Layout
     ];
     for c in &cases {
         let worst = check_batched::<T>(c);
-        eprintln!("{} {:?} seed {}: worst error/bound {worst:.3e}", T::NAME, c.layout, c.seed);
         assert!(worst.is_finite());
     }
 }
@@ -461,4 +469,339 @@ fn f16_gradients_are_within_the_bound() {
 #[test]
 fn bf16_gradients_are_within_the_bound() {
     every_modifier::<bf16>(Layout::Bhsd);
+}
+
+/// The operands of an f32 call in `[B,S,H,D]`, the reference's forward under `opts`.
+struct Call {
+    qd: [usize; 4],
+    kd: [usize; 4],
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+}
+
+impl Call {
+    fn new([b, h_q, h_kv, n_q, n_k, d]: [usize; 6], seed: u64) -> Self {
+        Self {
+            qd: [b, h_q, n_q, d],
+            kd: [b, h_kv, n_k, d],
+            q: values(b * h_q * n_q * d, seed, 2.0),
+            k: values(b * h_kv * n_k * d, seed + 1, 1.0),
+            v: values(b * h_kv * n_k * d, seed + 2, 1.0),
+            g: values(b * h_q * n_q * d, seed + 3, 1.0),
+        }
+    }
+
+    fn views(&self) -> [Tensor4Ref<'_, f32>; 4] {
+        let t = bshd;
+        [
+            t(&self.q, self.qd),
+            t(&self.k, self.kd),
+            t(&self.v, self.kd),
+            t(&self.g, self.qd),
+        ]
+    }
+
+    /// The engine's gradients under `opts`, from the reference forward under `forward`.
+    fn gradients(
+        &self,
+        forward: &Options<'_>,
+        opts: &Options<'_>,
+    ) -> attn_core::BatchGradients<f32> {
+        let [q, k, v, g] = self.views();
+        let (out, lse) = attn_reference::attention_batched_with_lse(q, k, v, forward).unwrap();
+        attention_backward_batched(g, q, k, v, out.as_ref(), &lse, opts).unwrap()
+    }
+}
+
+#[test]
+fn a_user_soft_cap_gives_the_built_in_soft_caps_bits() {
+    let call = Call::new([2, 4, 2, 150, 170, 16], 11);
+    let user = UserCap(cap(1.5));
+    let built_in = Options::default()
+        .with_softcap(cap(1.5))
+        .with_causal(Causal::BottomRight);
+    let mine = Options::default()
+        .with_score_mod(&user)
+        .with_causal(Causal::BottomRight);
+    assert_eq!(
+        call.gradients(&built_in, &built_in),
+        call.gradients(&built_in, &mine)
+    );
+}
+
+#[test]
+fn zero_slopes_and_minus_infinity_sinks_change_no_bit() {
+    let call = Call::new([2, 4, 2, 150, 170, 16], 12);
+    let plain = Options::default().with_causal(Causal::TopLeft);
+    let want = call.gradients(&plain, &plain);
+    let zeros = [0.0f32; 4];
+    let zero_slopes = plain.with_alibi(Alibi::new(&zeros));
+    assert_eq!(call.gradients(&plain, &zero_slopes), want);
+    let none = [f32::NEG_INFINITY; 4];
+    let no_sinks = plain.with_sinks(&none);
+    let got = call.gradients(&plain, &no_sinks);
+    assert_eq!((&got.dq, &got.dk, &got.dv), (&want.dq, &want.dk, &want.dv));
+    assert_eq!(got.dsinks, Some(vec![0.0; 4]));
+}
+
+#[test]
+fn a_user_causal_mask_gives_the_bits_of_causal_top_left() {
+    let call = Call::new([2, 4, 2, 150, 170, 16], 13);
+    let causal = Options::default()
+        .with_causal(Causal::TopLeft)
+        .with_softcap(cap(2.0));
+    let user = Options::default()
+        .with_mask_mod(&TopLeft)
+        .with_softcap(cap(2.0));
+    assert_eq!(
+        call.gradients(&causal, &causal),
+        call.gradients(&causal, &user)
+    );
+}
+
+#[test]
+fn a_single_head_call_is_the_batched_call_of_one_head() {
+    let call = Call::new([1, 1, 1, 140, 135, 16], 14);
+    let sink = [0.75f32];
+    let slope = [0.25f32];
+    let opts = Options::default()
+        .with_softcap(cap(1.5))
+        .with_alibi(Alibi::new(&slope).with_align(Causal::TopLeft))
+        .with_sinks(&sink);
+    let batched = call.gradients(&opts, &opts);
+    let [q, k, v, g] = call.views();
+    let (q, k, v, g) = (
+        q.head(0, 0).unwrap(),
+        k.head(0, 0).unwrap(),
+        v.head(0, 0).unwrap(),
+        g.head(0, 0).unwrap(),
+    );
+    let (out, lse) = attn_reference::attention_with_lse(q, k, v, &opts).unwrap();
+    let (mut dq, mut dk, mut dv) = (
+        Mat::<f32>::zeros(140, 16),
+        Mat::<f32>::zeros(135, 16),
+        Mat::<f32>::zeros(135, 16),
+    );
+    let dsinks = attention_backward_into(
+        dq.as_mut(),
+        dk.as_mut(),
+        dv.as_mut(),
+        g,
+        q,
+        k,
+        v,
+        out.as_ref(),
+        &lse,
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(dsinks, batched.dsinks);
+    assert!(dsinks.is_some_and(|d| d[0] != 0.0));
+    let head = |t: &attn_core::Tensor4<f32>| widen(t.as_ref().head(0, 0).unwrap());
+    assert_eq!(widen(dq.as_ref()), head(&batched.dq));
+    assert_eq!(widen(dk.as_ref()), head(&batched.dk));
+    assert_eq!(widen(dv.as_ref()), head(&batched.dv));
+}
+
+#[test]
+fn packed_gradients_are_within_the_bound_of_each_sequence() {
+    // Sequences of 100, 0, 130 and 1 queries over 90, 40, 130 and 2 keys, 4 query heads
+    // on 2 kv heads, [total, heads, dim]; every modifier and a user mask that sees the
+    // sequence index.
+    let (h_q, h_kv, d) = (4, 2, 16);
+    let (cu_q, cu_k) = ([0, 100, 100, 230, 231], [0, 90, 130, 260, 262]);
+    let seqs = CuSeqlens::new(&cu_q, &cu_k).unwrap();
+    let (tq, tk) = (231, 262);
+    let q = values(tq * h_q * d, 21, 2.0);
+    let k = values(tk * h_kv * d, 22, 1.0);
+    let v = values(tk * h_kv * d, 23, 1.0);
+    let g = values(tq * h_q * d, 24, 1.0);
+    let t = bshd;
+    let opts = |mask: &'static Sparse| {
+        Options::default()
+            .with_softcap(cap(2.0))
+            .with_alibi(Alibi::new(&SLOPES4))
+            .with_sinks(&SINKS4)
+            .with_causal(Causal::BottomRight)
+            .with_mask_mod(mask)
+    };
+    let all = opts(&SPARSE);
+    let (qt, kt, vt, gt) = (
+        t(&q, [1, h_q, tq, d]),
+        t(&k, [1, h_kv, tk, d]),
+        t(&v, [1, h_kv, tk, d]),
+        t(&g, [1, h_q, tq, d]),
+    );
+    let (out, lse) = attn_reference::attention_packed_with_lse(qt, kt, vt, &seqs, &all).unwrap();
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0f32; q.len()],
+        vec![0.0f32; k.len()],
+        vec![0.0f32; v.len()],
+    );
+    let dsinks = attention_backward_packed_into(
+        Tensor4Mut::from_layout(&mut dq, [1, h_q, tq, d], Layout::Bhsd).unwrap(),
+        Tensor4Mut::from_layout(&mut dk, [1, h_kv, tk, d], Layout::Bhsd).unwrap(),
+        Tensor4Mut::from_layout(&mut dv, [1, h_kv, tk, d], Layout::Bhsd).unwrap(),
+        gt,
+        qt,
+        kt,
+        vt,
+        out.as_ref(),
+        &lse,
+        &seqs,
+        &all,
+    )
+    .unwrap()
+    .unwrap();
+    let owned = attention_backward_packed(gt, qt, kt, vt, out.as_ref(), &lse, &seqs, &all).unwrap();
+    assert_eq!(owned.dq.as_slice(), &dq[..]);
+    assert_eq!(owned.dsinks.as_deref(), Some(&dsinks[..]));
+
+    // Each sequence as its own batch-1 call, its mask shifted to see the sequence index.
+    let shifted: Vec<&'static Sparse> = (0..4)
+        .map(|s| &*Box::leak(Box::new(Sparse { shift: s })))
+        .collect();
+    let scale = 0.25;
+    let group = h_q / h_kv;
+    let (mut sink_want, mut sink_err) = (vec![0.0f64; h_q], vec![0.0f64; h_q]);
+    let check = |what: &str, got: f32, want: f64, bound: f64| {
+        let (err, bound) = ((f64::from(got) - want).abs(), 2.0 * bound + 1e-30);
+        assert!(
+            err <= bound,
+            "{what}: {got} vs {want} (error {err:e} > bound {bound:e})"
+        );
+    };
+    for s in 0..4 {
+        let (rows, keys) = (cu_q[s]..cu_q[s + 1], cu_k[s]..cu_k[s + 1]);
+        let (nq, nk) = (rows.len(), keys.len());
+        fn sub<'x>(x: &'x [f32], r: &Range<usize>, h: usize, d: usize) -> Tensor4Ref<'x, f32> {
+            bshd(&x[r.start * h * d..r.end * h * d], [1, h, r.len(), d])
+        }
+        let (qs, ks, vs, gs) = (
+            sub(&q, &rows, h_q, d),
+            sub(&k, &keys, h_kv, d),
+            sub(&v, &keys, h_kv, d),
+            sub(&g, &rows, h_q, d),
+        );
+        let o = opts(shifted[s]);
+        let refs =
+            attn_reference::attention_backward_batched_materialized(qs, ks, vs, gs, &o).unwrap();
+        for kv in 0..h_kv {
+            let z = || Mat::<f64>::zeros(nk, d);
+            let mut sums = [z(), z(), z(), z(), z(), z()];
+            for h in kv * group..(kv + 1) * group {
+                let r = &refs[0][h];
+                let x = [
+                    widen(qs.head(0, h).unwrap()),
+                    widen(ks.head(0, kv).unwrap()),
+                    widen(vs.head(0, kv).unwrap()),
+                    widen(gs.head(0, h).unwrap()),
+                ];
+                let off = nk as i64 - nq as i64;
+                let hb = head_bound(
+                    [x[0].as_ref(), x[1].as_ref(), x[2].as_ref(), x[3].as_ref()],
+                    r,
+                    scale,
+                    Some(2.0),
+                    Some((f64::from(SLOPES4[h]), off)),
+                    U,
+                );
+                for (i, row) in rows.clone().enumerate() {
+                    for c in 0..d {
+                        check(
+                            "dQ",
+                            dq[(h * tq + row) * d + c],
+                            r.dq[(i, c)],
+                            hb.dq[(i, c)],
+                        );
+                    }
+                }
+                sums[0] += &r.dk;
+                sums[1] += &hb.dk;
+                sums[2] += &hb.dk_abs;
+                sums[3] += &r.dv;
+                sums[4] += &hb.dv;
+                sums[5] += &hb.dv_abs;
+                sink_want[h] += r.dsink;
+                sink_err[h] += hb.dsink;
+            }
+            let acc = gamma((nq * group) as f64 + 2.0);
+            for (j, key) in keys.clone().enumerate() {
+                for c in 0..d {
+                    let at = (kv * tk + key) * d + c;
+                    check(
+                        "dK",
+                        dk[at],
+                        sums[0][(j, c)],
+                        sums[1][(j, c)] + acc * sums[2][(j, c)],
+                    );
+                    check(
+                        "dV",
+                        dv[at],
+                        sums[3][(j, c)],
+                        sums[4][(j, c)] + acc * sums[5][(j, c)],
+                    );
+                }
+            }
+        }
+    }
+    for h in 0..h_q {
+        check(
+            "dσ",
+            dsinks[h],
+            sink_want[h],
+            sink_err[h] + U * sink_want[h].abs(),
+        );
+    }
+    assert_eq!(dsinks[3], 0.0); // the -inf sink
+}
+
+#[test]
+fn the_bound_catches_a_gradient_without_the_chain_rule() {
+    // The teeth: the soft-cap's gradient differs from the one that leaves out f' by far
+    // more than the bound, so a backward pass that forgot the chain rule fails above.
+    let call = Call::new([1, 1, 1, 130, 140, 16], 31);
+    let opts = Options::default().with_softcap(cap(1.0));
+    let got = call.gradients(&opts, &opts);
+    let [q, k, v, g] = call.views();
+    let refs = attn_reference::attention_backward_batched_materialized(q, k, v, g, &opts).unwrap();
+    let r = &refs[0][0];
+    let x = [
+        widen(q.head(0, 0).unwrap()),
+        widen(k.head(0, 0).unwrap()),
+        widen(v.head(0, 0).unwrap()),
+        widen(g.head(0, 0).unwrap()),
+    ];
+    let hb = head_bound(
+        [x[0].as_ref(), x[1].as_ref(), x[2].as_ref(), x[3].as_ref()],
+        r,
+        0.25,
+        Some(1.0),
+        None,
+        U,
+    );
+    let dq = got.dq.as_ref().head(0, 0).unwrap();
+    let mut caught = 0;
+    for i in 0..130 {
+        for c in 0..16 {
+            let wrong: f64 = (0..140)
+                .map(|j| 0.25 * r.ds_modified[(i, j)] * x[1][(j, c)])
+                .sum();
+            assert!((f64::from(dq[(i, c)]) - r.dq[(i, c)]).abs() <= 2.0 * hb.dq[(i, c)] + 1e-30);
+            if (wrong - r.dq[(i, c)]).abs() > 2.0 * hb.dq[(i, c)] + 1e-30 {
+                caught += 1;
+            }
+        }
+    }
+    assert!(
+        caught > 130 * 16 * 9 / 10,
+        "only {caught} entries would fail"
+    );
+}
+
+/// A `[B,S,H,D]` view of `x`.
+fn bshd(x: &[f32], dims: [usize; 4]) -> Tensor4Ref<'_, f32> {
+    Tensor4Ref::from_layout(x, dims, Layout::Bshd).unwrap()
 }
