@@ -105,7 +105,7 @@ struct Sparse {
 
 impl MaskMod for Sparse {
     fn visible(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
-        (3 * i + j + b + self.shift + 2 * h) % 5 != 0
+        !(3 * i + j + b + self.shift + 2 * h).is_multiple_of(5)
     }
 }
 

@@ -153,7 +153,7 @@ pub fn attention_backward_packed<T: Element + Default>(
             );
             h_kv
         ];
-        for h in 0..h_q {
+        for (h, dsink) in dsinks.iter_mut().enumerate() {
             let kv = shape.kv_head(h);
             let sub = |t: Tensor4Ref<'_, T>, head: usize, r: &core::ops::Range<usize>| {
                 t.head(0, head).map(|m| widen(m.subrows(r.start, r.len())))
@@ -170,7 +170,7 @@ pub fn attention_backward_packed<T: Element + Default>(
                 &mask,
                 &mods,
             );
-            dsinks[h] += m.dsink;
+            *dsink += m.dsink;
             let mut view = dq.as_mut();
             let mut dst = view.head_mut(0, h)?;
             for (i, r) in rows.clone().enumerate() {

@@ -85,7 +85,7 @@ struct Sparse;
 
 impl MaskMod for Sparse {
     fn visible(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
-        (3 * i + j + b + 2 * h) % 4 != 0
+        !(3 * i + j + b + 2 * h).is_multiple_of(4)
     }
 }
 
