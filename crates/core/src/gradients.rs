@@ -7,15 +7,16 @@
 //! nothing to any gradient; a row that sees no key (LSE `-inf`) has `dQ = 0` and adds
 //! nothing to dK or dV.
 //!
-//! With score modifiers ([`crate::modifiers`]) `P` is recomputed from the modified scores
+//! With score modifiers ([`crate::HeadModifiers`]) `P` is recomputed from the modified scores
 //! and the LSE, which counts the sink: `dS_mod = P ∘ (dP − D)` is the gradient of the
 //! modified score, and the gradient of the raw score `s = scale·q·k` is
 //! `dS = dS_mod ∘ f'(s)` (soft-cap `1 − tanh²(s/c)`, ALiBi 1, a user modifier its
 //! [`crate::ScoreMod::derivative`], chained); dQ and dK take `dS` as above. A sink logit
-//! `σ_h` has the gradient `dσ_h = −Σ_i p_sink,i · D_i`, `p_sink,i = exp(σ_h − LSE_i)`, summed
-//! over the head's rows and batch entries (a packed call's sequences): each row of `dS_mod`
-//! then sums to `p_sink,i · D_i` instead of 0 (row `i`'s share of `−dσ_h`). A row whose output is 0 (it sees no key)
-//! adds nothing to it.
+//! `σ_h` has the gradient `dσ_h = −Σ_i p_sink,i · D_i`, `p_sink,i = exp(σ_h − LSE_i)`,
+//! summed over the head's rows and batch entries (a packed call's sequences): each row of
+//! `dS_mod` then sums to `p_sink,i · D_i` instead of 0 (row `i`'s share of `−dσ_h`: shifting
+//! a row's scores and `σ_h` together changes nothing). A row whose output is 0 (it sees no
+//! key) adds nothing to `dσ_h`.
 
 use faer::{Mat, MatRef};
 

@@ -294,8 +294,11 @@ pub fn attention_batched_into<T: Element, O: Element>(
 /// With `P = exp(scale·QKᵀ + M − LSE)` recomputed tile by tile (never stored) and
 /// `D_i = Σ_t dO_it · O_it`: `dV = Pᵀ dO`, `dS = P ∘ (dO Vᵀ − D)`, `dQ = scale · dS K`,
 /// `dK = scale · dSᵀ Q`. A hidden key contributes nothing to any gradient; a row that sees
-/// no key has `dQ = 0` and adds nothing to dK and dV. Accumulation is in f32, and each
-/// gradient is rounded to `T` once. Memory is `O((n_q + n_k)·d)`; the bits do not depend
+/// no key has `dQ = 0` and adds nothing to dK and dV. With score modifiers the scores are
+/// modified as the forward modifies them and `dS` is multiplied by their derivative
+/// (soft-cap `1 − tanh²`, a user modifier's [`attn_core::ScoreMod::derivative`]); a sink
+/// logit's gradient `dσ = −Σ_i exp(σ − LSE_i)·D_i` is returned in [`Gradients::dsinks`].
+/// Accumulation is in f32, and each gradient is rounded to `T` once. Memory is `O((n_q + n_k)·d)`; the bits do not depend
 /// on the thread count.
 ///
 /// ```
