@@ -607,13 +607,13 @@ fn a_single_head_call_is_the_batched_call_of_one_head() {
 
 #[test]
 fn packed_gradients_are_within_the_bound_of_each_sequence() {
-    // Sequences of 100, 0, 130 and 1 queries over 90, 40, 130 and 2 keys, 4 query heads
-    // on 2 kv heads, [total, heads, dim]; every modifier and a user mask that sees the
-    // sequence index.
+    // Sequences of 100, 0, 130 and 1 queries over 90, 40, 130 and 0 keys (the last row
+    // sees nothing: output 0, LSE σ, no share of dσ), 4 query heads on 2 kv heads,
+    // [total, heads, dim]; every modifier and a user mask that sees the sequence index.
     let (h_q, h_kv, d) = (4, 2, 16);
-    let (cu_q, cu_k) = ([0, 100, 100, 230, 231], [0, 90, 130, 260, 262]);
+    let (cu_q, cu_k) = ([0, 100, 100, 230, 231], [0, 90, 130, 260, 260]);
     let seqs = CuSeqlens::new(&cu_q, &cu_k).unwrap();
-    let (tq, tk) = (231, 262);
+    let (tq, tk) = (231, 260);
     let q = values(tq * h_q * d, 21, 2.0);
     let k = values(tk * h_kv * d, 22, 1.0);
     let v = values(tk * h_kv * d, 23, 1.0);
