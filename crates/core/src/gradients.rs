@@ -6,6 +6,17 @@
 //! `dQ = scale · dS K`, `dK = scale · dSᵀ Q`. A hidden key has `P = 0` and contributes
 //! nothing to any gradient; a row that sees no key (LSE `-inf`) has `dQ = 0` and adds
 //! nothing to dK or dV.
+//!
+//! With score modifiers ([`crate::HeadModifiers`]) `P` is recomputed from the modified scores
+//! and the LSE, which counts the sink: `dS_mod = P ∘ (dP − D)` is the gradient of the
+//! modified score, and the gradient of the raw score `s = scale·q·k` is
+//! `dS = dS_mod ∘ f'(s)` (soft-cap `1 − tanh²(s/c)`, ALiBi 1, a user modifier its
+//! [`crate::ScoreMod::derivative`], chained); dQ and dK take `dS` as above. A sink logit
+//! `σ_h` has the gradient `dσ_h = −Σ_i p_sink,i · D_i`, `p_sink,i = exp(σ_h − LSE_i)`,
+//! summed over the head's rows and batch entries (a packed call's sequences): each row of
+//! `dS_mod` then sums to `p_sink,i · D_i` instead of 0 (row `i`'s share of `−dσ_h`: shifting
+//! a row's scores and `σ_h` together changes nothing). A row whose output is 0 (it sees no
+//! key) adds nothing to `dσ_h`.
 
 use faer::{Mat, MatRef};
 
@@ -15,13 +26,14 @@ use crate::{BatchShape, Error, HeadShape, Options, Result, Tensor4, Tensor4Ref, 
 /// operand: `dq : [n_q, d_k]`, `dk : [n_k, d_k]`, `dv : [n_k, d_v]`.
 ///
 /// `#[non_exhaustive]`: variants of attention with parameters of their own may add their
-/// gradients; build one with [`Gradients::new`].
+/// gradients; build one with [`Gradients::new`] (and [`Gradients::with_dsinks`]).
 ///
 /// ```
 /// use attn_core::Gradients;
 /// use faer::Mat;
 /// let g = Gradients::new(Mat::<f32>::zeros(2, 4), Mat::zeros(3, 4), Mat::zeros(3, 5));
 /// assert_eq!((g.dq.nrows(), g.dk.nrows(), g.dv.ncols()), (2, 3, 5));
+/// assert_eq!(g.dsinks, None); // no sink logits, no gradient for them
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -32,19 +44,42 @@ pub struct Gradients<T> {
     pub dk: Mat<T>,
     /// `∂loss/∂V`, `[n_k, d_v]`.
     pub dv: Mat<T>,
+    /// `∂loss/∂σ` of the sink logits (`Options::with_sinks`), one entry per query head
+    /// (`[1]` for one head; 0 where the sink is `-inf`); `None` without sinks.
+    pub dsinks: Option<Vec<f32>>,
 }
 
 impl<T> Gradients<T> {
-    /// The gradients of Q, K and V.
+    /// The gradients of Q, K and V (no sink logits).
     pub fn new(dq: Mat<T>, dk: Mat<T>, dv: Mat<T>) -> Self {
-        Self { dq, dk, dv }
+        Self {
+            dq,
+            dk,
+            dv,
+            dsinks: None,
+        }
+    }
+
+    /// The same gradients with those of the sink logits.
+    ///
+    /// ```
+    /// use attn_core::Gradients;
+    /// use faer::Mat;
+    /// let g = Gradients::new(Mat::<f32>::zeros(1, 2), Mat::zeros(1, 2), Mat::zeros(1, 2))
+    ///     .with_dsinks(Some(vec![-0.25]));
+    /// assert_eq!(g.dsinks.as_deref(), Some(&[-0.25f32][..]));
+    /// ```
+    pub fn with_dsinks(self, dsinks: Option<Vec<f32>>) -> Self {
+        Self { dsinks, ..self }
     }
 }
 
 /// The gradients of a batched, grouped-query call, each shaped like its operand:
 /// `dq : [batch, h_q, n_q, d_k]`, `dk : [batch, h_kv, n_k, d_k]`,
 /// `dv : [batch, h_kv, n_k, d_v]`. The gradient of a key/value head shared by a group of
-/// query heads is the sum over the group.
+/// query heads is the sum over the group; that of a sink logit (`[h_q]`) the sum over the
+/// batch entries (a packed call's sequences). Build one with [`BatchGradients::new`] (and
+/// [`BatchGradients::with_dsinks`]).
 ///
 /// ```
 /// use attn_core::{BatchGradients, Tensor4};
@@ -64,12 +99,32 @@ pub struct BatchGradients<T> {
     pub dk: Tensor4<T>,
     /// `∂loss/∂V`, `[batch, h_kv, n_k, d_v]`.
     pub dv: Tensor4<T>,
+    /// `∂loss/∂σ` of the sink logits (`Options::with_sinks`), `[h_q]`, summed over the
+    /// batch entries (0 where the sink is `-inf`); `None` without sinks.
+    pub dsinks: Option<Vec<f32>>,
 }
 
 impl<T> BatchGradients<T> {
-    /// The gradients of Q, K and V.
+    /// The gradients of Q, K and V (no sink logits).
     pub fn new(dq: Tensor4<T>, dk: Tensor4<T>, dv: Tensor4<T>) -> Self {
-        Self { dq, dk, dv }
+        Self {
+            dq,
+            dk,
+            dv,
+            dsinks: None,
+        }
+    }
+
+    /// The same gradients with those of the sink logits, `[h_q]`.
+    ///
+    /// ```
+    /// use attn_core::{BatchGradients, Tensor4};
+    /// let z = || Tensor4::<f32>::zeros([1, 2, 3, 4]);
+    /// let g = BatchGradients::new(z(), z(), z()).with_dsinks(Some(vec![0.0, -0.5]));
+    /// assert_eq!(g.dsinks.map(|d| d.len()), Some(2));
+    /// ```
+    pub fn with_dsinks(self, dsinks: Option<Vec<f32>>) -> Self {
+        Self { dsinks, ..self }
     }
 }
 
@@ -163,7 +218,7 @@ pub fn validate_head_backward<T, G>(
     options: &Options<'_>,
 ) -> Result<(HeadShape, f32)> {
     let shape = HeadShape::of(q, k, v)?;
-    options.reject_modifiers("the backward pass")?;
+    // The modifiers are checked (lengths, values) by `validate`, as in the forward.
     let scale = options.validate(1, shape.n_q, shape.n_k, shape.d_k)?;
     shape.check_backward(
         [grad_out.nrows(), grad_out.ncols()],
@@ -195,7 +250,7 @@ pub fn validate_batch_backward<T, G>(
 ) -> Result<(BatchShape, f32)> {
     let shape = BatchShape::of(q, k, v)?;
     let head = shape.head;
-    options.reject_modifiers("the backward pass")?;
+    // The modifiers are checked (lengths, values) by `validate_batched`, as in the forward.
     let scale = options.validate_batched(shape.batch, shape.h_q, head.n_q, head.n_k, head.d_k)?;
     shape.check_backward(grad_out.dims(), out.dims(), lse_len)?;
     Ok((shape, scale))

@@ -207,7 +207,7 @@ pub fn validate_packed_backward<T, G>(
     seqs: &CuSeqlens<'_>,
     options: &Options<'_>,
 ) -> Result<(BatchShape, f32)> {
-    options.reject_modifiers("the backward pass")?;
+    // The modifiers are checked per sequence (lengths, values) by `validate_packed`.
     let (shape, scale) = validate_packed(q, k, v, seqs, options)?;
     shape.check_backward(grad_out.dims(), out.dims(), lse_len)?;
     Ok((shape, scale))

@@ -242,7 +242,19 @@ impl<T: Element> BackwardGroup<'_, '_, T> {
         let dp: f64 = (0..self.v.ncols())
             .map(|t| f64::from(d_out[t].to_f32()) * f64::from(self.v[(j, t)].to_f32()))
             .sum();
-        Some((p, p * (dp - self.d[h][i])))
+        Some((p, p * (dp - self.d[h][i]) * self.derivative(h, i, j)))
+    }
+
+    /// `∂modified/∂raw` of the score of row `i` of head `h` and key `j` (1 without
+    /// modifiers), at the exact raw score in natural units: the chain rule of the
+    /// streaming pass ([`crate::backward`]) in f64.
+    fn derivative(&self, h: usize, i: usize, j: usize) -> f64 {
+        let x = &self.heads[h].inputs;
+        if x.mods.softcap.is_none() && x.mods.user.is_none() {
+            return 1.0;
+        }
+        let raw = exact_score(x.q.row(i), x.k.row(j - x.key_base), x.scale_log2);
+        x.mods.derivative(raw * core::f64::consts::LN_2, i, j)
     }
 
     /// Whether row `i` of head `h` and every key it sees are finite.
@@ -274,7 +286,8 @@ impl<T: Element> BackwardGroup<'_, '_, T> {
 /// sums that overflowed (operands beyond about 1e19). `bad_dq(h, i)` and `bad_key(j)` say
 /// which rows of dQ and of dK/dV are not finite; each repaired one goes to `write_dq(h, i,
 /// dq)` or `write_key(j, dk, dv)`. The same formulas as the streaming pass (P from the LSE
-/// given, capped at 1; dS = 0 where P = 0), in f64 with exact scores. A row that depends on
+/// given, capped at 1; dS = 0 where P = 0; dS times the modifiers' derivative), in f64 with
+/// exact scores (modified by [`visible_score`]). A row that depends on
 /// a NaN or an infinity keeps its f32 value: the contract lets the poison through there.
 pub(crate) fn repair_gradients<T: Element>(
     heads: &[BackwardHead<'_, T>],

@@ -38,6 +38,8 @@ mod forward;
 mod kernel;
 mod kv_cache;
 mod mask;
+// `with_sink` is the forward's, unused on this branch until the forward computes sinks.
+#[allow(dead_code)]
 mod modifiers;
 mod multi_head;
 mod problem;
@@ -299,8 +301,11 @@ pub fn attention_batched_into<T: Element, O: Element>(
 /// With `P = exp(scale·QKᵀ + M − LSE)` recomputed tile by tile (never stored) and
 /// `D_i = Σ_t dO_it · O_it`: `dV = Pᵀ dO`, `dS = P ∘ (dO Vᵀ − D)`, `dQ = scale · dS K`,
 /// `dK = scale · dSᵀ Q`. A hidden key contributes nothing to any gradient; a row that sees
-/// no key has `dQ = 0` and adds nothing to dK and dV. Accumulation is in f32, and each
-/// gradient is rounded to `T` once. Memory is `O((n_q + n_k)·d)`; the bits do not depend
+/// no key has `dQ = 0` and adds nothing to dK and dV. With score modifiers the scores are
+/// modified as the forward modifies them and `dS` is multiplied by their derivative
+/// (soft-cap `1 − tanh²`, a user modifier's [`attn_core::ScoreMod::derivative`]); a sink
+/// logit's gradient `dσ = −Σ_i exp(σ − LSE_i)·D_i` is returned in [`Gradients::dsinks`].
+/// Accumulation is in f32, and each gradient is rounded to `T` once. Memory is `O((n_q + n_k)·d)`; the bits do not depend
 /// on the thread count.
 ///
 /// ```
@@ -335,13 +340,15 @@ pub fn attention_backward<T: Element>(
     let mut dq = zeroed_mat("dQ", s.n_q, s.d_k)?;
     let mut dk = zeroed_mat("dK", s.n_k, s.d_k)?;
     let mut dv = zeroed_mat("dV", s.n_k, s.d_v)?;
-    run_head_backward(&call, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
-    Ok(Gradients::new(dq, dk, dv))
+    let dsinks = run_head_backward(&call, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
+    Ok(Gradients::new(dq, dk, dv).with_dsinks(dsinks))
 }
 
 /// [`attention_backward`] written into caller views of any strides and any element type
 /// `G` (half-precision operands with f32 gradients, say, for mixed-precision training):
-/// `dq : [n_q, d_k]`, `dk : [n_k, d_k]`, `dv : [n_k, d_v]`.
+/// `dq : [n_q, d_k]`, `dk : [n_k, d_k]`, `dv : [n_k, d_v]`. Returns the gradient of the
+/// sink logit (`Some(vec![dσ])`, [`Gradients::dsinks`]) when the options carry one
+/// ([`Options::with_sinks`]), `None` otherwise: a few numbers, not worth a caller's view.
 ///
 /// ```
 /// use attn_optimized::{attention_backward_into, attention_with_lse, Options};
@@ -353,6 +360,23 @@ pub fn attention_backward<T: Element>(
 /// let (mut dq, mut dk, mut dv) = (Mat::<f32>::zeros(6, 8), Mat::<f32>::zeros(6, 8), Mat::<f32>::zeros(6, 8));
 /// attention_backward_into(dq.as_mut(), dk.as_mut(), dv.as_mut(), out.as_ref(), x.as_ref(), x.as_ref(), x.as_ref(), out.as_ref(), &lse, &opts)?;
 /// assert!(dv.col_iter().all(|c| c.iter().all(|x| x.is_finite())));
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+///
+/// With a sink logit, its gradient comes back:
+///
+/// ```
+/// use attn_optimized::{attention_backward_into, Options};
+/// use faer::Mat;
+/// let x = Mat::<f32>::from_fn(3, 4, |i, j| (i * 4 + j) as f32 * 0.1);
+/// let sink = [0.5f32];
+/// let opts = Options::default().with_sinks(&sink);
+/// // The reference forward computes the sink (the LSE counts it).
+/// let (out, lse) = attn_reference::attention_with_lse(x.as_ref(), x.as_ref(), x.as_ref(), &opts)?;
+/// let (mut dq, mut dk, mut dv) = (Mat::<f32>::zeros(3, 4), Mat::<f32>::zeros(3, 4), Mat::<f32>::zeros(3, 4));
+/// let dsinks = attention_backward_into(dq.as_mut(), dk.as_mut(), dv.as_mut(), out.as_ref(), x.as_ref(), x.as_ref(), x.as_ref(), out.as_ref(), &lse, &opts)?;
+/// // dO = O: D_i = |O_i|² > 0, so dσ = −Σ p_sink·D < 0.
+/// assert!(dsinks.is_some_and(|d| d.len() == 1 && d[0] < 0.0));
 /// # Ok::<(), attn_optimized::Error>(())
 /// ```
 #[allow(clippy::too_many_arguments)]
@@ -367,7 +391,7 @@ pub fn attention_backward_into<T: Element, G: Element>(
     out: MatRef<'_, T>,
     lse: &[f32],
     options: &Options<'_>,
-) -> Result<()> {
+) -> Result<Option<Vec<f32>>> {
     let call = Backward::head(grad_out, q, k, v, out, lse, options)?;
     let s = call.shape();
     attn_core::check_shape("dQ", dq.nrows(), dq.ncols(), s.n_q, s.d_k, "n_q × d_k")?;
@@ -381,7 +405,7 @@ fn run_head_backward<T: Element, G: Element>(
     dq: MatMut<'_, G>,
     dk: MatMut<'_, G>,
     dv: MatMut<'_, G>,
-) -> Result<()> {
+) -> Result<Option<Vec<f32>>> {
     let mut dq = forward::row_list(dq.row_iter_mut())?;
     let mut dk = forward::row_list(dk.row_iter_mut())?;
     let mut dv = forward::row_list(dv.row_iter_mut())?;
@@ -418,12 +442,14 @@ pub fn attention_backward_batched<T: Element>(
 ) -> Result<BatchGradients<T>> {
     let call = Backward::batched(grad_out, q, k, v, out, lse, options)?;
     let [mut dq, mut dk, mut dv] = zeroed_gradients(q, k, v)?;
-    run_batched_backward(&call, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
-    Ok(BatchGradients::new(dq, dk, dv))
+    let dsinks = run_batched_backward(&call, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
+    Ok(BatchGradients::new(dq, dk, dv).with_dsinks(dsinks))
 }
 
 /// [`attention_backward_batched`] written in place into caller views (any layout and
 /// strides that do not overlap, any element type `G`), each with its operand's dims.
+/// Returns the sink logits' gradients (`[h_q]`, [`BatchGradients::dsinks`]) when the
+/// options carry them, `None` otherwise.
 ///
 /// ```
 /// use attn_optimized::{attention_backward_batched, attention_backward_batched_into, attention_batched_with_lse, Layout, Options, Tensor4Mut, Tensor4Ref};
@@ -452,7 +478,7 @@ pub fn attention_backward_batched_into<T: Element, G: Element>(
     out: Tensor4Ref<'_, T>,
     lse: &[f32],
     options: &Options<'_>,
-) -> Result<()> {
+) -> Result<Option<Vec<f32>>> {
     let call = Backward::batched(grad_out, q, k, v, out, lse, options)?;
     check_gradient_views(&dq, &dk, &dv, q, k, v)?;
     run_batched_backward(&call, dq, dk, dv)
@@ -463,7 +489,7 @@ fn run_batched_backward<T: Element, G: Element>(
     dq: Tensor4Mut<'_, G>,
     dk: Tensor4Mut<'_, G>,
     dv: Tensor4Mut<'_, G>,
-) -> Result<()> {
+) -> Result<Option<Vec<f32>>> {
     fn rows<G>(t: Tensor4Mut<'_, G>) -> Result<Vec<RowMut<'_, G>>> {
         forward::row_list(t.into_rows()?.into_iter().map(RowMut::from_slice_mut))
     }
@@ -605,12 +631,14 @@ pub fn attention_backward_packed<T: Element>(
 ) -> Result<BatchGradients<T>> {
     let call = Backward::packed(grad_out, q, k, v, out, lse, seqs, options)?;
     let [mut dq, mut dk, mut dv] = zeroed_gradients(q, k, v)?;
-    run_packed_backward(&call, seqs, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
-    Ok(BatchGradients::new(dq, dk, dv))
+    let dsinks = run_packed_backward(&call, seqs, dq.as_mut(), dk.as_mut(), dv.as_mut())?;
+    Ok(BatchGradients::new(dq, dk, dv).with_dsinks(dsinks))
 }
 
 /// [`attention_backward_packed`] written into caller views (any layout and strides that
-/// do not overlap, any element type `G`), each with its operand's dims.
+/// do not overlap, any element type `G`), each with its operand's dims. Returns the sink
+/// logits' gradients (`[h_q]`, summed over the sequences) when the options carry them,
+/// `None` otherwise.
 ///
 /// ```
 /// use attn_optimized::{attention_backward_packed, attention_backward_packed_into, attention_packed_with_lse, CuSeqlens, Layout, Options, Tensor4Mut, Tensor4Ref};
@@ -641,7 +669,7 @@ pub fn attention_backward_packed_into<T: Element, G: Element>(
     lse: &[f32],
     seqs: &CuSeqlens<'_>,
     options: &Options<'_>,
-) -> Result<()> {
+) -> Result<Option<Vec<f32>>> {
     let call = Backward::packed(grad_out, q, k, v, out, lse, seqs, options)?;
     check_gradient_views(&dq, &dk, &dv, q, k, v)?;
     run_packed_backward(&call, seqs, dq, dk, dv)
@@ -690,7 +718,7 @@ fn run_packed_backward<T: Element, G: Element>(
     dq: Tensor4Mut<'_, G>,
     dk: Tensor4Mut<'_, G>,
     dv: Tensor4Mut<'_, G>,
-) -> Result<()> {
+) -> Result<Option<Vec<f32>>> {
     let (h_q, h_kv) = (dq.dims()[1], dk.dims()[1]);
     let (dq_order, dk_order) = Backward::<T>::packed_row_order(seqs, h_q, h_kv);
     // The rows in the order of the call's groups (sequence, kv head), not the tensors'.

@@ -2650,7 +2650,7 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
                         opts,
                     )
                 })?;
-                Ok(r.map(|()| [dq.read(G::to_f32), dk.read(G::to_f32), dv.read(G::to_f32)]))
+                Ok(r.map(|_dsinks| [dq.read(G::to_f32), dk.read(G::to_f32), dv.read(G::to_f32)]))
             }
             let shapes = [(n_q, d_k), (dk_rows, d_k), (n_k, d_v)];
             let args = (grad_t, q, k, v, out_t, lse.as_slice(), &opts);
@@ -2927,7 +2927,7 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
                         opts,
                     )
                 })?;
-                Ok(r.map(|()| {
+                Ok(r.map(|_dsinks| {
                     let t = |buf: &[G], d: [usize; 4]| {
                         let s = attn_core::Layout::Bshd.strides(d);
                         let view = Tensor4Ref::new(buf, d, s).expect("fits");

@@ -5,6 +5,14 @@
 //! `dK = scale · dSᵀ Q`. `D` replaces the softmax Jacobian: row `i` of `dS` is
 //! `P_i ∘ (dP_i − (P_i · dP_i))`, and `P_i · dP_i = Σ_j P_ij (dO_i · V_j) = dO_i · O_i`.
 //!
+//! Score modifiers: `P` is the forward's with the head's modifiers and sink, so
+//! `dS_mod = P ∘ (dP − D)` is the gradient of the modified score; the gradient of the raw
+//! score `s = scale·q·k` is `dS = dS_mod ∘ f'(s)` ([`HeadModifiers::derivative`]), which dQ
+//! and dK take. A sink `σ` joins the denominator: `∂LSE_i/∂σ = p_sink,i = exp(σ − LSE_i)`
+//! and `∂O_i/∂σ = −p_sink,i · O_i`, so `dσ = −Σ_i p_sink,i · D_i`, and row `i` of
+//! `dS_mod` sums to `Σ_j P_ij dP_ij − D_i (1 − p_sink,i) = p_sink,i · D_i` (the share of row
+//! `i` in `−dσ`: shifting a row's scores and `σ` together changes nothing).
+//!
 //! The reference differentiates the formula, not the saturation of scores beyond f32
 //! (`docs/conventions.md`): a saturated score is differentiated as if it were not.
 
@@ -27,8 +35,18 @@ pub struct MaterializedBackward {
     pub d: Vec<f64>,
     /// `dP = dO Vᵀ : [n_q, n_k]`; 0 where the key is hidden from the row.
     pub dp: Mat<f64>,
-    /// `dS = P ∘ (dP − D) : [n_q, n_k]`, the gradient of the scores; 0 where hidden.
+    /// `dS_mod = P ∘ (dP − D) : [n_q, n_k]`, the gradient of the modified scores (what the
+    /// softmax sees); 0 where hidden. Without score modifiers it is `ds`.
+    pub ds_modified: Mat<f64>,
+    /// `dS = dS_mod ∘ f'(s) : [n_q, n_k]`, the gradient of the raw scores
+    /// `s = scale·q·k` ([`HeadModifiers::derivative`]); 0 where hidden.
     pub ds: Mat<f64>,
+    /// `p_sink,i = exp(σ − LSE_i) : [n_q]`, the weight of the sink in each row; 0 without
+    /// a sink.
+    pub p_sink: Vec<f64>,
+    /// `dσ = −Σ_i p_sink,i · D_i`, the gradient of the head's sink logit (0 without one;
+    /// a row whose output is 0 adds nothing).
+    pub dsink: f64,
     /// `dQ = scale · dS K : [n_q, d_k]`.
     pub dq: Mat<f64>,
     /// `dK = scale · dSᵀ Q : [n_k, d_k]`.
@@ -49,9 +67,9 @@ pub(crate) fn attend_backward(
     grad_out: MatRef<'_, f64>,
     scale: f64,
     mask: &HeadMask<'_>,
+    mods: &HeadModifiers<'_>,
 ) -> MaterializedBackward {
-    // Score modifiers are not differentiated yet: the entry points reject them.
-    let forward = attend(q, k, v, scale, mask, &HeadModifiers::default());
+    let forward = attend(q, k, v, scale, mask, mods);
     let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
     let visible = |i: usize, j: usize| forward.scores[(i, j)] != f64::NEG_INFINITY;
 
@@ -69,13 +87,42 @@ pub(crate) fn attend_backward(
             0.0
         }
     });
-    let ds = Mat::from_fn(n_q, n_k, |i, j| {
+    let ds_modified = Mat::from_fn(n_q, n_k, |i, j| {
         if visible(i, j) {
             forward.weights[(i, j)] * (dp[(i, j)] - d[i])
         } else {
             0.0
         }
     });
+    // The chain rule through the modifiers, at the raw score (recomputed: the forward keeps
+    // only the modified one).
+    let ds = if mods.modifies_scores() {
+        Mat::from_fn(n_q, n_k, |i, j| {
+            if visible(i, j) {
+                let raw: f64 = scale * (0..d_k).map(|c| q[(i, c)] * k[(j, c)]).sum::<f64>();
+                ds_modified[(i, j)] * mods.derivative(raw, i, j)
+            } else {
+                0.0
+            }
+        })
+    } else {
+        ds_modified.clone()
+    };
+    let sink = mods.sink.filter(|&s| s != f32::NEG_INFINITY).map(f64::from);
+    let p_sink: Vec<f64> = (0..n_q)
+        .map(|i| sink.map_or(0.0, |s| (s - forward.lse[i]).exp()))
+        .collect();
+    // A row that sees no key has O = 0 whatever dO is: D = 0 there exactly (not 0·inf).
+    let dsink = match sink {
+        // `0 − Σ`, not `−Σ`: no term is +0, as the optimized engine's sum.
+        Some(_) => {
+            0.0 - (0..n_q)
+                .filter(|&i| (0..d_v).any(|t| forward.output[(i, t)] != 0.0))
+                .map(|i| p_sink[i] * d[i])
+                .sum::<f64>()
+        }
+        None => 0.0,
+    };
 
     let mut dq = Mat::<f64>::zeros(n_q, d_k);
     let mut dk = Mat::<f64>::zeros(n_k, d_k);
@@ -96,7 +143,10 @@ pub(crate) fn attend_backward(
         forward,
         d,
         dp,
+        ds_modified,
         ds,
+        p_sink,
+        dsink,
         dq,
         dk,
         dv,
@@ -131,6 +181,7 @@ pub fn attention_backward_materialized<T: Element>(
     let (shape, _) = validate_head_backward(q, k, v, grad_out, grad_out, n_q, options)?;
     let scale = options.scale_for_f64(shape.d_k)?;
     let mask = HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0));
+    let mods = options.head_modifiers(0, 0, 1, shape.n_q, shape.n_k);
     Ok(attend_backward(
         widen(q).as_ref(),
         widen(k).as_ref(),
@@ -138,6 +189,7 @@ pub fn attention_backward_materialized<T: Element>(
         widen(grad_out).as_ref(),
         scale,
         &mask,
+        &mods,
     ))
 }
 
@@ -174,11 +226,13 @@ pub fn attention_backward<T: Element>(
 ) -> Result<attn_core::Gradients<T>> {
     validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
     let m = attention_backward_materialized(q, k, v, grad_out, options)?;
+    let dsinks = options.sinks.map(|_| vec![m.dsink as f32]);
     Ok(attn_core::Gradients::new(
         narrow(m.dq.as_ref()),
         narrow(m.dk.as_ref()),
         narrow(m.dv.as_ref()),
-    ))
+    )
+    .with_dsinks(dsinks))
 }
 
 /// The backward pass of a batched, grouped-query call by the formula: every intermediate
@@ -202,6 +256,7 @@ pub fn attention_backward_batched_materialized<T: Element>(
                     let kv = shape.kv_head(h);
                     let (n_q, n_k) = (shape.head.n_q, shape.head.n_k);
                     let mask = HeadMask::for_head(options, b, h, n_q, n_k, options.key_length(b))?;
+                    let mods = options.head_modifiers(b, h, shape.h_q, n_q, n_k);
                     Ok(attend_backward(
                         widen(q.head(b, h)?).as_ref(),
                         widen(k.head(b, kv)?).as_ref(),
@@ -209,6 +264,7 @@ pub fn attention_backward_batched_materialized<T: Element>(
                         widen(grad_out.head(b, h)?).as_ref(),
                         scale,
                         &mask,
+                        &mods,
                     ))
                 })
                 .collect()
@@ -217,7 +273,8 @@ pub fn attention_backward_batched_materialized<T: Element>(
 }
 
 /// The gradients of a batched, grouped-query call, computed in f64 and rounded to `T` once;
-/// a kv head's dK and dV are the sums over its group of query heads, in f64.
+/// a kv head's dK and dV are the sums over its group of query heads, in f64, and a sink
+/// logit's gradient (`dsinks`, `[h_q]`) the sum over the batch entries.
 ///
 /// Checks `grad_out` and `out` (`[batch, h_q, n_q, d_v]`) and `lse` (`batch·h_q·n_q`
 /// values) like an engine's backward pass, and uses its own exact forward.
@@ -278,5 +335,11 @@ pub fn attention_backward_batched<T: Element + Default>(
             copy(&mut dv.as_mut().head_mut(b, kv)?, &sv);
         }
     }
-    Ok(BatchGradients::new(dq, dk, dv))
+    // Each head's sink gradient summed over the batch in f64, in batch order.
+    let dsinks = options.sinks.map(|_| {
+        (0..shape.h_q)
+            .map(|h| heads.iter().map(|per_head| per_head[h].dsink).sum::<f64>() as f32)
+            .collect()
+    });
+    Ok(BatchGradients::new(dq, dk, dv).with_dsinks(dsinks))
 }

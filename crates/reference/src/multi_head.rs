@@ -220,6 +220,8 @@ impl MultiHeadAttention {
                 dc.subcols(h * d_v, d_v),
                 scale,
                 &mask,
+                // The layer rejects score modifiers (`backward` above).
+                &HeadModifiers::default(),
             );
             concat
                 .subcols_mut(h * d_v, d_v)

@@ -99,7 +99,8 @@ pub fn attention_packed<T: Element + Default>(
 
 /// The backward pass of a packed batch, sequence by sequence in f64, rounded once: the
 /// gradients are packed like their operands (dQ `[1, h_q, total_q, d_k]`, dK, dV
-/// `[1, h_kv, total_k, d]`), a kv head's the sums over its query heads. `grad_out` and
+/// `[1, h_kv, total_k, d]`), a kv head's the sums over its query heads, a sink logit's
+/// (`dsinks`, `[h_q]`) the sum over the sequences. `grad_out` and
 /// `out` are `[1, h_q, total_q, d_v]`, `lse` the `[h_q][total_q]` values of
 /// [`attention_packed_with_lse`] (checked for shape; the reference uses its own exact
 /// forward).
@@ -140,9 +141,11 @@ pub fn attention_backward_packed<T: Element + Default>(
     let mut dq = Tensor4::<T>::try_zeros([1, h_q, total_q, d_k])?;
     let mut dk = Tensor4::<T>::try_zeros([1, h_kv, total_k, d_k])?;
     let mut dv = Tensor4::<T>::try_zeros([1, h_kv, total_k, d_v])?;
+    // Each head's sink gradient, summed over the sequences in order (f64).
+    let mut dsinks = vec![0.0f64; h_q];
     for s in 0..seqs.batch() {
         let (rows, keys) = (seqs.queries(s), seqs.keys(s));
-        let mask = HeadMask::new(options, rows.len(), keys.len(), None);
+        let seq_mask = HeadMask::new(options, rows.len(), keys.len(), None);
         let mut sums = vec![
             (
                 Mat::<f64>::zeros(keys.len(), d_k),
@@ -150,11 +153,14 @@ pub fn attention_backward_packed<T: Element + Default>(
             );
             h_kv
         ];
-        for h in 0..h_q {
+        for (h, dsink) in dsinks.iter_mut().enumerate() {
             let kv = shape.kv_head(h);
             let sub = |t: Tensor4Ref<'_, T>, head: usize, r: &core::ops::Range<usize>| {
                 t.head(0, head).map(|m| widen(m.subrows(r.start, r.len())))
             };
+            // The user's modifiers see the sequence as the batch entry.
+            let mask = seq_mask.at(s, h);
+            let mods = options.head_modifiers(s, h, h_q, rows.len(), keys.len());
             let m = attend_backward(
                 sub(q, h, &rows)?.as_ref(),
                 sub(k, kv, &keys)?.as_ref(),
@@ -162,7 +168,9 @@ pub fn attention_backward_packed<T: Element + Default>(
                 sub(grad_out, h, &rows)?.as_ref(),
                 scale,
                 &mask,
+                &mods,
             );
+            *dsink += m.dsink;
             let mut view = dq.as_mut();
             let mut dst = view.head_mut(0, h)?;
             for (i, r) in rows.clone().enumerate() {
@@ -186,5 +194,8 @@ pub fn attention_backward_packed<T: Element + Default>(
             }
         }
     }
-    Ok(BatchGradients::new(dq, dk, dv))
+    let dsinks = options
+        .sinks
+        .map(|_| dsinks.iter().map(|&x| x as f32).collect());
+    Ok(BatchGradients::new(dq, dk, dv).with_dsinks(dsinks))
 }

@@ -118,20 +118,25 @@ fn per_head_slopes_and_sinks_are_checked_and_indexed_by_query_head() {
 }
 
 #[test]
-fn the_backward_pass_rejects_modifiers_until_it_differentiates_them() {
+fn the_backward_pass_checks_modifiers_as_the_forward_does() {
+    // Differentiated now (tests/modifiers_backward.rs); still validated like the forward.
     let x = data(4, 4, 1);
-    let sink = [0.5f32];
-    let opts = Options::default().with_sinks(&sink);
     let lse = vec![0.0f32; 4];
-    let e = attn_reference::attention_backward(
-        x.as_ref(),
-        x.as_ref(),
-        x.as_ref(),
-        x.as_ref(),
-        x.as_ref(),
-        &lse,
-        &opts,
-    )
-    .unwrap_err();
-    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    let nan = [f32::NAN];
+    let backward = |opts: &Options<'_>| {
+        attn_reference::attention_backward(
+            x.as_ref(),
+            x.as_ref(),
+            x.as_ref(),
+            x.as_ref(),
+            x.as_ref(),
+            &lse,
+            opts,
+        )
+    };
+    let e = backward(&Options::default().with_sinks(&nan)).unwrap_err();
+    assert!(matches!(e, Error::InvalidValue { .. }), "{e}");
+    let sink = [0.5f32];
+    let g = backward(&Options::default().with_sinks(&sink)).unwrap();
+    assert_eq!(g.dsinks.map(|d| d.len()), Some(1));
 }

@@ -16,6 +16,7 @@ use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
+use crate::modifiers::modify_scores;
 use crate::problem::{HeadInputs, filled};
 use crate::schedule::TilePlan;
 
@@ -76,6 +77,9 @@ pub(super) struct Scratch {
     p: Vec<f32>,
     /// dP, then dS; `br × bc` column-major.
     ds: Vec<f32>,
+    /// `∂modified/∂raw` of the tile's scores, `br × bc` column-major: allocated only when
+    /// some head's modifiers have a derivative other than 1 ([`chains`]).
+    dmod: Vec<f32>,
     /// The block's dK (unscaled) and dV accumulators, `bc` apart (column-major).
     dk: Vec<f32>,
     dv: Vec<f32>,
@@ -114,11 +118,17 @@ impl Scratch {
             terms.compute(head, d_v);
             rows.push(terms);
         }
+        let dmod = if group.heads.iter().any(|h| chains(&h.mods)) {
+            filled("backward scratch", br.checked_mul(bc), 1.0f32)?
+        } else {
+            Vec::new()
+        };
         Ok(Self {
             plan,
             d_k,
             d_v,
             rows,
+            dmod,
             k_wide: zeros("backward scratch", bc, d_k)?,
             v_wide: zeros("backward scratch", bc, d_v)?,
             k_finite: filled("backward scratch", Some(bc), true)?,
@@ -149,6 +159,7 @@ impl Scratch {
             k_finite,
             p,
             ds,
+            dmod,
             dk,
             dv,
             ..
@@ -193,6 +204,16 @@ impl Scratch {
                     );
                     rescore(p, (1, br), q, k, head.scale_log2, None);
                 }
+                // The modifiers on the raw scores, before the masks, as in the forward;
+                // the derivative kept only where it is not 1 everywhere.
+                let chain = chains(&head.mods);
+                let derivative = if chain {
+                    dmod[..nc * br].fill(1.0); // the tile's columns
+                    Some(&mut dmod[..])
+                } else {
+                    None
+                };
+                modify_scores(p, (1, br), head, (rows.clone(), cols.clone()), derivative);
                 mask_tile(p, br, head, (rows.clone(), cols.clone()), coverage);
                 probabilities(p, br, nr, nc, &terms.lse2[rows.clone()]);
 
@@ -212,6 +233,9 @@ impl Scratch {
                     );
                 }
                 score_gradient(ds, p, br, nr, nc, &terms.d[rows.clone()]);
+                if chain {
+                    chain_rule(ds, dmod, br, nr, nc);
+                }
 
                 let p_tile = MatRef::from_column_major_slice_with_stride(p, nr, nc, br);
                 let ds_tile = MatRef::from_column_major_slice_with_stride(ds, nr, nc, br);
@@ -286,6 +310,23 @@ impl Scratch {
             for (c, x) in row.rb_mut().iter_mut().enumerate() {
                 *x = G::from_f32(self.dv[c * bc + jj]);
             }
+        }
+    }
+}
+
+/// Whether `mods` change the scores by a function whose derivative may differ from 1: a
+/// soft-cap or a user modifier (ALiBi adds a constant per entry).
+fn chains(mods: &attn_core::HeadModifiers<'_>) -> bool {
+    mods.softcap.is_some() || mods.user.is_some()
+}
+
+/// `dS ← dS ∘ f'` over a `rows × cols` column-major tile (`ld` apart), the gradient of the
+/// raw scores from that of the modified ones. A zero stays zero: a hidden key's derivative
+/// (taken at a score that was never visible) must not turn its 0 into NaN.
+fn chain_rule(ds: &mut [f32], derivative: &[f32], ld: usize, rows: usize, cols: usize) {
+    for (col, dcol) in ds.chunks_mut(ld).zip(derivative.chunks(ld)).take(cols) {
+        for (x, &d) in col[..rows].iter_mut().zip(&dcol[..rows]) {
+            *x = if *x == 0.0 { 0.0 } else { *x * d };
         }
     }
 }

@@ -5,6 +5,13 @@
 //! recomputed (never stored): `dV = Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ∘ (dP − D)`,
 //! `dQ = scale · dS K`, `dK = scale · dSᵀ Q`.
 //!
+//! Score modifiers: the recomputed scores are modified as in the forward pass (before the
+//! masks, [`crate::modifiers::modify_scores`]), so `P` is the forward's (its LSE counts the
+//! sink), and `dS` is multiplied by `∂modified/∂raw` where that is not 1 (a soft-cap or a
+//! user modifier; ALiBi alone needs no derivative). The sink logits' gradient
+//! `dσ_h = −Σ_i p_sink,i · D_i` needs no tile: it is summed from the rows' LSE and `D` in
+//! f64, in group order ([`Backward::sink_gradients`]).
+//!
 //! [`Backward::run`] cuts every (batch, kv head) *group* — a kv head and the query heads
 //! that share it — into tasks that own key blocks ([`TilePlan::for_backward`]): a task
 //! holds one block's dK and dV in f32 while every query tile of every head of the group
@@ -22,8 +29,8 @@ use core::ops::Range;
 use std::sync::Mutex;
 
 use attn_core::{
-    BatchShape, CuSeqlens, Error, HeadMask, HeadShape, Options, Result, Tensor4Ref, TileCoverage,
-    validate_batch_backward, validate_head_backward, validate_packed_backward,
+    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Result, Tensor4Ref,
+    TileCoverage, validate_batch_backward, validate_head_backward, validate_packed_backward,
 };
 use faer::reborrow::{Reborrow, ReborrowMut};
 use faer::{MatRef, RowMut};
@@ -33,8 +40,8 @@ use crate::kernel::element::Element;
 use crate::problem::{HeadInputs, element_count, filled};
 use crate::schedule::{Order, TilePlan, for_each_index, key_chunks};
 
-/// One query head of a group: its operands, its mask (4-D masks differ per head) and the
-/// forward's results for it.
+/// One query head of a group: its operands, its mask (4-D masks differ per head), its
+/// score modifiers and the forward's results for it.
 #[derive(Debug, Clone, Copy)]
 struct QueryHead<'a, T> {
     q: MatRef<'a, T>,
@@ -42,6 +49,9 @@ struct QueryHead<'a, T> {
     out: MatRef<'a, T>,
     lse: &'a [f32],
     mask: HeadMask<'a>,
+    mods: HeadModifiers<'a>,
+    /// The query head of the call (the index of its sink logit's gradient).
+    head: usize,
 }
 
 /// A kv head and the query heads that read it (one, without grouped-query attention).
@@ -68,6 +78,8 @@ pub(crate) struct Backward<'a, T> {
     scale: f32,
     plan: TilePlan,
     groups: Vec<Group<'a, T>>,
+    /// `Some(h_q)` when the call has sink logits: [`Backward::run`] returns their gradients.
+    sinks: Option<usize>,
 }
 
 /// Where a task writes: the dK and dV rows of each of its key blocks.
@@ -108,10 +120,13 @@ impl<'a, T: Element> Backward<'a, T> {
                 out,
                 lse,
                 mask: HeadMask::new(options, shape.n_q, shape.n_k, options.key_length(0)),
+                mods: options.head_modifiers(0, 0, 1, shape.n_q, shape.n_k),
+                head: 0,
             }],
         };
         let plan = TilePlan::for_backward(shape.n_q, shape.n_k);
-        Ok(Self::new(shape, scale, plan, vec![group]))
+        let sinks = options.sinks.map(|_| 1);
+        Ok(Self::new(shape, scale, plan, vec![group], sinks))
     }
 
     /// A batched, grouped-query call over `[batch, heads, seq, dim]` views: `grad_out`
@@ -154,6 +169,8 @@ impl<'a, T: Element> Backward<'a, T> {
                                 n_k,
                                 options.key_length(b),
                             )?,
+                            mods: options.head_modifiers(b, h, h_q, n_q, n_k),
+                            head: h,
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -165,7 +182,8 @@ impl<'a, T: Element> Backward<'a, T> {
             }
         }
         let plan = TilePlan::for_backward(n_q, n_k);
-        Ok(Self::new(shape.head, scale, plan, groups))
+        let sinks = options.sinks.map(|_| h_q);
+        Ok(Self::new(shape.head, scale, plan, groups, sinks))
     }
 
     /// A packed call: `grad_out` and `out` are `[1, h_q, total_q, d_v]`, `lse` is
@@ -206,7 +224,10 @@ impl<'a, T: Element> Backward<'a, T> {
                             d_out: sub(grad_out.head(0, h)?, &rows),
                             out: sub(out.head(0, h)?, &rows),
                             lse: &lse[first + rows.start..first + rows.end],
-                            mask,
+                            // The user's modifiers see the sequence as the batch entry.
+                            mask: mask.at(s, h),
+                            mods: options.head_modifiers(s, h, h_q, rows.len(), keys.len()),
+                            head: h,
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -218,7 +239,8 @@ impl<'a, T: Element> Backward<'a, T> {
             }
         }
         let plan = TilePlan::for_backward(seqs.max_q(), seqs.max_k());
-        Ok(Self::new(shape.head, scale, plan, groups))
+        let sinks = options.sinks.map(|_| h_q);
+        Ok(Self::new(shape.head, scale, plan, groups, sinks))
     }
 
     /// The order in which [`Backward::run`] takes the rows of a packed call's gradients:
@@ -243,12 +265,19 @@ impl<'a, T: Element> Backward<'a, T> {
         (dq, dk)
     }
 
-    fn new(shape: HeadShape, scale: f32, plan: TilePlan, groups: Vec<Group<'a, T>>) -> Self {
+    fn new(
+        shape: HeadShape,
+        scale: f32,
+        plan: TilePlan,
+        groups: Vec<Group<'a, T>>,
+        sinks: Option<usize>,
+    ) -> Self {
         Self {
             shape,
             scale,
             plan,
             groups,
+            sinks,
         }
     }
 
@@ -258,13 +287,15 @@ impl<'a, T: Element> Backward<'a, T> {
     }
 
     /// Computes the gradients into the rows of dQ (`(group, head, query)` order, which is
-    /// `(batch, h_q, n_q)`), dK and dV (`(group, key)` order: `(batch, h_kv, n_k)`).
+    /// `(batch, h_q, n_q)`), dK and dV (`(group, key)` order: `(batch, h_kv, n_k)`), and
+    /// returns those of the sink logits (`[h_q]`) when the call has them.
     pub fn run<'o, G: Element>(
         &self,
         dq: &mut [RowMut<'o, G>],
         dk: &mut [RowMut<'o, G>],
         dv: &mut [RowMut<'o, G>],
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<f32>>> {
+        let dsinks = self.sink_gradients()?;
         let d_k = self.shape.d_k;
         let bc = self.plan.bc;
         // Per group: its key blocks, the chunks they are dealt to, the length of each
@@ -352,7 +383,42 @@ impl<'a, T: Element> Backward<'a, T> {
             }
         }
         self.repair_overflowed(dq, dk, dv);
-        Ok(())
+        Ok(dsinks)
+    }
+
+    /// `dσ_h = −Σ_i p_sink,i · D_i` for each query head `h`, `p_sink,i = exp(σ_h − LSE_i)`
+    /// (capped at 1, as `P` is), summed in f64 over the groups in order (batch entries or
+    /// sequences) and their rows: the same bits whatever the thread count. A row whose
+    /// output is 0 (it sees no key) adds nothing, whatever its dO (`D` is 0 there, not
+    /// `0 · inf`). `None` without sink logits; 0 for a head whose sink is `-inf`.
+    fn sink_gradients(&self) -> Result<Option<Vec<f32>>> {
+        let Some(h_q) = self.sinks else {
+            return Ok(None);
+        };
+        let mut sums = filled("sink gradients", Some(h_q), 0.0f64)?;
+        for head in self.groups.iter().flat_map(|g| &g.heads) {
+            let Some(sink) = head.mods.sink else {
+                continue;
+            };
+            let (sink, d_v) = (f64::from(sink), head.out.ncols());
+            let mut sum = 0.0f64;
+            for (i, &lse) in head.lse.iter().enumerate() {
+                let (d_out, out) = (head.d_out.row(i), head.out.row(i));
+                if out.iter().all(|x| x.to_f32() == 0.0) {
+                    continue;
+                }
+                let d: f64 = (0..d_v)
+                    .map(|t| f64::from(d_out[t].to_f32()) * f64::from(out[t].to_f32()))
+                    .sum();
+                // Capped at 1 as P is; a NaN LSE stays NaN (`min` would drop it).
+                let t = sink - f64::from(lse);
+                sum += if t > 0.0 { 1.0 } else { t.exp() } * d;
+            }
+            if let Some(x) = sums.get_mut(head.head) {
+                *x -= sum;
+            }
+        }
+        Ok(Some(sums.into_iter().map(|x| x as f32).collect()))
     }
 
     /// Recomputes exactly ([`exact::repair_gradients`]) the gradient rows that left the
@@ -423,7 +489,7 @@ impl<'a, T: Element> Backward<'a, T> {
                 v: group.v,
                 key_base: 0,
                 mask: h.mask,
-                mods: attn_core::HeadModifiers::default(),
+                mods: h.mods,
                 scale_log2: self.scale * core::f32::consts::LOG2_E,
                 stacked: false,
             })
