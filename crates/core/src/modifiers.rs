@@ -174,6 +174,13 @@ impl<'a> HeadModifiers<'a> {
         !self.modifies_scores() && self.sink.is_none()
     }
 
+    /// Whether the score modifiers keep a non-finite score non-finite (ALiBi alone: a
+    /// finite bias added), so that an engine may look for overflowed scores after them. A
+    /// soft-cap turns `±inf` into `±c`; a user's modifier may do anything.
+    pub fn keeps_non_finite(&self) -> bool {
+        self.softcap.is_none() && self.user.is_none()
+    }
+
     /// Whether any modifier changes the scores (everything but the sink).
     pub fn modifies_scores(&self) -> bool {
         self.softcap.is_some() || self.alibi.is_some() || self.user.is_some()

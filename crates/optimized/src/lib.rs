@@ -39,7 +39,6 @@ mod kernel;
 mod kv_cache;
 mod mask;
 // `with_sink` is the forward's, unused on this branch until the forward computes sinks.
-#[allow(dead_code)]
 mod modifiers;
 mod multi_head;
 mod problem;

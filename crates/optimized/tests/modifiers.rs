@@ -375,3 +375,49 @@ fn huge_scores_are_capped_not_overflowed() {
     let want = 1.0 / (1.0 + (-4.0f32).exp());
     assert!((o[(0, 0)] - want).abs() < 1e-6 && (r[(0, 0)] - want).abs() < 1e-6);
 }
+
+#[test]
+fn overflowed_scores_under_alibi_are_recomputed_before_the_bias() {
+    // Scores overflow f32 in a tile with nothing hidden: ALiBi keeps them non-finite, so
+    // the softmax's own check finds them, and the tile is recomputed from its raw scores.
+    let (n, d) = (40, 2);
+    let q = faer::Mat::<f32>::from_fn(n, d, |i, c| {
+        if c == 0 {
+            1e30 * (1.0 + i as f32 * 0.01)
+        } else {
+            0.5
+        }
+    });
+    let k = faer::Mat::<f32>::from_fn(n, d, |j, c| {
+        if c == 0 {
+            if j % 2 == 0 { 1e30 } else { -1e30 }
+        } else {
+            j as f32 * 0.1
+        }
+    });
+    let v = faer::Mat::<f32>::from_fn(n, d, |j, c| (j * 3 + c) as f32 * 0.05);
+    let slopes = [0.5f32];
+    let opts = Options::default()
+        .with_scale(1.0)
+        .with_alibi(Alibi::new(&slopes));
+    let (o, lse) =
+        attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let (r, rlse) =
+        attn_reference::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    for i in 0..n {
+        for c in 0..d {
+            assert!(
+                (o[(i, c)] - r[(i, c)]).abs() < 1e-5,
+                "({i}, {c}): {} vs {}",
+                o[(i, c)],
+                r[(i, c)]
+            );
+        }
+        assert!(
+            lse[i].is_finite() && (lse[i] - rlse[i]).abs() <= 1e-6 * rlse[i].abs(),
+            "{} vs {}",
+            lse[i],
+            rlse[i]
+        );
+    }
+}

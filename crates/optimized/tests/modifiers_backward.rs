@@ -876,7 +876,6 @@ fn a_hidden_non_finite_key_reaches_no_gradient_through_the_modifiers() {
 /// nothing exact does, so the gradient rows are recomputed exactly (`exact.rs`), which must
 /// modify the scores and apply the chain rule as the tiles do.
 #[test]
-#[ignore = "needs exact::visible_score to return modified scores (the forward's part of issue 16); run after the merge"]
 fn gradient_rows_repaired_exactly_apply_the_modifiers() {
     for (n_q, n_k) in [(6, 40), (1, 9), (130, 20)] {
         let q = Mat::<f32>::from_fn(n_q, 4, |i, c| ((i * 5 + c * 3) % 7) as f32 * 0.3 - 0.9);

@@ -54,10 +54,9 @@ impl Scratch {
         for (cols, coverage) in key_blocks(head, rows.clone(), keys, bc) {
             let nc = cols.len();
             let local = cols.start - head.key_base;
-            {
-                let s_tile =
-                    MatMut::from_column_major_slice_with_stride_mut(&mut self.s, nr, nc, br);
-                let k_tile = f32_rows(head.k, local..local + nc, &mut self.k_wide);
+            let scores = |s: &mut [f32], k_wide: &mut Vec<f32>| {
+                let s_tile = MatMut::from_column_major_slice_with_stride_mut(s, nr, nc, br);
+                let k_tile = f32_rows(head.k, local..local + nc, k_wide);
                 matmul(
                     s_tile,
                     Accum::Replace,
@@ -66,15 +65,17 @@ impl Scratch {
                     1.0,
                     Par::Seq,
                 );
-            }
+            };
+            scores(&mut self.s, &mut self.k_wide);
             let (q, k) = (head.q.subrows(rows.start, nr), head.k.subrows(local, nc));
             let rescaled_rows = Some(&self.rescaled[..nr]);
             // A tile with nothing hidden is checked for a non-finite score by the softmax's
-            // own first pass (below); a masked one before the mask writes its -inf, and a
-            // modified one before the modifiers (a soft-cap makes an overflow look finite).
+            // own first pass (below); a masked one before the mask writes its -inf, and one
+            // whose modifiers may make an overflow look finite (a soft-cap, a user's)
+            // before the modifiers.
             let all_visible = coverage == TileCoverage::Full && !head.mask.has_elementwise();
             let modified = head.mods.modifies_scores();
-            let scan = !all_visible || modified;
+            let scan = !all_visible || (modified && !head.mods.keeps_non_finite());
             if rescaled || (scan && !tile_is_finite(&self.s, br, nr, nc)) {
                 rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
             }
@@ -103,7 +104,13 @@ impl Scratch {
                 match softmax_update(&mut self.s, br, nr, nc, &mut state, all_visible, check) {
                     Some(rescale) => rescale,
                     None => {
+                        if modified {
+                            // The tile was modified: start again from the raw scores.
+                            scores(&mut self.s, &mut self.k_wide);
+                        }
                         rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
+                        let at = (rows.clone(), cols.clone());
+                        modify_scores(&mut self.s, (1, br), head, at, None);
                         // What is still not finite comes from the operands: no second check.
                         let again =
                             softmax_update(&mut self.s, br, nr, nc, &mut state, true, false);
