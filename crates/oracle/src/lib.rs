@@ -97,6 +97,10 @@
 //! (`cargo test -p attn-optimized --test conformance`); the 8 backward properties add
 //! about 3 s of CPU time for the reference and about 3.5 s for the three streaming engines
 //! together.
+//! Issue 16's six modifier properties run 128 cases each (every other forward property's
+//! cases draw modifiers too, at no extra count). With them, on a 2-core machine with other
+//! work running, test binaries built, the reference's whole suite took 46 s and
+//! attn-optimized's (three storage types, 108 tests) 60 s.
 //! For a deep run set `PROPTEST_CASES`, which replaces the default counts (explicit
 //! counts, as in [`SuiteConfig::quick`], stay), e.g.
 //! `PROPTEST_CASES=100000 cargo test -p attn-optimized --release --test conformance`.

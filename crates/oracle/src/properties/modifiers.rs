@@ -269,11 +269,14 @@ pub(crate) fn sink_share(
             }
             continue;
         }
-        // The reference's weights sum to 1 − p_sink: each within 3 f64 roundings (exp,
-        // the shift by the maximum, the division), their sum n_k more.
+        // The reference's weights sum to 1 − p_sink: each within a few f64 roundings (exp,
+        // the shift by the maximum, the division), their sum n_k more; p_sink recomputed
+        // here from the rounded LSE (u·|LSE|) and σ − LSE.
         let sum: f64 = (0..n_k).map(|j| r.weights[(i, j)]).sum();
         let p_sink = (sink - r.lse[i]).exp();
-        let tol = SAFETY * (gamma(n_k as f64 + 4.0, U64) + 6.0 * U64 * (sink - r.lse[i]).abs());
+        let tol = SAFETY
+            * (gamma(n_k as f64 + 4.0, U64)
+                + 4.0 * U64 * (sink.abs() + r.lse[i].abs() + 1.0) * p_sink);
         if (sum - (1.0 - p_sink)).abs() > tol {
             return Err(fail(format!(
                 "row {i}: the reference's weights sum to {sum:.17}, not 1 − p_sink = {:.17} \
