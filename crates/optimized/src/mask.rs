@@ -240,11 +240,15 @@ fn hide_by_user<T>(
         return;
     };
     let queries = head.mask_rows(rows);
-    if head.mask.user_coverage(queries.clone(), cols.clone()) != TileCoverage::Partial {
+    // A row (or tile) the user's mask hides entirely can sit in a tile whose coverage is
+    // Partial (a row tile's first rows against a key block past them): hide all of it.
+    let coverage = head.mask.user_coverage(queries.clone(), cols.clone());
+    if coverage == TileCoverage::Full {
         return;
     }
     let queries = queries.start + off..queries.end + off;
     match ScoreTile::new(s, strides, queries, cols, b, h) {
+        Ok(mut tile) if coverage == TileCoverage::Hidden => tile.hide(|_, _| false),
         Ok(mut tile) => user.hide(&mut tile),
         Err(_) => debug_assert!(false, "score tile outside its scratch"),
     }

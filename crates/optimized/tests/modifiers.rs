@@ -353,6 +353,33 @@ fn packed_sequences_see_their_own_positions() {
 }
 
 #[test]
+fn a_row_the_user_mask_hides_from_a_whole_block_sees_none_of_it() {
+    // Found by the oracle's split properties: in a row tile, a row whose user-mask coverage
+    // of the key block is Hidden (here row 0 against keys 1..3, causal top-left) while the
+    // tile's is Partial must see none of the block.
+    let q = faer::mat![[0.5f32], [-0.25]];
+    let k = faer::mat![[1.0f32], [0.75], [-0.5]];
+    let v = faer::mat![[1.0f32], [2.0], [4.0]];
+    let opts = Options::default().with_mask_mod(&UserCausal);
+    let shard = |o: &Options<'_>| {
+        attn_optimized::partial_attention(
+            q.as_ref(),
+            k.as_ref().subrows(1, 2),
+            v.as_ref().subrows(1, 2),
+            1..3,
+            3,
+            o,
+        )
+        .unwrap()
+        .into_parts()
+    };
+    let (o, lse) = shard(&opts);
+    assert_eq!((o[(0, 0)], lse[0]), (0.0, f32::NEG_INFINITY));
+    let (oc, lc) = shard(&Options::default().with_causal(Causal::TopLeft));
+    assert_eq!((o[(1, 0)], lse[1]), (oc[(1, 0)], lc[1]));
+}
+
+#[test]
 fn sinks_cannot_be_counted_once_per_shard() {
     let x = faer::Mat::<f32>::from_fn(4, 4, |i, j| (i + j) as f32 * 0.1);
     let sinks = [0.5f32];

@@ -3,7 +3,7 @@
 //! [`batch_backward_bound`]). The derivation is in the crate documentation; the step
 //! numbers below (1–7, B1–B8) refer to it.
 
-use attn_core::Tensor4Ref;
+use attn_core::{HeadModifiers, Tensor4Ref};
 use attn_reference::{Materialized, MaterializedBackward};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
@@ -29,6 +29,10 @@ pub const FLUSH32: f64 = 1.175_494_350_822_287_5e-38;
 /// How far below the true row maximum a lazily rescaled running maximum may lag, in nats
 /// (the optimized engine lags by at most `8·ln 2 ≈ 5.5`).
 pub const STALE_MAX: f64 = 16.0;
+
+/// The relative error of the engines' f32 `tanh` ([`attn_core::tanh`], the soft-cap's):
+/// below `4e-7` (checked over its whole range by this module's tests).
+pub const TANH32: f64 = 4e-7;
 
 /// `γ_n = n·u / (1 − n·u)`, the classic bound on the relative error of `n` chained
 /// roundings (infinite when `n·u ≥ 1`).
@@ -69,6 +73,8 @@ struct Precision {
     tiny: f64,
     /// Absolute error of a flushed exponential.
     flush: f64,
+    /// Relative error of tanh (the soft-cap).
+    tanh_rel: f64,
 }
 
 const REFERENCE: Precision = Precision {
@@ -76,7 +82,73 @@ const REFERENCE: Precision = Precision {
     exp_rel: 2.0 * U64,
     tiny: 0.0,
     flush: 0.0,
+    tanh_rel: 4.0 * U64,
 };
+
+/// The error model of a user [`attn_core::ScoreMod`] `f`, an f32 function of the score:
+/// `|f(x) − f(y)| ≤ lipschitz·|x − y|`, `|f(x)| ≤ min(lipschitz·|x| + offset, cap)`, and its
+/// f32 evaluation within `roundings·2⁻²⁴·(|x| + |f(x)|)` of the exact function (`cap`: the
+/// values lie in `[−cap, cap]`, so two of them differ by at most `2·cap`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UserModBound {
+    /// The Lipschitz constant.
+    pub lipschitz: f64,
+    /// The largest `|f(x)| − lipschitz·|x|`.
+    pub offset: f64,
+    /// Roundings of its f32 evaluation, relative to `|x| + |f(x)|`.
+    pub roundings: f64,
+    /// A bound on `|f(x)|`, if any.
+    pub cap: Option<f64>,
+}
+
+/// What the bound needs of one head's score modifiers ("Score modifiers" in the crate
+/// documentation).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ScoreMods {
+    /// The soft-cap `c`.
+    pub softcap: Option<f64>,
+    /// The ALiBi slope (nonzero) and the diagonal offset of its alignment.
+    pub alibi: Option<(f64, i128)>,
+    /// The sink logit (finite).
+    pub sink: Option<f64>,
+    /// The user's score modifier's error model.
+    pub user: Option<UserModBound>,
+}
+
+impl ScoreMods {
+    /// No modifier.
+    pub const NONE: ScoreMods = ScoreMods {
+        softcap: None,
+        alibi: None,
+        sink: None,
+        user: None,
+    };
+
+    /// The modifiers of a head as the engines see them (a zero slope is no ALiBi, a `-inf`
+    /// sink no sink), with the error model of its user score modifier (required when
+    /// `head.user` is set).
+    ///
+    /// # Panics
+    ///
+    /// If `head` has a user score modifier and `user` is `None`: the bound cannot be
+    /// derived without it.
+    pub fn of(head: &HeadModifiers<'_>, user: Option<UserModBound>) -> Self {
+        assert!(
+            head.user.is_none() || user.is_some(),
+            "a user score modifier needs its error model"
+        );
+        ScoreMods {
+            softcap: head.softcap.map(|c| f64::from(c.cap())),
+            alibi: head.alibi.map(|(m, off)| (f64::from(m), off)),
+            sink: head.sink.map(f64::from),
+            user: head.user.and(user),
+        }
+    }
+
+    fn modifies_scores(&self) -> bool {
+        self.softcap.is_some() || self.alibi.is_some() || self.user.is_some()
+    }
+}
 
 /// Per-row relative terms of the streaming model.
 #[derive(Debug, Clone, Copy)]
@@ -90,7 +162,9 @@ struct RowTerms {
 }
 
 /// Steps 2–7 for one row: `n_k` keys, `n_vis` of them visible, score error `delta`
-/// (step 1), reference LSE `lse`, `merges` merges of normalised partial states.
+/// (step 1), reference LSE `lse`, `merges` merges of normalised partial states; `sink`:
+/// the weight `p_sink` of a sink logit (counted by the caller as one more visible key
+/// without a value), whose share moves the row sum (step 7).
 fn row_terms(
     p: Precision,
     n_k: usize,
@@ -98,6 +172,7 @@ fn row_terms(
     delta: f64,
     lse: f64,
     merges: f64,
+    sink: Option<f64>,
 ) -> RowTerms {
     let u = p.u;
     let ln_n = (n_vis.max(1) as f64).ln();
@@ -116,10 +191,21 @@ fn row_terms(
     // ln n + Δ + STALE_MAX where it matters) and evaluates exp, ln, a sum, two divisions.
     let magnitude = lse.abs() + ln_n + delta + STALE_MAX;
     let merge = merges * (4.0 * u * magnitude + 2.0 * p.exp_rel + 8.0 * u);
+    // Step 7 with a sink: the values' weights sum to 1 − p̂_sink, and
+    // |p̂_sink − p_sink| ≤ p_sink·(ρ_sink + W)/(1 − W), ρ_sink as in step 2 for its argument
+    // |x| ≤ |ln p_sink| + ln n + Δ + STALE.
+    let sink_share = sink.map_or(0.0, |a0| {
+        if w >= 1.0 {
+            return f64::INFINITY;
+        }
+        let x0 = a0.ln().abs() + ln_n + delta + STALE_MAX;
+        let rho = (delta + p.exp_rel).exp() * (1.0 + 2.0 * u * x0) - 1.0;
+        a0 * (rho + w) / (1.0 - w)
+    });
     RowTerms {
         output: weights + accumulation + 2.0 * merge,
         lse: log_w + 2.0 * gamma(chain, u) + (p.exp_rel + 3.0 * u) * magnitude + merge,
-        row_sum: accumulation + n_k as f64 * p.flush + merges * 6.0 * u,
+        row_sum: accumulation + n_k as f64 * p.flush + merges * 6.0 * u + sink_share,
     }
 }
 
@@ -150,6 +236,23 @@ pub fn head_bound(
     head_bound_merged(model, q, k, v, scale, additive, reference, 0)
 }
 
+/// [`head_bound_merged`] for a head with score modifiers `mods` (soft-cap, ALiBi, a sink, a
+/// user score modifier); a user mask needs nothing: it only hides keys.
+#[allow(clippy::too_many_arguments)]
+pub fn head_bound_with(
+    model: &ErrorModel,
+    q: MatRef<'_, f32>,
+    k: MatRef<'_, f32>,
+    v: MatRef<'_, f32>,
+    scale: f64,
+    additive: Option<MatRef<'_, f32>>,
+    mods: &ScoreMods,
+    reference: &Materialized,
+    merges: usize,
+) -> HeadBound {
+    forward_parts(model, q, k, v, scale, additive, mods, reference, merges).bound
+}
+
 /// [`head_bound`] for a result assembled by the caller from partial states with
 /// `merges` merges (on top of any the engine does internally).
 #[allow(clippy::too_many_arguments)]
@@ -163,7 +266,18 @@ pub fn head_bound_merged(
     reference: &Materialized,
     merges: usize,
 ) -> HeadBound {
-    forward_parts(model, q, k, v, scale, additive, reference, merges).bound
+    forward_parts(
+        model,
+        q,
+        k,
+        v,
+        scale,
+        additive,
+        &ScoreMods::NONE,
+        reference,
+        merges,
+    )
+    .bound
 }
 
 /// `Σ_t |a_it|·|b_jt|` for every `(i, j)`, in f64 (two correct digits are all a bound
@@ -190,6 +304,61 @@ fn score_error(p: Precision, d_k: usize, scale: f64, abs_dot: f64, bias: f64) ->
         + (d_k as f64 + 6.0) * p.tiny * scale.max(1.0)
 }
 
+/// `|i + off − j|`.
+fn distance(i: usize, j: usize, off: i128) -> f64 {
+    (i as i128 + off - j as i128).unsigned_abs() as f64
+}
+
+/// Step 1 with score modifiers (step M in the crate documentation): the error `e` of the
+/// raw score `scale·q·k` (magnitude at most `m = scale·P`) through the natural-unit
+/// conversion of a base-2 engine, the soft-cap, the ALiBi bias, the user's modifier and
+/// the conversion back, then the bias's own term.
+#[allow(clippy::too_many_arguments)]
+fn modified_score_error(
+    p: Precision,
+    mods: &ScoreMods,
+    d_k: usize,
+    scale: f64,
+    abs_dot: f64,
+    bias: f64,
+    i: usize,
+    j: usize,
+) -> f64 {
+    if !mods.modifies_scores() {
+        return score_error(p, d_k, scale, abs_dot, bias);
+    }
+    let u = p.u;
+    let mut e = score_error(p, d_k, scale, abs_dot, 0.0);
+    let mut m = scale * abs_dot;
+    // × ln 2 (an f32 constant) and its product: base-2 scores to natural units.
+    e += 2.0 * u * (m + e);
+    if let Some(c) = mods.softcap {
+        // c·tanh(x/c) is 1-Lipschitz: the input's error passes through; x/c rounds (u·|x|
+        // after the derivative), tanh and c·t relative to the output; both results lie in
+        // [−c, c].
+        let out = m.min(c);
+        e = (e + u * (m + e) + (p.tanh_rel + u) * out).min(2.0 * c);
+        m = out;
+    }
+    if let Some((slope, off)) = mods.alibi {
+        // slope·|i + off − j| (the distance exact below 2^24) and the subtraction.
+        let a = slope.abs() * distance(i, j, off);
+        e += u * a + u * (m + a);
+        m += a;
+    }
+    if let Some(f) = mods.user {
+        // The user's function is f32 in every engine: the reference rounds its f64
+        // argument to f32 first; its own roundings are f32's.
+        let input = if u < U32 { e + U32 * m } else { e };
+        let cap = f.cap.unwrap_or(f64::INFINITY);
+        let out = (f.lipschitz * m + f.offset).min(cap);
+        e = (f.lipschitz * input + f.roundings * U32 * (m + out)).min(2.0 * cap);
+        m = out;
+    }
+    // × 1/ln 2 (rounded twice) back to base 2, and the sum with the bias.
+    e + 4.0 * u * (m + e) + 4.0 * u * bias.abs()
+}
+
 /// A head's forward bound and its parts before the safety factor: what the backward bound
 /// starts from (the error of the `O` and LSE an engine's backward pass is given).
 struct ForwardParts {
@@ -212,6 +381,7 @@ fn f32_precision(exp_ulps: f64) -> Precision {
         exp_rel: exp_ulps * 2.0 * U32,
         tiny: TINY32,
         flush: FLUSH32,
+        tanh_rel: TANH32,
     }
 }
 
@@ -223,6 +393,7 @@ fn forward_parts(
     v: MatRef<'_, f32>,
     scale: f64,
     additive: Option<MatRef<'_, f32>>,
+    mods: &ScoreMods,
     reference: &Materialized,
     merges: usize,
 ) -> ForwardParts {
@@ -235,9 +406,11 @@ fn forward_parts(
             exp_ulps,
             split_keys,
         } => {
-            // Every leaf the caller merges may itself be split into chunks by the engine.
+            // Every leaf the caller merges may itself be split into chunks by the engine; a
+            // sink is folded into the merged state once more.
             let internal = split_keys.map_or(0, |s| n_k.div_ceil(s.max(1)) + leaves);
-            Some((f32_precision(exp_ulps), (merges + internal) as f64))
+            let sink = usize::from(mods.sink.is_some());
+            Some((f32_precision(exp_ulps), (merges + internal + sink) as f64))
         }
     };
     let (u_out, eta_out) = (model.output.unit_roundoff(), model.output.underflow_error());
@@ -257,15 +430,16 @@ fn forward_parts(
         if visible.is_empty() {
             continue; // the output must be exactly 0 and the LSE -inf: no tolerance
         }
-        // Step 1: the largest score error of the row, for a precision.
+        // Step 1: the largest score error of the row, for a precision; a sink counts as
+        // one more key (its logit times log2 e in f32), without a value.
         let delta = |p: Precision| {
             visible
                 .iter()
                 .map(|&j| {
                     let b = additive.map_or(0.0, |m| f64::from(m[(i, j)]));
-                    score_error(p, d_k, scale, pmat[(i, j)], b)
+                    modified_score_error(p, mods, d_k, scale, pmat[(i, j)], b, i, j)
                 })
-                .fold(0.0f64, f64::max)
+                .fold(2.0 * p.u * mods.sink.map_or(0.0, f64::abs), f64::max)
         };
         vmax.iter_mut().for_each(|x| *x = 0.0);
         for &j in &visible {
@@ -273,11 +447,18 @@ fn forward_parts(
                 *m = m.max(f64::from(v[(j, c)]).abs());
             }
         }
-        let (n_vis, r_lse) = (visible.len(), reference.lse[i]);
-        let refp = row_terms(REFERENCE, n_k, n_vis, delta(REFERENCE), r_lse, 0.0);
-        let eng = engine.map(|(p, k)| (p, row_terms(p, n_k, n_vis, delta(p), r_lse, k)));
+        let r_lse = reference.lse[i];
+        let p_sink = mods.sink.map(|s| (s - r_lse).exp());
+        let extra = usize::from(p_sink.is_some());
+        let (n_vis, n_terms) = (visible.len() + extra, n_k + extra);
+        let terms = |p: Precision, merges: f64| {
+            row_terms(p, n_terms, n_vis, delta(p), r_lse, merges, p_sink)
+        };
+        let refp = terms(REFERENCE, 0.0);
+        let eng = engine.map(|(p, k)| (p, terms(p, k)));
         // The reference engine merges in f64 when asked to (its split API).
-        let ref_engine_merges = row_terms(REFERENCE, n_k, n_vis, 0.0, r_lse, merges as f64);
+        let ref_engine_merges =
+            row_terms(REFERENCE, n_terms, n_vis, 0.0, r_lse, merges as f64, None);
         for (c, &m) in vmax.iter().enumerate() {
             let o = reference.output[(i, c)].abs();
             let ref_part = m * refp.output;
@@ -527,7 +708,17 @@ fn head_grad(
     additive: Option<MatRef<'_, f32>>,
     r: &MaterializedBackward,
 ) -> HeadGrad {
-    let f = forward_parts(model, x.q, x.k, x.v, scale, additive, &r.forward, 0);
+    let f = forward_parts(
+        model,
+        x.q,
+        x.k,
+        x.v,
+        scale,
+        additive,
+        &ScoreMods::NONE,
+        &r.forward,
+        0,
+    );
     let engine = match model.compute {
         Compute::RoundedOnce => None,
         Compute::F32 { exp_ulps, .. } => Some(grad_terms(
@@ -779,5 +970,25 @@ pub fn batch_backward_bound(
         dk,
         dv,
         forward,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TANH32;
+
+    /// The soft-cap's part of the bound rests on this: one f32 in 61 of `[2⁻³⁰, 12]`.
+    #[test]
+    fn f32_tanh_is_within_its_stated_error() {
+        let mut x = 2f32.powi(-30);
+        while x < 12.0 {
+            let (t, e) = (f64::from(attn_core::tanh(x)), f64::from(x).tanh());
+            assert!(
+                (t - e).abs() <= TANH32 * e,
+                "tanh({x:e}) = {t:e}, not {e:e}"
+            );
+            assert_eq!(attn_core::tanh(-x), -attn_core::tanh(x));
+            x = f32::from_bits(x.to_bits() + 61);
+        }
     }
 }

@@ -5,12 +5,16 @@
 //! the first alternative), and the shrunk recipe printed in a failure report rebuilds the
 //! exact failing inputs with [`HeadCase::build`] or [`BatchCase::build`].
 
-use attn_core::{BoolMask, Causal, KeyPadding, Layout, Options, SlidingWindow, Tensor4Ref};
+use attn_core::{
+    Alibi, BoolMask, Causal, KeyPadding, Layout, Options, SlidingWindow, SoftCap, Tensor4Ref,
+};
 use faer::Mat;
 use proptest::prelude::*;
 use proptest::sample::select;
 
 use crate::Dtype;
+use crate::bound::ScoreMods;
+use crate::user_mods::{MaskModAt, ScoreModAt, UserMask, UserScore};
 
 /// A small deterministic generator (SplitMix64): the same values on every machine.
 #[derive(Debug, Clone)]
@@ -182,6 +186,87 @@ pub struct AdditiveRecipe {
     pub hidden_rows_percent: u8,
 }
 
+/// How the ALiBi slopes of a case are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Slopes {
+    /// ALiBi's geometric slopes `2^(−8(h+1)/H)` (times `1 + b/2` per batch entry).
+    Geometric,
+    /// Uniform in `[−0.25, 1]`, about a quarter of them exactly 0.
+    Random,
+    /// Every slope 0: exactly no ALiBi.
+    Zero,
+}
+
+/// An ALiBi recipe.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlibiRecipe {
+    /// The slopes.
+    pub slopes: Slopes,
+    /// One slope per (batch entry, query head) instead of per query head.
+    pub per_batch: bool,
+    /// The alignment of query and key positions.
+    pub align: Causal,
+}
+
+/// How the sink logits of a case are drawn (one per query head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Sinks {
+    /// Normal with standard deviation 2.
+    Small,
+    /// Uniform in `[−12, 12]`: from negligible to most of the row's weight.
+    Wide,
+    /// Half of them `-inf` (no sink), the others small.
+    SomeNone,
+    /// Every one `-inf`: exactly no sink.
+    None,
+}
+
+/// The score modifiers of a call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModRecipe {
+    /// Soft-cap `c`.
+    pub softcap: Option<f32>,
+    /// ALiBi slopes.
+    pub alibi: Option<AlibiRecipe>,
+    /// Sink logits.
+    pub sinks: Option<Sinks>,
+    /// A user score modifier.
+    pub score_mod: Option<UserScore>,
+    /// A user mask modifier.
+    pub mask_mod: Option<UserMask>,
+}
+
+impl ModRecipe {
+    /// No modifier.
+    pub const NONE: ModRecipe = ModRecipe {
+        softcap: None,
+        alibi: None,
+        sinks: None,
+        score_mod: None,
+        mask_mod: None,
+    };
+
+    /// Whether no modifier is set.
+    pub fn is_none(&self) -> bool {
+        *self == ModRecipe::NONE
+    }
+}
+
+/// Whether the backward properties' cases draw score modifiers. Off while the backward
+/// passes reject them (`Error::Unsupported`); turning this on is the one switch that makes
+/// every backward property run with them (their bound, `bound::head_backward_bound`, will
+/// then need the modifiers' derivatives too).
+pub const BACKWARD_MODIFIERS: bool = false;
+
+/// `case` as the backward properties take it: without modifiers unless
+/// [`BACKWARD_MODIFIERS`].
+pub fn for_backward(mut case: HeadCase) -> HeadCase {
+    if !BACKWARD_MODIFIERS {
+        case.masks.modifiers = ModRecipe::NONE;
+    }
+    case
+}
+
 /// Every option of a call except the operands.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MaskRecipe {
@@ -197,6 +282,8 @@ pub struct MaskRecipe {
     pub bool_mask: Option<BoolRecipe>,
     /// Additive mask.
     pub additive: Option<AdditiveRecipe>,
+    /// Score modifiers (soft-cap, ALiBi, sinks, the user's score and mask modifiers).
+    pub modifiers: ModRecipe,
 }
 
 impl MaskRecipe {
@@ -208,12 +295,20 @@ impl MaskRecipe {
         key_len_permille: None,
         bool_mask: None,
         additive: None,
+        modifiers: ModRecipe::NONE,
     };
 
     /// Whether every constraint is invariant under permuting the keys (only element-wise
-    /// masks, which are permuted with them).
+    /// masks, which are permuted with them, and the soft-cap and sinks, which do not see
+    /// positions).
     pub fn is_permutation_invariant(&self) -> bool {
-        self.causal.is_none() && self.window.is_none() && self.key_len_permille.is_none()
+        let m = &self.modifiers;
+        self.causal.is_none()
+            && self.window.is_none()
+            && self.key_len_permille.is_none()
+            && m.alibi.is_none()
+            && m.score_mod.is_none()
+            && m.mask_mod.is_none()
     }
 }
 
@@ -221,19 +316,24 @@ fn permille(n: usize, p: u16) -> usize {
     (n * usize::from(p.min(1000))) / 1000
 }
 
-/// The element-wise masks of a case, built.
+/// The element-wise masks and per-head modifier parameters of a case, built.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BuiltMasks {
     /// Boolean mask bits and polarity (`true` = allow).
     pub bool_mask: Option<(bool, Mat<bool>)>,
     /// Additive mask.
     pub additive: Option<Mat<f32>>,
+    /// ALiBi slopes (`[h_q]` or `[batch·h_q]`).
+    pub slopes: Option<Vec<f32>>,
+    /// Sink logits (`[h_q]`).
+    pub sinks: Option<Vec<f32>>,
 }
 
 impl BuiltMasks {
     /// The options of a call: the recipe's scale, causal flag and window, `key_padding`,
-    /// and these masks, borrowed.
+    /// these masks and the modifiers, borrowed.
     fn options<'a>(&'a self, r: &MaskRecipe, key_padding: Option<KeyPadding<'a>>) -> Options<'a> {
+        let m = &r.modifiers;
         Options {
             scale: r.scale,
             causal: r.causal,
@@ -247,13 +347,113 @@ impl BuiltMasks {
                 }
             }),
             additive_mask: self.additive.as_ref().map(|m| m.as_ref()),
+            softcap: m
+                .softcap
+                .map(|c| SoftCap::new(c).expect("generated caps are valid")),
+            alibi: self
+                .slopes
+                .as_deref()
+                .zip(m.alibi)
+                .map(|(s, a)| Alibi::new(s).with_align(a.align)),
+            sinks: self.sinks.as_deref(),
+            score_mod: m.score_mod.map(UserScore::modifier),
+            mask_mod: m.mask_mod.map(UserMask::modifier),
             ..Options::default()
         }
     }
 }
 
+impl ModRecipe {
+    /// The slopes and sinks of `batch` entries of `h_q` query heads.
+    pub(crate) fn build(
+        &self,
+        batch: usize,
+        h_q: usize,
+        seed: u64,
+    ) -> (Option<Vec<f32>>, Option<Vec<f32>>) {
+        let mut rng = Rng::new(seed, 13);
+        let slopes = self.alibi.map(|a| {
+            let n = if a.per_batch { batch * h_q } else { h_q };
+            (0..n)
+                .map(|t| {
+                    let (b, h) = (t / h_q, t % h_q);
+                    match a.slopes {
+                        Slopes::Zero => 0.0,
+                        Slopes::Geometric => {
+                            let g = 2f64.powf(-8.0 * (h + 1) as f64 / h_q as f64);
+                            (g * (1.0 + 0.5 * b as f64)) as f32
+                        }
+                        Slopes::Random if rng.chance(25) => 0.0,
+                        Slopes::Random => (rng.unit() * 1.25 - 0.25) as f32,
+                    }
+                })
+                .collect()
+        });
+        let sinks = self.sinks.map(|k| {
+            (0..h_q)
+                .map(|_| match k {
+                    Sinks::None => f32::NEG_INFINITY,
+                    Sinks::SomeNone if rng.chance(50) => f32::NEG_INFINITY,
+                    Sinks::Small | Sinks::SomeNone => (rng.normal() * 2.0) as f32,
+                    Sinks::Wide => (rng.unit() * 24.0 - 12.0) as f32,
+                })
+                .collect()
+        });
+        (slopes, sinks)
+    }
+}
+
+/// What a single-head call needs to compute head `(b, h)` of a batched call: the head's
+/// ALiBi slope and sink, and the user's modifiers asked about `(b, h)` (a single-head call
+/// asks about `(0, 0)`).
+#[derive(Debug, Clone, Copy)]
+pub struct HeadSlot<'a> {
+    alibi: Option<([f32; 1], Causal)>,
+    sink: Option<[f32; 1]>,
+    score_mod: Option<ScoreModAt<'a>>,
+    mask_mod: Option<MaskModAt<'a>>,
+}
+
+impl<'a> HeadSlot<'a> {
+    /// Head `(b, h)` of a batched call with `h_q` query heads and options `batched`.
+    pub fn new(batched: &Options<'a>, b: usize, h: usize, h_q: usize) -> Self {
+        HeadSlot {
+            alibi: batched.alibi.map(|a| {
+                let s = a.slopes();
+                (
+                    [if s.len() == h_q { s[h] } else { s[b * h_q + h] }],
+                    a.align(),
+                )
+            }),
+            sink: batched.sinks.map(|s| [s[h]]),
+            score_mod: batched.score_mod.map(|m| ScoreModAt {
+                inner: m,
+                at: (Some(b), Some(h)),
+            }),
+            mask_mod: batched.mask_mod.map(|m| MaskModAt {
+                inner: m,
+                at: (Some(b), Some(h)),
+            }),
+        }
+    }
+
+    /// `single` (the head's single-head options) with the head's modifiers.
+    pub fn apply<'s>(&'s self, single: Options<'s>) -> Options<'s> {
+        Options {
+            alibi: self
+                .alibi
+                .as_ref()
+                .map(|(s, a)| Alibi::new(s).with_align(*a)),
+            sinks: self.sink.as_ref().map(|s| &s[..]),
+            score_mod: self.score_mod.as_ref().map(|m| m as _),
+            mask_mod: self.mask_mod.as_ref().map(|m| m as _),
+            ..single
+        }
+    }
+}
+
 impl MaskRecipe {
-    fn build(&self, n_q: usize, n_k: usize, seed: u64) -> BuiltMasks {
+    fn build(&self, n_q: usize, n_k: usize, batch: usize, h_q: usize, seed: u64) -> BuiltMasks {
         let bool_mask = self.bool_mask.map(|b| {
             let mut rng = Rng::new(seed, 11);
             let hidden_rows: Vec<bool> = (0..n_q)
@@ -278,10 +478,19 @@ impl MaskRecipe {
                 }
             })
         });
+        let (slopes, sinks) = self.modifiers.build(batch, h_q, seed);
         BuiltMasks {
             bool_mask,
             additive,
+            slopes,
+            sinks,
         }
+    }
+
+    /// The error model of head `(b, h)`'s modifiers, given its options.
+    fn score_mods(&self, o: &Options<'_>, [b, h, h_q, n_q, n_k]: [usize; 5]) -> ScoreMods {
+        let user = self.modifiers.score_mod.map(|u| u.bound(b, h, n_q, n_k));
+        ScoreMods::of(&o.head_modifiers(b, h, h_q, n_q, n_k), user)
     }
 }
 
@@ -330,6 +539,12 @@ impl HeadInputs {
     pub fn options(&self) -> Options<'_> {
         self.masks
             .options(&self.recipe, self.key_len.map(KeyPadding::Uniform))
+    }
+
+    /// What the bound needs of the head's score modifiers.
+    pub fn score_mods(&self) -> ScoreMods {
+        let [n_q, n_k, _, _] = self.dims();
+        self.recipe.score_mods(&self.options(), [0, 0, 1, n_q, n_k])
     }
 
     /// `n_q, n_k, d_k, d_v`.
@@ -391,7 +606,7 @@ impl HeadCase {
             v,
             recipe: self.masks,
             key_len: self.masks.key_len_permille.map(|p| permille(self.n_k, p)),
-            masks: self.masks.build(self.n_q, self.n_k, self.seed),
+            masks: self.masks.build(self.n_q, self.n_k, 1, 1, self.seed),
         }
     }
 
@@ -518,6 +733,20 @@ impl BatchInputs {
             self.key_lens.as_deref().map(KeyPadding::PerBatch),
         )
     }
+
+    /// What the bound needs of head `(b, h)`'s score modifiers.
+    pub fn score_mods(&self, b: usize, h: usize) -> ScoreMods {
+        let [_, h_q, n_q, _] = self.q.dims;
+        let n_k = self.k.dims[2];
+        self.recipe
+            .score_mods(&self.options(), [b, h, h_q, n_q, n_k])
+    }
+}
+
+/// `case` as the backward properties take it (see [`for_backward`]).
+pub fn batch_for_backward(mut case: BatchCase) -> BatchCase {
+    case.head = for_backward(case.head);
+    case
 }
 
 impl BatchCase {
@@ -563,7 +792,7 @@ impl BatchCase {
             v,
             recipe: h.masks,
             key_lens,
-            masks: h.masks.build(h.n_q, h.n_k, h.seed),
+            masks: h.masks.build(h.n_q, h.n_k, self.batch, h_q, h.seed),
         }
     }
 }
@@ -655,7 +884,83 @@ fn additive_recipe(biases: Vec<Bias>) -> impl Strategy<Value = AdditiveRecipe> {
         )
 }
 
-/// Every mask kind and their combinations; `scales` are the explicit scales offered.
+fn softcap() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        select(vec![0.5f32, 1.0, 5.0, 20.0, 50.0]),
+        (0.5f32..=50.0).prop_map(|c| c.max(0.5)),
+    ]
+}
+
+fn alibi_recipe() -> impl Strategy<Value = AlibiRecipe> {
+    (
+        prop_oneof![
+            2 => Just(Slopes::Geometric),
+            2 => Just(Slopes::Random),
+            1 => Just(Slopes::Zero),
+        ],
+        any::<bool>(),
+        causal(),
+    )
+        .prop_map(|(slopes, per_batch, align)| AlibiRecipe {
+            slopes,
+            per_batch,
+            align,
+        })
+}
+
+fn sinks() -> impl Strategy<Value = Sinks> {
+    prop_oneof![
+        3 => Just(Sinks::Small),
+        2 => Just(Sinks::Wide),
+        2 => Just(Sinks::SomeNone),
+        1 => Just(Sinks::None),
+    ]
+}
+
+/// The score modifiers, each with a modest probability (a user score or mask modifier from
+/// the fixed set of [`crate::user_mods`] more rarely).
+pub fn modifiers() -> BoxedStrategy<ModRecipe> {
+    use proptest::option::weighted;
+    (
+        weighted(0.15, softcap()),
+        weighted(0.15, alibi_recipe()),
+        weighted(0.15, sinks()),
+        weighted(
+            0.08,
+            select(vec![
+                UserScore::Capped,
+                UserScore::Relative,
+                UserScore::Halved,
+            ]),
+        ),
+        weighted(
+            0.08,
+            select(vec![UserMask::TopLeft, UserMask::Band, UserMask::Stripes]),
+        ),
+    )
+        .prop_map(|(softcap, alibi, sinks, score_mod, mask_mod)| ModRecipe {
+            softcap,
+            alibi,
+            sinks,
+            score_mod,
+            mask_mod,
+        })
+        .boxed()
+}
+
+/// The modifiers that do not see positions (the soft-cap and sinks).
+pub fn position_free_modifiers() -> BoxedStrategy<ModRecipe> {
+    modifiers()
+        .prop_map(|m| ModRecipe {
+            softcap: m.softcap,
+            sinks: m.sinks,
+            ..ModRecipe::NONE
+        })
+        .boxed()
+}
+
+/// Every mask kind and their combinations, and the score modifiers; `scales` are the
+/// explicit scales offered.
 pub fn masks(scales: Vec<f32>, biases: Vec<Bias>) -> BoxedStrategy<MaskRecipe> {
     use proptest::option::weighted;
     (
@@ -669,21 +974,26 @@ pub fn masks(scales: Vec<f32>, biases: Vec<Bias>) -> BoxedStrategy<MaskRecipe> {
         weighted(0.25, 0u16..=1000),
         weighted(0.25, bool_recipe()),
         weighted(0.4, additive_recipe(biases)),
+        modifiers(),
     )
         .prop_map(
-            |(scale, causal, window, key_len_permille, bool_mask, additive)| MaskRecipe {
-                scale,
-                causal,
-                window,
-                key_len_permille,
-                bool_mask,
-                additive,
+            |(scale, causal, window, key_len_permille, bool_mask, additive, modifiers)| {
+                MaskRecipe {
+                    scale,
+                    causal,
+                    window,
+                    key_len_permille,
+                    bool_mask,
+                    additive,
+                    modifiers,
+                }
             },
         )
         .boxed()
 }
 
-/// Masks without any structural (position-dependent) constraint.
+/// Masks without any structural (position-dependent) constraint, and the modifiers that
+/// do not see positions.
 pub fn elementwise_masks() -> BoxedStrategy<MaskRecipe> {
     (
         proptest::option::weighted(0.3, bool_recipe()),
@@ -691,10 +1001,12 @@ pub fn elementwise_masks() -> BoxedStrategy<MaskRecipe> {
             0.5,
             additive_recipe(vec![Bias::Small, Bias::Zero, Bias::Ramp]),
         ),
+        position_free_modifiers(),
     )
-        .prop_map(|(bool_mask, additive)| MaskRecipe {
+        .prop_map(|(bool_mask, additive, modifiers)| MaskRecipe {
             bool_mask,
             additive,
+            modifiers,
             ..MaskRecipe::NONE
         })
         .boxed()

@@ -283,6 +283,24 @@ pub trait Engine: Sync {
         vec![64, 128, 256, 512]
     }
 
+    /// Whether a user [`attn_core::ScoreMod`] computing a built-in modifier's own f32
+    /// arithmetic ([`attn_core::SoftCap::apply_f32`]) gives the built-in's output bits: true
+    /// for an engine that applies its built-ins through that function on the same f32
+    /// scores. The default, false, holds the two to the bound only.
+    fn user_score_mod_bits_match_builtins(&self) -> bool {
+        false
+    }
+
+    /// Whether a user [`attn_core::MaskMod`] re-implementing `Causal::TopLeft` with exact
+    /// block answers gives the causal mask's output bits for `n_q` queries and `n_k` keys:
+    /// true where the engine computes the same tiles either way (an engine may trim a
+    /// causal block at the diagonal, which a user's mask cannot tell). The default, false,
+    /// holds the two to the bound only.
+    fn user_mask_mod_bits_match_structural(&self, n_q: usize, n_k: usize) -> bool {
+        let _ = (n_q, n_k);
+        false
+    }
+
     /// One head: the output `[n_q, d_v]` and the natural-log LSE of each row
     /// (`-inf` for a row with no visible key).
     fn attention_with_lse(
@@ -469,6 +487,11 @@ impl Engine for ReferenceEngine {
             compute: Compute::RoundedOnce,
             output: Dtype::F32,
         }
+    }
+
+    /// It asks a user's mask about every entry, as it asks the structural masks.
+    fn user_mask_mod_bits_match_structural(&self, _: usize, _: usize) -> bool {
+        true
     }
 
     fn attention_with_lse(

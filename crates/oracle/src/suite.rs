@@ -99,11 +99,29 @@ pub enum Property {
     PackedSequences,
     /// 17. Packed gradients ≡ each sequence's on its own, as [`Property::PackedSequences`].
     PackedGradients,
+    /// 16. Soft-capped scores lie in `[−c, c]` (the reference's materialised scores), so an
+    ///     engine's LSE lies in the range they allow and its weights within `e^{2c}` of each
+    ///     other.
+    SoftCapBoundsScores,
+    /// 16. ALiBi with every slope 0 is bit for bit no ALiBi (single head and batched).
+    ZeroSlopesAreNoAlibi,
+    /// 16. Sinks of `-inf` are bit for bit no sinks (single head and batched).
+    NegInfSinksAreNoSinks,
+    /// 16. With a finite sink σ, the reference's weights sum to `1 − exp(σ − LSE)` (f64
+    ///     rounding) and a row that sees no key has output 0 and LSE σ exactly.
+    SinkTakesItsShare,
+    /// 16. A user score modifier computing `SoftCap::apply_f32` is the built-in soft-cap:
+    ///     within the bound, and bit for bit where the engine says so.
+    UserSoftCapIsTheBuiltin,
+    /// 16. A user mask re-implementing causal top-left with exact block answers is
+    ///     `Causal::TopLeft` (bit for bit where the engine says its tiles coincide, within
+    ///     the bound otherwise), and no block it calls hidden is computed.
+    UserCausalMaskIsTopLeft,
 }
 
 impl Property {
     /// Every property, in the order of the issue.
-    pub const ALL: [Property; 30] = [
+    pub const ALL: [Property; 36] = [
         Property::RowsSumToOne,
         Property::MaskedWeightsAreZero,
         Property::HiddenKeysNeverLeak,
@@ -134,6 +152,12 @@ impl Property {
         Property::PerHeadMaskGradients,
         Property::PackedSequences,
         Property::PackedGradients,
+        Property::SoftCapBoundsScores,
+        Property::ZeroSlopesAreNoAlibi,
+        Property::NegInfSinksAreNoSinks,
+        Property::SinkTakesItsShare,
+        Property::UserSoftCapIsTheBuiltin,
+        Property::UserCausalMaskIsTopLeft,
     ];
 
     /// The test name: what the property proves.
@@ -176,6 +200,12 @@ impl Property {
             Property::PerHeadMaskGradients => "per_head_mask_gradients_match_reference",
             Property::PackedSequences => "packed_batch_equals_each_sequence_alone",
             Property::PackedGradients => "packed_gradients_equal_each_sequence_alone",
+            Property::SoftCapBoundsScores => "softcapped_scores_never_exceed_the_cap",
+            Property::ZeroSlopesAreNoAlibi => "zero_alibi_slopes_are_no_alibi_bit_for_bit",
+            Property::NegInfSinksAreNoSinks => "neg_inf_sinks_are_no_sinks_bit_for_bit",
+            Property::SinkTakesItsShare => "a_sink_takes_its_share_and_fills_empty_rows",
+            Property::UserSoftCapIsTheBuiltin => "a_user_softcap_is_the_builtin",
+            Property::UserCausalMaskIsTopLeft => "a_user_causal_mask_is_causal_top_left",
         }
     }
 
@@ -197,6 +227,14 @@ impl Property {
             | Property::BroadcastMaskIsShared
             | Property::PackedSequences => 64,
             Property::PerHeadMaskGradients | Property::PackedGradients => 24,
+            // Issue 16: every other forward property draws modifiers too; these target
+            // one identity each, two or four engine calls per case.
+            Property::SoftCapBoundsScores
+            | Property::ZeroSlopesAreNoAlibi
+            | Property::NegInfSinksAreNoSinks
+            | Property::SinkTakesItsShare
+            | Property::UserSoftCapIsTheBuiltin
+            | Property::UserCausalMaskIsTopLeft => 128,
             Property::BackwardEquivalence
             | Property::ScoreGradientRowsSumToZero
             | Property::BackwardHiddenKeys

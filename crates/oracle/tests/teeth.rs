@@ -3,8 +3,8 @@
 //! that should catch it. Run with `--nocapture` to see each failure and its shrunk input.
 
 use attn_core::{
-    HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_batch, validate_batch_backward,
-    validate_head, validate_head_backward,
+    HeadMask, HeadModifiers, Options, Result, ScoreTile, Tensor4, Tensor4Ref, validate_batch,
+    validate_batch_backward, validate_head, validate_head_backward,
 };
 use attn_oracle::{
     BatchGradients, Compute, Dtype, Engine, ErrorModel, Failure, Gradients, Property, SuiteConfig,
@@ -42,6 +42,13 @@ enum Bug {
     GroupSumInThreadOrder,
     /// Batched: every query head reads the `[B, H, n_q, n_k]` masks of head 0.
     FirstHeadMask,
+    /// The sink logit is left out of the softmax's denominator.
+    IgnoreSink,
+    /// ALiBi distances are always aligned top-left (`|i − j|`), whatever the alignment.
+    AlibiTopLeft,
+    /// The user's mask is asked about each block of 4 × 4 entries, and a block it calls
+    /// hidden is computed anyway (asked entry by entry), not skipped.
+    UnskippedUserBlocks,
 }
 
 /// Online softmax over key blocks of 4, in f32.
@@ -79,14 +86,33 @@ impl Toy {
         n_k: usize,
         key_len: Option<usize>,
     ) -> Mat<bool> {
-        let mask = HeadMask::new(options, n_q, n_k, key_len);
+        self.visible_at(options, n_q, n_k, key_len, (0, 0))
+    }
+
+    /// [`Toy::visible`] for head `at = (b, h)` of a batched call (what a user mask sees).
+    fn visible_at(
+        &self,
+        options: &Options<'_>,
+        n_q: usize,
+        n_k: usize,
+        key_len: Option<usize>,
+        at: (usize, usize),
+    ) -> Mat<bool> {
+        let mask = HeadMask::new(options, n_q, n_k, key_len).at(at.0, at.1);
+        if self.0 == Bug::UnskippedUserBlocks {
+            for r in (0..n_q).step_by(BLOCK) {
+                for c in (0..n_k).step_by(BLOCK) {
+                    let _ = mask.user_coverage(r..(r + BLOCK).min(n_q), c..(c + BLOCK).min(n_k));
+                }
+            }
+        }
         match (self.0, options.causal) {
             (Bug::CausalOffByOne, Some(c)) => {
                 let relaxed = Options {
                     causal: None,
                     ..*options
                 };
-                let m = HeadMask::new(&relaxed, n_q, n_k, key_len);
+                let m = HeadMask::new(&relaxed, n_q, n_k, key_len).at(at.0, at.1);
                 let off = c.offset(n_q, n_k);
                 Mat::from_fn(n_q, n_k, |i, j| {
                     m.allows(i, j) && (j as i64) <= i as i64 + off + 1
@@ -96,6 +122,25 @@ impl Toy {
         }
     }
 
+    /// The modifiers of head `(b, h)` of `h_q`, as the toy (maybe wrongly) applies them.
+    fn modifiers<'a>(
+        &self,
+        options: &Options<'a>,
+        (b, h, h_q): (usize, usize, usize),
+        n_q: usize,
+        n_k: usize,
+    ) -> HeadModifiers<'a> {
+        let mut mods = options.head_modifiers(b, h, h_q, n_q, n_k);
+        if self.0 == Bug::AlibiTopLeft {
+            mods.alibi = mods.alibi.map(|(slope, _)| (slope, 0));
+        }
+        if self.0 == Bug::IgnoreSink {
+            mods.sink = None;
+        }
+        mods
+    }
+
+    /// One head; `at = (b, h, h_q)` places it in a batched call (`(0, 0, 1)` alone).
     fn head(
         &self,
         q: MatRef<'_, f32>,
@@ -103,17 +148,24 @@ impl Toy {
         v: MatRef<'_, f32>,
         options: &Options<'_>,
         key_len: Option<usize>,
+        at: (usize, usize, usize),
     ) -> Result<(Mat<f32>, Vec<f32>)> {
         let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
         let scale = options.scale_for(d_k)?;
-        let visible = self.visible(options, n_q, n_k, key_len);
+        let visible = self.visible_at(options, n_q, n_k, key_len, (at.0, at.1));
+        let mods = self.modifiers(options, at, n_q, n_k);
         let bias = |i: usize, j: usize| options.additive_mask.map_or(0.0, |m| m[(i, j)]);
         let score = |i: usize, j: usize| {
             if bias(i, j) == f32::NEG_INFINITY {
                 return f32::NEG_INFINITY; // hidden: nothing about the key is computed
             }
             let dot: f32 = (0..d_k).map(|t| q[(i, t)] * k[(j, t)]).sum();
-            scale * dot + bias(i, j)
+            // The modifiers in natural units, one score at a time, before the bias.
+            let mut s = [scale * dot];
+            if let Ok(mut tile) = ScoreTile::new(&mut s, (1, 1), i..i + 1, j..j + 1, at.0, at.1) {
+                mods.modify(&mut tile);
+            }
+            s[0] + bias(i, j)
         };
         let mut out = Mat::<f32>::zeros(n_q, d_v);
         let mut lse = vec![f32::NEG_INFINITY; n_q];
@@ -187,6 +239,18 @@ impl Toy {
                     }
                 }
                 m = m_new;
+            }
+            if let Some(sink) = mods.sink {
+                // The sink joins the denominator without a value; alone, it is the LSE.
+                if l == 0.0 {
+                    lse[i] = sink;
+                    continue;
+                }
+                let top = m.max(sink);
+                let alpha = (m - top).exp();
+                l = l * alpha + (sink - top).exp();
+                acc.iter_mut().for_each(|a| *a *= alpha);
+                m = top;
             }
             if l == 0.0 && self.0 != Bug::NoEmptyRowGuard {
                 continue;
@@ -331,6 +395,16 @@ impl Engine for Toy {
         vec![BLOCK, 16, 64]
     }
 
+    // Built-ins and user modifiers go through the same f32 functions, score by score, and
+    // a user mask is asked about every entry, as the structural masks are.
+    fn user_score_mod_bits_match_builtins(&self) -> bool {
+        true
+    }
+
+    fn user_mask_mod_bits_match_structural(&self, _: usize, _: usize) -> bool {
+        true
+    }
+
     fn attention_with_lse(
         &self,
         q: MatRef<'_, f32>,
@@ -339,7 +413,7 @@ impl Engine for Toy {
         options: &Options<'_>,
     ) -> Result<(Mat<f32>, Vec<f32>)> {
         validate_head(q, k, v, options)?;
-        self.head(q, k, v, options, options.key_length(0))
+        self.head(q, k, v, options, options.key_length(0), (0, 0, 1))
     }
 
     fn attention_batched(
@@ -362,6 +436,7 @@ impl Engine for Toy {
                     v.head(b, kv)?,
                     &single,
                     options.key_length(b),
+                    (b, h, shape.h_q),
                 )?;
                 let mut view = out.as_mut();
                 view.head_mut(b, h)?.copy_from(&o);
@@ -585,6 +660,34 @@ fn mask_skipped_in_the_recompute_is_caught() {
 #[test]
 fn masks_of_the_wrong_head_are_caught() {
     caught_by(Bug::FirstHeadMask, &[Property::PerHeadMasks]);
+}
+
+#[test]
+fn an_ignored_sink_is_caught() {
+    caught_by(
+        Bug::IgnoreSink,
+        &[
+            Property::SinkTakesItsShare,
+            Property::Equivalence,
+            Property::RowsSumToOne,
+        ],
+    );
+}
+
+#[test]
+fn alibi_aligned_top_left_is_caught() {
+    caught_by(
+        Bug::AlibiTopLeft,
+        &[Property::Equivalence, Property::BatchedEquivalence],
+    );
+}
+
+#[test]
+fn unskipped_hidden_user_blocks_are_caught() {
+    caught_by(
+        Bug::UnskippedUserBlocks,
+        &[Property::UserCausalMaskIsTopLeft],
+    );
 }
 
 #[test]

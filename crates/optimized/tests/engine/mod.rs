@@ -6,7 +6,7 @@ use core::marker::PhantomData;
 use core::ops::Range;
 
 use attn_core::{CuSeqlens, Options, Result, Tensor4, Tensor4Ref, validate_head};
-use attn_optimized::{Element, KEY_TILE, PartialState, QUERY_TILE, SPLIT_KEYS};
+use attn_optimized::{Element, KEY_TILE, PartialState, QUERY_TILE, SPLIT_KEYS, TilePlan};
 use attn_oracle::{BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan};
 use faer::{Mat, MatRef};
 
@@ -86,6 +86,18 @@ impl<T: Element> Engine for OptimizedEngine<T> {
         // Row kernels up to 4 queries, 8-row and 16-key tile granularity, 64-key row
         // blocks, the query and key tiles, and the split-KV chunk.
         vec![4, 8, 16, 64, QUERY_TILE, KEY_TILE, SPLIT_KEYS]
+    }
+
+    // The built-in soft-cap is `SoftCap::apply_f32` on the same scores a user's ScoreMod sees.
+    fn user_score_mod_bits_match_builtins(&self) -> bool {
+        true
+    }
+
+    // Only GEMM tiles compute a causal block as a user's mask does: a row tile (at most 4
+    // queries, `DECODE_ROWS`) trims the diagonal's key block at the last visible key.
+    fn user_mask_mod_bits_match_structural(&self, n_q: usize, n_k: usize) -> bool {
+        let br = TilePlan::for_shape(n_q, n_k).br;
+        n_q == 0 || n_q - (n_q.div_ceil(br) - 1) * br > 4
     }
 
     fn attention_with_lse(

@@ -26,7 +26,8 @@ use crate::bound::{
 };
 use crate::case::{
     BatchCase, BatchInputs, Bias, HeadCase, HeadInputs, OwnedTensor, Rng, Shapes, TensorLayout,
-    Values, batch_case, head_case, head_case_with, masks, operand, ordinary_values,
+    Values, batch_case, batch_for_backward, for_backward, head_case, head_case_with, masks,
+    operand, ordinary_values,
 };
 use crate::suite::record_tightness;
 use crate::{BatchGradients, Dtype, Engine, Gradients};
@@ -112,7 +113,8 @@ fn square() -> impl Strategy<Value = bool> {
 
 fn grad_case_from(head: BoxedStrategy<HeadCase>) -> BoxedStrategy<GradCase> {
     (head, ordinary_values(), any::<u64>(), square())
-        .prop_map(|(mut head, grad, grad_seed, square)| {
+        .prop_map(|(head, grad, grad_seed, square)| {
+            let mut head = for_backward(head);
             if square {
                 head.n_k = head.n_q;
             }
@@ -137,7 +139,8 @@ pub(crate) fn batch_grad_case(
         any::<u64>(),
         square(),
     )
-        .prop_map(|(mut batch, group, grad, grad_seed, square)| {
+        .prop_map(|(batch, group, grad, grad_seed, square)| {
+            let mut batch = batch_for_backward(batch);
             batch.group = group;
             if square {
                 batch.head.n_k = batch.head.n_q;
@@ -758,7 +761,9 @@ pub(crate) fn hidden_keys(
 pub(crate) fn masked_rows_grad_case(
     shapes: &Shapes,
 ) -> BoxedStrategy<((HeadCase, RowHider), Values, u64)> {
-    (masked_rows_case(shapes), ordinary_values(), any::<u64>()).boxed()
+    (masked_rows_case(shapes), ordinary_values(), any::<u64>())
+        .prop_map(|((c, h), grad, seed)| ((for_backward(c), h), grad, seed))
+        .boxed()
 }
 
 pub(crate) fn fully_masked_rows(

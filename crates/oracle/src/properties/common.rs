@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::TestCaseError;
 
-use crate::bound::{BatchGradientBound, HeadBound, head_bound_merged};
+use crate::bound::{BatchGradientBound, HeadBound, head_bound_with};
 use crate::case::{AdditiveRecipe, Bias, BoolRecipe, HeadCase, HeadInputs, Shapes, head_case};
 use crate::suite::record_tightness;
 use crate::{Dtype, Engine};
@@ -75,21 +75,28 @@ pub(crate) fn bound(
 ) -> HeadBound {
     let opts = inputs.options();
     let (q, k, v) = views(inputs);
-    head_bound_merged(
+    head_bound_with(
         &engine.error_model(),
         q,
         k,
         v,
         scale_of(&opts, q.ncols()),
         opts.additive_mask,
+        &inputs.score_mods(),
         r,
         merges,
     )
 }
 
+/// Whether row `i` of the reference sees no key (its LSE is then `-inf`, or its sink's).
+pub(crate) fn sees_nothing(r: &Materialized, i: usize) -> bool {
+    (0..r.scores.ncols()).all(|j| r.scores[(i, j)] == f64::NEG_INFINITY)
+}
+
 /// Compares an engine's output (and LSE) with the reference, row by row where `rows`
-/// says so: a row with no visible key must be exactly 0 with LSE `-inf`, every other
-/// row finite and within the bound `b`. Returns a description of the first violation.
+/// says so: a row with no visible key must be exactly 0 with the reference's LSE exactly
+/// (`-inf`, or the sink logit of its head), every other row finite and within the bound
+/// `b`. Returns a description of the first violation.
 pub fn compare_head(
     what: &str,
     o: MatRef<'_, f32>,
@@ -112,7 +119,7 @@ pub fn compare_head(
         return Err(format!("{what}: {} LSE values for {n_q} rows", l.len()));
     }
     for i in (0..n_q).filter(|&i| rows(i)) {
-        if r.lse[i] == f64::NEG_INFINITY {
+        if sees_nothing(r, i) {
             if let Some(c) = (0..d_v).find(|&c| o[(i, c)] != 0.0) {
                 return Err(format!(
                     "{what}: row {i} has no visible key, so its output must be exactly 0, \
@@ -120,11 +127,14 @@ pub fn compare_head(
                     o[(i, c)]
                 ));
             }
+            // -inf, or the head's sink logit (an f32, exactly).
+            let want = r.lse[i] as f32;
             if let Some(l) = lse
-                && l[i] != f32::NEG_INFINITY
+                && l[i].to_bits() != want.to_bits()
             {
                 return Err(format!(
-                    "{what}: row {i} has no visible key, so its LSE must be -inf, not {:e}",
+                    "{what}: row {i} has no visible key, so its LSE must be {want:e} \
+                     (-inf, or the sink logit), not {:e}",
                     l[i]
                 ));
             }

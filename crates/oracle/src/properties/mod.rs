@@ -14,6 +14,8 @@
 //!   methods return `None`, as the merge properties are without `attention_split`;
 //! - `per_head`: masks per batch entry and head (`[B, H, n_q, n_k]` views, issue 17),
 //!   forward and backward;
+//! - `modifiers`: the score modifiers' own identities (issue 16; every other forward
+//!   property's cases draw modifiers too);
 //! - `packed`: packed batches of sequences of different lengths
 //!   ([`Engine::attention_packed`], [`Engine::attention_backward_packed`], issue 17),
 //!   skipped for engines without them.
@@ -21,6 +23,7 @@
 mod backward;
 mod common;
 mod forward;
+mod modifiers;
 mod packed;
 mod per_head;
 mod robustness;
@@ -190,6 +193,48 @@ pub fn check_property(
             per_head::shared_case(&batch_shapes(&shapes)),
             per_head::broadcast_is_shared,
         ),
+        Property::SoftCapBoundsScores => run(
+            engine,
+            property,
+            config,
+            modifiers::softcap_case(&shapes),
+            modifiers::softcap_bounds_scores,
+        ),
+        Property::ZeroSlopesAreNoAlibi => run(
+            engine,
+            property,
+            config,
+            modifiers::identity_case(&shapes),
+            modifiers::zero_slopes,
+        ),
+        Property::NegInfSinksAreNoSinks => run(
+            engine,
+            property,
+            config,
+            modifiers::identity_case(&shapes),
+            modifiers::neg_inf_sinks,
+        ),
+        Property::SinkTakesItsShare => run(
+            engine,
+            property,
+            config,
+            modifiers::sink_case(&shapes),
+            modifiers::sink_share,
+        ),
+        Property::UserSoftCapIsTheBuiltin => run(
+            engine,
+            property,
+            config,
+            modifiers::user_cap_case(&shapes),
+            modifiers::user_softcap,
+        ),
+        Property::UserCausalMaskIsTopLeft => run(
+            engine,
+            property,
+            config,
+            modifiers::user_causal_case(&shapes),
+            modifiers::user_causal,
+        ),
         _ => unreachable!("backward properties are dispatched by check_backward"),
     }
 }
@@ -321,7 +366,10 @@ fn check_packed(
             engine,
             property,
             config,
-            (packed::packed_case(65), proptest::prelude::any::<u64>()),
+            (
+                packed::packed_grad_case(65),
+                proptest::prelude::any::<u64>(),
+            ),
             packed::packed_gradients,
         )
     } else {

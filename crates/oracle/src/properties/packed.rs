@@ -7,7 +7,7 @@
 
 use core::ops::Range;
 
-use attn_core::{Causal, CuSeqlens, Options, SlidingWindow, Tensor4, Tensor4Ref};
+use attn_core::{Alibi, Causal, CuSeqlens, Options, SlidingWindow, SoftCap, Tensor4, Tensor4Ref};
 use faer::MatRef;
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -16,8 +16,11 @@ use proptest::test_runner::TestCaseError;
 use super::common::{
     Check, all_rows, compare_batched_gradients, compare_head, engine_err, fail, scale_of,
 };
-use crate::bound::{batch_backward_bound, head_bound_merged};
-use crate::case::{OwnedTensor, Rng, TensorLayout};
+use crate::bound::{ScoreMods, batch_backward_bound, head_bound_with};
+use crate::case::{
+    BACKWARD_MODIFIERS, HeadSlot, ModRecipe, OwnedTensor, Rng, TensorLayout, modifiers,
+};
+use crate::user_mods::{MaskModAt, ScoreModAt, UserMask, UserScore};
 use crate::{BatchGradients, Engine};
 
 /// Whether the engine has a packed mode (asked on one empty sequence).
@@ -66,6 +69,9 @@ pub struct PackedCase {
     pub layouts: [TensorLayout; 3],
     /// Seed of the values.
     pub seed: u64,
+    /// Score modifiers (ALiBi slopes per query head or per (sequence, query head); a user
+    /// modifier sees the sequence as its batch entry).
+    pub modifiers: ModRecipe,
 }
 
 impl PackedCase {
@@ -99,7 +105,7 @@ pub(crate) fn packed_case(max: usize) -> BoxedStrategy<PackedCase> {
         proptest::option::of(select(vec![Causal::TopLeft, Causal::BottomRight])),
         proptest::option::weighted(0.3, (0..4usize, 0..4usize)),
         [layout(), layout(), layout()],
-        any::<u64>(),
+        (any::<u64>(), modifiers()),
     )
         .prop_map(
             |(
@@ -110,7 +116,7 @@ pub(crate) fn packed_case(max: usize) -> BoxedStrategy<PackedCase> {
                 causal,
                 window,
                 layouts,
-                seed,
+                (seed, modifiers),
             )| {
                 if square {
                     seqs.iter_mut().for_each(|s| s.1 = s.0);
@@ -130,6 +136,7 @@ pub(crate) fn packed_case(max: usize) -> BoxedStrategy<PackedCase> {
                         .map(|(l, r)| SlidingWindow::new(Some(l), Some(r), Causal::BottomRight)),
                     layouts,
                     seed,
+                    modifiers,
                 }
             },
         )
@@ -144,6 +151,8 @@ struct PackedInputs {
     v: OwnedTensor,
     cu_q: Vec<usize>,
     cu_k: Vec<usize>,
+    slopes: Option<Vec<f32>>,
+    sinks: Option<Vec<f32>>,
 }
 
 impl PackedInputs {
@@ -172,6 +181,7 @@ impl PackedInputs {
             [1, case.h_kv, total_k, case.d_v],
             &mut value,
         );
+        let (slopes, sinks) = case.modifiers.build(case.seqs.len(), h_q, case.seed);
         PackedInputs {
             case: case.clone(),
             q,
@@ -179,6 +189,8 @@ impl PackedInputs {
             v,
             cu_q,
             cu_k,
+            slopes,
+            sinks,
         }
     }
 
@@ -186,11 +198,76 @@ impl PackedInputs {
         CuSeqlens::new(&self.cu_q, &self.cu_k).expect("built valid")
     }
 
-    fn options(&self) -> Options<'static> {
+    fn options(&self) -> Options<'_> {
+        let m = &self.case.modifiers;
         Options {
             causal: self.case.causal,
             window: self.case.window,
+            softcap: m
+                .softcap
+                .map(|c| SoftCap::new(c).expect("generated caps are valid")),
+            alibi: self
+                .slopes
+                .as_deref()
+                .zip(m.alibi)
+                .map(|(s, a)| Alibi::new(s).with_align(a.align)),
+            sinks: self.sinks.as_deref(),
+            score_mod: m.score_mod.map(UserScore::modifier),
+            mask_mod: m.mask_mod.map(UserMask::modifier),
             ..Options::default()
+        }
+    }
+
+    /// The bound's view of head `h` of sequence `s` (`single`: its single-head options).
+    fn score_mods(&self, single: &Options<'_>, s: usize, h: usize, n: [usize; 2]) -> ScoreMods {
+        let user = self
+            .case
+            .modifiers
+            .score_mod
+            .map(|u| u.bound(s, h, n[0], n[1]));
+        ScoreMods::of(&single.head_modifiers(0, 0, 1, n[0], n[1]), user)
+    }
+}
+
+/// What a packed call of sequence `s` alone needs to compute it as the whole batch does: its
+/// slopes (when they are per sequence) and the user's modifiers asked about sequence `s`.
+struct Alone<'a> {
+    slopes: Option<&'a [f32]>,
+    score_mod: Option<ScoreModAt<'a>>,
+    mask_mod: Option<MaskModAt<'a>>,
+}
+
+impl<'a> Alone<'a> {
+    fn new(opts: &Options<'a>, s: usize, h_q: usize) -> Self {
+        Alone {
+            slopes: opts.alibi.map(|a| {
+                let sl = a.slopes();
+                if sl.len() == h_q {
+                    sl
+                } else {
+                    &sl[s * h_q..(s + 1) * h_q]
+                }
+            }),
+            score_mod: opts.score_mod.map(|m| ScoreModAt {
+                inner: m,
+                at: (Some(s), None),
+            }),
+            mask_mod: opts.mask_mod.map(|m| MaskModAt {
+                inner: m,
+                at: (Some(s), None),
+            }),
+        }
+    }
+
+    fn apply<'s>(&'s self, opts: Options<'s>) -> Options<'s> {
+        Options {
+            alibi: opts
+                .alibi
+                .zip(self.slopes)
+                .map(|(a, s)| Alibi::new(s).with_align(a.align())),
+            score_mod: self.score_mod.as_ref().map(|m| m as _),
+            mask_mod: self.mask_mod.as_ref().map(|m| m as _),
+            ..opts
         }
     }
 }
@@ -277,15 +354,18 @@ pub(crate) fn packed_sequences(engine: &dyn Engine, case: PackedCase) -> Check {
                 ks.head(0, kv).expect("in range"),
                 vs.head(0, kv).expect("in range"),
             );
-            let r = attn_reference::attention_materialized(qh, kh, vh, &opts)
+            let slot = HeadSlot::new(&opts, s, h, h_q);
+            let single = slot.apply(opts);
+            let r = attn_reference::attention_materialized(qh, kh, vh, &single)
                 .expect("generated inputs are valid");
-            let bd = head_bound_merged(
+            let bd = head_bound_with(
                 &engine.error_model(),
                 qh,
                 kh,
                 vh,
                 scale_of(&opts, case.d_k),
                 None,
+                &x.score_mods(&single, s, h, [rows.len(), keys.len()]),
                 &r,
                 0,
             );
@@ -307,7 +387,8 @@ pub(crate) fn packed_sequences(engine: &dyn Engine, case: PackedCase) -> Check {
         if case.uniform() {
             let (cu_q, cu_k) = ([0, rows.len()], [0, keys.len()]);
             let alone = CuSeqlens::new(&cu_q, &cu_k).expect("valid");
-            let (o1, l1) = packed_forward(engine, qs, ks, vs, &alone, &opts)?;
+            let by_itself = Alone::new(&opts, s, h_q);
+            let (o1, l1) = packed_forward(engine, qs, ks, vs, &alone, &by_itself.apply(opts))?;
             for h in 0..h_q {
                 let whole = head_rows(&out, h, &rows)?;
                 let single = head_rows(&o1, h, &(0..rows.len()))?;
@@ -345,6 +426,18 @@ fn packed_backward(
         .attention_backward_packed(q, k, v, grad_out, out, lse, seqs, opts)
         .ok_or_else(|| fail("the engine stopped supporting the packed backward pass"))?
         .map_err(|e| engine_err("packed backward call", e))
+}
+
+/// [`packed_case`] for the backward pass: no modifiers unless [`BACKWARD_MODIFIERS`].
+pub(crate) fn packed_grad_case(max: usize) -> BoxedStrategy<PackedCase> {
+    packed_case(max)
+        .prop_map(|mut c| {
+            if !BACKWARD_MODIFIERS {
+                c.modifiers = ModRecipe::NONE;
+            }
+            c
+        })
+        .boxed()
 }
 
 pub(crate) fn packed_gradients(engine: &dyn Engine, (case, seed): (PackedCase, u64)) -> Check {

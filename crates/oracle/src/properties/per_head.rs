@@ -14,9 +14,12 @@ use super::common::{
 };
 use crate::Engine;
 use crate::bound::{
-    BatchGradientBound, batch_backward_bound, head_backward_bound, head_bound_merged,
+    BatchGradientBound, batch_backward_bound, head_backward_bound, head_bound_with,
 };
-use crate::case::{BatchCase, BatchInputs, OwnedTensor, Rng, Shapes, TensorLayout, batch_case};
+use crate::case::{
+    BACKWARD_MODIFIERS, BatchCase, BatchInputs, HeadSlot, OwnedTensor, Rng, Shapes, TensorLayout,
+    batch_case, batch_for_backward,
+};
 
 /// How a case's `[B, H, n_q, n_k]` masks are laid out and filled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -267,16 +270,18 @@ fn per_head_masks_once(engine: &dyn Engine, case: &Mask4Case) -> Check {
     for b in 0..batch {
         for h in 0..h_q {
             let (bits, bias) = built.head_masks(b, h);
-            let single = head_options(&opts, b, &bits, &bias);
+            let slot = HeadSlot::new(&opts, b, h, h_q);
+            let single = slot.apply(head_options(&opts, b, &bits, &bias));
             let [q, k, v] = heads(x, b, h);
             let r = reference_head(q, k, v, &single);
-            let bd = head_bound_merged(
+            let bd = head_bound_with(
                 &engine.error_model(),
                 q,
                 k,
                 v,
                 scale_of(&single, q.ncols()),
                 single.additive_mask,
+                &x.score_mods(b, h),
                 &r,
                 0,
             );
@@ -368,6 +373,9 @@ pub(crate) fn broadcast_is_shared(
             "a [B, H, n_q, n_k] mask broadcast from [n_q, n_k] gave other output bits than the [n_q, n_k] mask",
         ));
     }
+    if base.has_modifiers() && !BACKWARD_MODIFIERS {
+        return Ok(()); // the backward passes reject modifiers for now
+    }
     // The backward pass, on the reference's forward (any consistent O and LSE will do).
     let (out, lse) =
         attn_reference::attention_batched_with_lse(x.q.view(), x.k.view(), x.v.view(), &two)
@@ -414,6 +422,7 @@ fn shared_additive(case: &Mask4Case) -> bool {
 pub(crate) fn mask4_grad_case(shapes: &Shapes) -> BoxedStrategy<(Mask4Case, u64)> {
     (mask4_case(shapes), any::<u64>())
         .prop_map(|(mut c, seed)| {
+            c.batch = batch_for_backward(c.batch);
             if !shared_additive(&c) {
                 c.batch.group = 1;
             }

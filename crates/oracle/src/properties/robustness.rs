@@ -9,7 +9,7 @@ use proptest::sample::select;
 
 use super::common::{
     Check, RowHider, bound, compare_head, engine_err, equivalent, fail, masked_rows_inputs,
-    matches_reference, reference, run_head,
+    matches_reference, reference, run_head, sees_nothing,
 };
 use crate::Engine;
 use crate::case::{HeadCase, Rng, Shapes, head_case};
@@ -79,7 +79,7 @@ pub(crate) fn fully_masked_rows(engine: &dyn Engine, (case, hider): (HeadCase, R
     let inputs = masked_rows_inputs(&case, hider, engine.storage());
     let n_k = inputs.k.nrows();
     let (o, lse, r, _) = equivalent(engine, &inputs, "fully masked rows")?;
-    if r.lse[0] != f64::NEG_INFINITY {
+    if !sees_nothing(&r, 0) {
         return Err(fail(format!(
             "oracle bug: {hider:?} left row 0 with a visible key"
         )));
@@ -104,7 +104,7 @@ pub(crate) fn fully_masked_rows(engine: &dyn Engine, (case, hider): (HeadCase, R
         .attention_batched(q, k, v, &inputs.options())
         .map_err(|e| engine_err("batched call", e))?;
     let head = t.as_ref().head(0, 0).map_err(|e| fail(e.to_string()))?;
-    for i in (0..n_q).filter(|&i| r.lse[i] == f64::NEG_INFINITY) {
+    for i in (0..n_q).filter(|&i| sees_nothing(&r, i)) {
         if let Some(c) = (0..d_v).find(|&c| head[(i, c)] != 0.0) {
             return Err(fail(format!(
                 "batched call: row {i} has no visible key but output[{i}, {c}] = {:e}",
@@ -148,6 +148,10 @@ pub enum Defect {
     BatchSize,
     /// Batched: one key length too few.
     KeyLengthCount,
+    /// A NaN (or `+inf`) sink logit.
+    Sink(f32),
+    /// Two ALiBi slopes for a single head.
+    SlopeCount,
 }
 
 pub(crate) fn malformed_case() -> BoxedStrategy<(Defect, usize, usize, usize, usize)> {
@@ -166,6 +170,9 @@ pub(crate) fn malformed_case() -> BoxedStrategy<(Defect, usize, usize, usize, us
             Defect::HeadGrouping,
             Defect::BatchSize,
             Defect::KeyLengthCount,
+            Defect::Sink(f32::NAN),
+            Defect::Sink(f32::INFINITY),
+            Defect::SlopeCount,
         ]),
         0..=5usize,
         0..=5usize,
@@ -183,6 +190,11 @@ pub(crate) fn malformed_input(
     let (mut q, mut k, mut v) = (z(n_q, d_k), z(n_k, d_k), z(n_k, d_v));
     let add = z(n_q + 1, n_k);
     let bits = Mat::<bool>::from_fn(n_q, n_k + 1, |i, j| (i + j) % 2 == 0);
+    let slopes = [0.5f32, 0.25];
+    let sink = [match defect {
+        Defect::Sink(s) => s,
+        _ => 0.0,
+    }];
     let mut opts = Options::default();
     let batched = matches!(
         defect,
@@ -199,6 +211,8 @@ pub(crate) fn malformed_input(
         Defect::AdditiveShape => opts = opts.with_additive_mask(add.as_ref()),
         Defect::BoolShape => opts = opts.with_bool_mask(BoolMask::block(bits.as_ref())),
         Defect::KeyLength => opts = opts.with_key_length(n_k + 1),
+        Defect::Sink(_) => opts = opts.with_sinks(&sink),
+        Defect::SlopeCount => opts = opts.with_alibi(attn_core::Alibi::new(&slopes)),
         Defect::HeadGrouping | Defect::BatchSize | Defect::KeyLengthCount => {}
     }
     let report = |e: Result<(), attn_core::Error>, r: Result<(), attn_core::Error>| -> Check {
