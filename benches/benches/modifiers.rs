@@ -51,12 +51,14 @@ impl ScoreMod for UserSoftCap {
 #[derive(Debug)]
 struct UserAlibi<'a> {
     slopes: &'a [f32],
-    off: i64,
+    off: i32,
 }
 
 impl ScoreMod for UserAlibi<'_> {
     fn score(&self, s: f32, _b: usize, h: usize, i: usize, j: usize) -> f32 {
-        s - self.slopes[h] * (i as i64 + self.off - j as i64).abs() as f32
+        // The built-in's arithmetic: the distance in i32 lanes, then its magnitude in f32.
+        let d = (i as i32).wrapping_add(self.off).wrapping_sub(j as i32);
+        s - self.slopes[h] * (d as f32).abs()
     }
     fn derivative(&self, _s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
         1.0
