@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use attn_benches::protocol::median;
 use attn_benches::roof::pool;
-use attn_core::{Alibi, MaskMod, ScoreMod, SoftCap, TileCoverage};
+use attn_core::{Alibi, MaskMod, ScoreMod, ScoreTile, SoftCap, TileCoverage};
 use attn_optimized::{Causal, Layout, Options, Tensor4Ref, attention_batched};
 use criterion::Criterion;
 
@@ -54,14 +54,36 @@ struct UserAlibi<'a> {
     off: i32,
 }
 
+/// The built-in's arithmetic: the distance in i32 lanes, then its magnitude in f32.
+fn distance(i: usize, j: usize, off: i32) -> f32 {
+    ((i as i32).wrapping_add(off).wrapping_sub(j as i32) as f32).abs()
+}
+
 impl ScoreMod for UserAlibi<'_> {
     fn score(&self, s: f32, _b: usize, h: usize, i: usize, j: usize) -> f32 {
-        // The built-in's arithmetic: the distance in i32 lanes, then its magnitude in f32.
-        let d = (i as i32).wrapping_add(self.off).wrapping_sub(j as i32);
-        s - self.slopes[h] * (d as f32).abs()
+        s - self.slopes[h] * distance(i, j, self.off)
     }
     fn derivative(&self, _s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
         1.0
+    }
+    /// The head's slope looked up once per tile, as the built-in does: a slice index per
+    /// score (`score` above) carries a bounds check that keeps the loop from vectorising.
+    fn modify(&self, tile: &mut ScoreTile<'_>) {
+        let (m, off) = (self.slopes[tile.head()], self.off);
+        tile.map(move |s, i, j| s - m * distance(i, j, off));
+    }
+}
+
+/// [`UserAlibi`] with the default `modify`: the slope looked up per score.
+#[derive(Debug)]
+struct NaiveUserAlibi<'a>(UserAlibi<'a>);
+
+impl ScoreMod for NaiveUserAlibi<'_> {
+    fn score(&self, s: f32, b: usize, h: usize, i: usize, j: usize) -> f32 {
+        self.0.score(s, b, h, i, j)
+    }
+    fn derivative(&self, s: f32, b: usize, h: usize, i: usize, j: usize) -> f32 {
+        self.0.derivative(s, b, h, i, j)
     }
 }
 
@@ -120,6 +142,10 @@ fn main() {
         slopes: &slopes,
         off: 0,
     };
+    let naive_alibi = NaiveUserAlibi(UserAlibi {
+        slopes: &slopes,
+        off: 0,
+    });
     let causal = Options::default().with_causal(Causal::TopLeft);
     let plain = Options::default();
 
@@ -131,6 +157,7 @@ fn main() {
         ("sink", plain.with_sinks(&sinks)),
         ("user_softcap", plain.with_score_mod(&user_cap)),
         ("user_alibi", plain.with_score_mod(&user_alibi)),
+        ("user_alibi_naive", plain.with_score_mod(&naive_alibi)),
         ("causal", causal),
         ("causal_softcap", causal.with_softcap(cap)),
         ("causal_alibi", causal.with_alibi(Alibi::new(&slopes))),
@@ -164,6 +191,12 @@ fn main() {
             "user_alibi",
             "alibi",
             1.05,
+        ),
+        pair(
+            "(no target) naive user ALiBi ÷ with_alibi",
+            "user_alibi_naive",
+            "alibi",
+            f64::INFINITY,
         ),
         pair(
             "user MaskMod causal ÷ Causal::TopLeft",
