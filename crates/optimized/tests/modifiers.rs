@@ -3,11 +3,11 @@
 //! (prefill), the row tiles (decoding), split-KV, the KV cache and packed calls; and the
 //! identities the contract promises bit for bit.
 
+use attn_oracle::user_mods::{TopLeftMask, UserSoftCap};
 use core::ops::Range;
 
 use attn_core::{
     Alibi, Causal, CuSeqlens, Error, Layout, MaskMod, Options, ScoreMod, SoftCap, Tensor4Ref,
-    TileCoverage,
 };
 use attn_optimized::{Element, KvCache, SplitKv};
 
@@ -28,19 +28,6 @@ fn data<T: Element>(len: usize, seed: u64, amp: f32) -> Vec<T> {
         .collect()
 }
 
-/// A user modifier that re-implements the soft-cap with the built-in's arithmetic.
-#[derive(Debug)]
-struct UserCap(SoftCap);
-
-impl ScoreMod for UserCap {
-    fn score(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
-        self.0.apply_f32(s).0
-    }
-    fn derivative(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
-        self.0.apply_f32(s).1
-    }
-}
-
 /// A position- and head-dependent user modifier: `s + 0.05·h − 0.01·|i − j|·(b + 1)`.
 #[derive(Debug)]
 struct Bias;
@@ -51,25 +38,6 @@ impl ScoreMod for Bias {
     }
     fn derivative(&self, _: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
         1.0
-    }
-}
-
-/// Causal, aligned top-left, as a user mask with exact block answers.
-#[derive(Debug)]
-struct UserCausal;
-
-impl MaskMod for UserCausal {
-    fn visible(&self, _: usize, _: usize, i: usize, j: usize) -> bool {
-        j <= i
-    }
-    fn coverage(&self, _: usize, _: usize, q: Range<usize>, k: Range<usize>) -> TileCoverage {
-        if k.start > q.end - 1 {
-            TileCoverage::Hidden
-        } else if k.end - 1 <= q.start {
-            TileCoverage::Full
-        } else {
-            TileCoverage::Partial
-        }
     }
 }
 
@@ -129,7 +97,7 @@ fn every_modifier<T: Both>(tol: f32) {
     let slopes = [0.5f32, 0.25, 0.125, 0.0625];
     let slopes_b: Vec<f32> = (0..8).map(|i| 0.3 / (i + 1) as f32).collect();
     let sinks = [0.5f32, f32::NEG_INFINITY, -1.0, 3.0];
-    let (user_cap, bias) = (UserCap(cap), Bias);
+    let (user_cap, bias) = (UserSoftCap(cap), Bias);
     let options = [
         Options::default().with_softcap(cap),
         Options::default().with_alibi(Alibi::new(&slopes)),
@@ -210,7 +178,7 @@ fn identities_hold_bit_for_bit() {
     let zeros = [0.0f32; 4];
     let no_sinks = [f32::NEG_INFINITY; 4];
     let cap = SoftCap::new(4.0).unwrap();
-    let user = UserCap(cap);
+    let user = UserSoftCap(cap);
     for dims in [
         [2, 4, 2, 300, 500, 32],
         [1, 4, 4, 1, 5000, 64],
@@ -235,7 +203,7 @@ fn identities_hold_bit_for_bit() {
         // kernels' dot products round by the block's width: there the rounding differs.)
         if dims[3] > 16 {
             let top_left = Options::default().with_causal(Causal::TopLeft);
-            let user = Options::default().with_mask_mod(&UserCausal);
+            let user = Options::default().with_mask_mod(&TopLeftMask);
             same_bits("user causal", &user, &top_left, dims);
         }
     }
@@ -360,7 +328,7 @@ fn a_row_the_user_mask_hides_from_a_whole_block_sees_none_of_it() {
     let q = faer::mat![[0.5f32], [-0.25]];
     let k = faer::mat![[1.0f32], [0.75], [-0.5]];
     let v = faer::mat![[1.0f32], [2.0], [4.0]];
-    let opts = Options::default().with_mask_mod(&UserCausal);
+    let opts = Options::default().with_mask_mod(&TopLeftMask);
     let shard = |o: &Options<'_>| {
         attn_optimized::partial_attention(
             q.as_ref(),

@@ -30,11 +30,11 @@
 //! exponentials). The engine's gradients are written into f32 views (mixed precision), so
 //! no final rounding to half enters.
 
+use attn_oracle::user_mods::{TopLeftMask, UserSoftCap};
 use core::ops::Range;
 
 use attn_core::{
-    Alibi, Causal, CuSeqlens, Layout, MaskMod, Options, ScoreMod, SoftCap, Tensor4Mut, Tensor4Ref,
-    TileCoverage,
+    Alibi, Causal, CuSeqlens, Layout, MaskMod, Options, SoftCap, Tensor4Mut, Tensor4Ref,
 };
 use attn_optimized::{
     Element, attention_backward_batched, attention_backward_batched_into, attention_backward_into,
@@ -62,38 +62,6 @@ fn values(n: usize, seed: u64, amp: f32) -> Vec<f32> {
             amp * (((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
         })
         .collect()
-}
-
-/// The soft-cap as a user modifier, computed as the built-in computes it.
-#[derive(Debug)]
-struct UserCap(SoftCap);
-
-impl ScoreMod for UserCap {
-    fn score(&self, s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
-        self.0.apply_f32(s).0
-    }
-    fn derivative(&self, s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
-        self.0.apply_f32(s).1
-    }
-}
-
-/// Causal, top-left, with exact coverage.
-#[derive(Debug)]
-struct TopLeft;
-
-impl MaskMod for TopLeft {
-    fn visible(&self, _b: usize, _h: usize, i: usize, j: usize) -> bool {
-        j <= i
-    }
-    fn coverage(&self, _b: usize, _h: usize, q: Range<usize>, k: Range<usize>) -> TileCoverage {
-        if k.start > q.end - 1 {
-            TileCoverage::Hidden
-        } else if k.end - 1 <= q.start {
-            TileCoverage::Full
-        } else {
-            TileCoverage::Partial
-        }
-    }
 }
 
 /// Hides key `j` from query `i` of head `h` of entry `b` when `3i + j + b + 2h ≡ 0 mod 5`.
@@ -518,7 +486,7 @@ impl Call {
 #[test]
 fn a_user_soft_cap_gives_the_built_in_soft_caps_bits() {
     let call = Call::new([2, 4, 2, 150, 170, 16], 11);
-    let user = UserCap(cap(1.5));
+    let user = UserSoftCap(cap(1.5));
     let built_in = Options::default()
         .with_softcap(cap(1.5))
         .with_causal(Causal::BottomRight);
@@ -553,7 +521,7 @@ fn a_user_causal_mask_gives_the_bits_of_causal_top_left() {
         .with_causal(Causal::TopLeft)
         .with_softcap(cap(2.0));
     let user = Options::default()
-        .with_mask_mod(&TopLeft)
+        .with_mask_mod(&TopLeftMask)
         .with_softcap(cap(2.0));
     assert_eq!(
         call.gradients(&causal, &causal),
@@ -842,7 +810,7 @@ fn a_hidden_non_finite_key_reaches_no_gradient_through_the_modifiers() {
     let mut poisoned = Call::new([1, 1, 1, 40, 40, 8], 51);
     poisoned.k[5 * 8 + 2] = f32::NAN;
     poisoned.v[5 * 8 + 1] = f32::INFINITY;
-    let user = UserCap(cap(3.0));
+    let user = UserSoftCap(cap(3.0));
     for opts in [
         Options::default()
             .with_causal(Causal::TopLeft)

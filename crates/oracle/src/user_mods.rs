@@ -117,6 +117,22 @@ pub enum UserMask {
     Stripes,
 }
 
+/// The soft-cap written as a user modifier with the built-in's arithmetic
+/// ([`SoftCap::apply_f32`]): an engine must give it the built-in's bits (public: the
+/// engines' own tests use it too).
+#[derive(Debug)]
+pub struct UserSoftCap(pub SoftCap);
+
+impl ScoreMod for UserSoftCap {
+    #[inline(always)]
+    fn score(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
+        self.0.apply_f32(s).0
+    }
+    fn derivative(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
+        self.0.apply_f32(s).1
+    }
+}
+
 /// The half-width of [`UserMask::Band`].
 pub const BAND: usize = 40;
 
