@@ -252,10 +252,11 @@ impl ModRecipe {
     }
 }
 
-/// Whether the backward properties' cases draw score modifiers. Off while the backward
-/// passes reject them (`Error::Unsupported`); turning this on is the one switch that makes
-/// every backward property run with them (their bound, `bound::head_backward_bound`, will
-/// then need the modifiers' derivatives too).
+/// Whether the backward properties' cases draw score modifiers. Off until their bound,
+/// `bound::head_backward_bound`, carries the modifiers' derivatives (both engines compute
+/// the backward with modifiers; `crates/*/tests/modifiers_backward.rs` check it against
+/// finite differences and a bound of its own); turning this on is the one switch that makes
+/// every backward property run with them.
 pub const BACKWARD_MODIFIERS: bool = false;
 
 /// `case` as the backward properties take it: without modifiers unless
