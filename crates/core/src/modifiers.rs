@@ -243,6 +243,14 @@ impl<'a> HeadModifiers<'a> {
     /// Modifies a tile of this head's scores: the built-ins in one pass through
     /// [`ScoreTile::map`], then the user's [`ScoreMod::modify`].
     pub fn modify(&self, tile: &mut ScoreTile<'_>) {
+        self.modify_builtins(tile);
+        if let Some(m) = self.user {
+            m.modify(&mut tile.shifted(self.query_offset));
+        }
+    }
+
+    /// The built-ins' part of [`HeadModifiers::modify`].
+    fn modify_builtins(&self, tile: &mut ScoreTile<'_>) {
         // One loop per combination, so that none carries a test per score.
         match (self.softcap, self.alibi) {
             (Some(c), None) => tile.map(move |s, _, _| c.apply_f32(s).0),
@@ -262,15 +270,27 @@ impl<'a> HeadModifiers<'a> {
             }
             (None, None) => {}
         }
-        if let Some(m) = self.user {
-            m.modify(&mut tile.shifted(self.query_offset));
-        }
     }
 
     /// [`HeadModifiers::modify`] that also multiplies `derivative` by `∂score/∂s`.
     pub fn modify_chained(&self, tile: &mut ScoreTile<'_>, derivative: &mut [f32]) -> Result<()> {
-        if self.softcap.is_some() || self.alibi.is_some() {
-            tile.map_chained(derivative, |s, i, j| self.builtin_f32(s, i, j))?;
+        // One loop per combination over copies of the parameters, as in `modify`: ALiBi
+        // alone has derivative 1 and needs no chained loop.
+        match (self.softcap, self.alibi) {
+            (Some(c), None) => tile.map_chained(derivative, move |s, _, _| c.apply_f32(s))?,
+            (Some(c), Some((m, off))) if fits_i32(tile, off) => {
+                let off = off as i32;
+                tile.map_chained(derivative, move |s, i, j| {
+                    let (y, d) = c.apply_f32(s);
+                    (y - m * alibi_distance_i32(i, j, off), d)
+                })?
+            }
+            (Some(_), Some(_)) => {
+                let me = *self;
+                tile.map_chained(derivative, move |s, i, j| me.builtin_f32(s, i, j))?
+            }
+            (None, Some(_)) => self.modify_builtins(tile),
+            (None, None) => {}
         }
         if let Some(m) = self.user {
             m.modify_chained(&mut tile.shifted(self.query_offset), derivative)?;
