@@ -51,12 +51,10 @@ pub(crate) fn modify_scores<T>(
 
 /// Folds a sink logit `sink2` (base 2) into a row's online-softmax state `(m, l)`: the
 /// new reference maximum, the factor the row's accumulator must be multiplied by, and the
-/// new sum. Without a visible key (`l = 0`) the row's state becomes the sink's alone.
+/// new sum, for a row that saw some key (`l ≠ 0`; a row that saw none keeps its state). A
+/// NaN row (`l` NaN, `m` maybe still `-inf`) stays NaN.
 #[inline]
 pub(crate) fn with_sink(m: f32, l: f32, sink2: f32) -> (f32, f32, f32) {
-    if l == 0.0 || m == f32::NEG_INFINITY {
-        return (sink2, 0.0, 1.0);
-    }
     let top = m.max(sink2);
     let factor = (m - top).exp2();
     (top, factor, l * factor + (sink2 - top).exp2())

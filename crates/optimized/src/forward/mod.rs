@@ -232,10 +232,6 @@ pub(crate) struct Scratch {
     acc_rows: Vec<f32>,
     /// Whether the last tile ran the row loop (its result is in `acc_rows`, not `acc`).
     row_tile: bool,
-    /// The sink logit folded into the last tile's rows, if any, and which of them saw no
-    /// key (their LSE is the sink's).
-    sink: Option<f32>,
-    sink_only: Vec<bool>,
 }
 
 impl Scratch {
@@ -264,8 +260,6 @@ impl Scratch {
             v_wide: vec![0.0; wide * d_v],
             acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
             row_tile: false,
-            sink: None,
-            sink_only: vec![false; br],
         }
     }
 
@@ -306,7 +300,6 @@ impl Scratch {
         keys: Range<usize>,
     ) {
         debug_assert!(rows.len() <= self.plan.br);
-        self.sink = None;
         self.row_tile = rows.len() <= DECODE_ROWS && !self.acc_rows.is_empty();
         if self.row_tile {
             self.attend_rows(head, rows, keys);
@@ -360,21 +353,24 @@ impl Scratch {
         }
         if let Some(lse) = lse {
             for (i, x) in lse[..rows].iter_mut().enumerate() {
-                *x = self.lse_row(i);
+                *x = self.lse_row(i, sink);
             }
         }
     }
 
     /// Folds the sink logit `sink` (natural units) into the state `(m, l)` and the
     /// accumulator of the first `rows` rows: the sink is one more term of each row's sum,
-    /// without a value. A row that saw nothing keeps its zero accumulator, and its LSE is
-    /// `sink` itself ([`Scratch::lse_row`]).
+    /// without a value. A row that saw nothing keeps its state (`l = 0`, output 0), and its
+    /// LSE is `sink` itself ([`Scratch::lse_row`]).
     fn fold_sink(&mut self, rows: usize, sink: f32) {
         let sink2 = sink * core::f32::consts::LOG2_E;
         for i in 0..rows {
+            if self.l[i] == 0.0 {
+                self.alpha[i] = 1.0;
+                continue;
+            }
             let (m, factor, l) = with_sink(self.m[i], self.l[i], sink2);
             (self.m[i], self.alpha[i], self.l[i]) = (m, factor, l);
-            self.sink_only[i] = factor == 0.0;
         }
         let (d_v, br) = (self.shape.d_v, self.plan.br);
         if self.row_tile {
@@ -388,7 +384,6 @@ impl Scratch {
         } else {
             scale_rows(&mut self.acc, br, rows, d_v, &self.alpha);
         }
-        self.sink = Some(sink);
     }
 
     /// The tile's `rows` rows as a partial state (output and LSE) over the keys `keys`,
@@ -401,7 +396,8 @@ impl Scratch {
     ) -> PartialState {
         let (n, d_v) = (rows.len(), self.shape.d_v);
         let mut out = Mat::from_fn(n, d_v, |i, c| self.normalised(i, c));
-        let mut lse: Vec<f32> = (0..n).map(|i| self.lse_row(i)).collect();
+        // A partial state leaves the sink out: it is merged once, after every chunk.
+        let mut lse: Vec<f32> = (0..n).map(|i| self.lse_row(i, None)).collect();
         if !self.accumulators_finite(n) {
             let bad = |i: usize| !self.row_finite(i);
             exact::repair_rows(head, rows, keys, bad, |i, o, l| {
@@ -441,14 +437,12 @@ impl Scratch {
         normalise(a, self.l[i])
     }
 
-    fn lse_row(&self, i: usize) -> f32 {
+    /// Row `i`'s natural-log LSE; a row that saw nothing has the sink's logit itself (not
+    /// a rounding of it), or `-inf` without one.
+    fn lse_row(&self, i: usize, sink: Option<f32>) -> f32 {
         let l = self.l[i];
-        if let Some(sink) = self.sink.filter(|_| self.sink_only[i]) {
-            // A row that sees nothing: the sink's logit itself, not a rounding of it.
-            return sink;
-        }
         if l == 0.0 {
-            f32::NEG_INFINITY
+            sink.unwrap_or(f32::NEG_INFINITY)
         } else {
             (self.m[i] + l.log2()) * core::f32::consts::LN_2
         }
