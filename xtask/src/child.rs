@@ -27,6 +27,12 @@ fn cargo() -> String {
 /// `cargo build --release`) and returns the path of the executable. Compiler output goes
 /// to the terminal as usual.
 pub fn build_runner() -> Result<PathBuf, String> {
+    build_release_bin("attn-bench-runner")
+}
+
+/// Builds the binary `name` of `attn-benches` in release and returns the path of the
+/// executable.
+pub fn build_release_bin(name: &str) -> Result<PathBuf, String> {
     let output = Command::new(cargo())
         .current_dir(workspace_root())
         .args([
@@ -35,27 +41,22 @@ pub fn build_runner() -> Result<PathBuf, String> {
             "--package",
             "attn-benches",
             "--bin",
-            "attn-bench-runner",
+            name,
             "--message-format=json-render-diagnostics",
         ])
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| format!("cannot start cargo: {e}"))?;
     if !output.status.success() {
-        return Err(format!(
-            "building attn-bench-runner failed ({})",
-            output.status
-        ));
+        return Err(format!("building {name} failed ({})", output.status));
     }
     // Cargo's JSON messages name the executable wherever the target directory is.
     String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| {
-            m["reason"] == "compiler-artifact" && m["target"]["name"] == "attn-bench-runner"
-        })
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
         .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .ok_or_else(|| "cargo built attn-bench-runner but did not name its executable".into())
+        .ok_or_else(|| format!("cargo built {name} but did not name its executable"))
 }
 
 /// How a child run ended, when it did not answer.

@@ -25,6 +25,18 @@ pub enum Command {
     /// Every test: `cargo test --workspace`, then the Python extension's pytest suite
     /// (a virtualenv in target/python-venv, maturin, NumPy, pytest). `--skip cargo,python`.
     Test(crate::test::TestArgs),
+    /// The output bits of every public entry point of attn-optimized, written to a file
+    /// (release build): run it in two worktrees on the same CPU and `cmp` the files to
+    /// prove that a change keeps every bit.
+    Bits(BitsArgs),
+}
+
+/// Flags of `cargo xtask bits`.
+#[derive(Debug, Args)]
+pub struct BitsArgs {
+    /// Where to write the bits.
+    #[arg(long, default_value = "target/attn.bits")]
+    pub out: PathBuf,
 }
 
 fn engine_parser() -> impl TypedValueParser<Value = Engine> {
@@ -262,7 +274,7 @@ mod tests {
         let argv = std::iter::once("xtask").chain(args.split_whitespace());
         Cli::try_parse_from(argv).map(|cli| match cli.command {
             Command::Bench(args) => args,
-            Command::Test(_) => panic!("`{args}` parsed as `test`"),
+            Command::Test(_) | Command::Bits(_) => panic!("`{args}` parsed as another command"),
         })
     }
 
@@ -274,7 +286,7 @@ mod tests {
                 assert_eq!(t.skip, vec![crate::test::Step::Python]);
                 assert_eq!(t.pytest_args, ["-k", "kv_cache"]);
             }
-            Command::Bench(_) => panic!("parsed as bench"),
+            Command::Bench(_) | Command::Bits(_) => panic!("parsed as another command"),
         }
     }
 

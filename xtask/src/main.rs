@@ -9,6 +9,10 @@
 //! `cargo xtask test` runs every test: `cargo test --workspace`, then the Python
 //! extension's pytest suite in a virtualenv it creates (`test.rs`).
 //!
+//! `cargo xtask bits` writes the output bits of every public entry point of the streaming
+//! engine to a file (the release-built `attn-bits`), for bit-for-bit comparisons of two
+//! commits on one CPU.
+//!
 //! This binary is built in debug by the alias, so it never times anything itself: it builds
 //! the `attn-bench-runner` binary of `attn-benches` in release and runs it once per case.
 
@@ -42,6 +46,13 @@ fn main() -> ExitCode {
                 }
             }
         }
+        cli::Command::Bits(args) => match bits(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xtask bits: {e}");
+                ExitCode::FAILURE
+            }
+        },
         cli::Command::Test(args) => match test::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -49,5 +60,20 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+    }
+}
+
+/// `cargo xtask bits`: builds `attn-bits` in release and runs it.
+fn bits(args: &cli::BitsArgs) -> Result<(), String> {
+    let exe = child::build_release_bin("attn-bits")?;
+    let out = child::workspace_root().join(&args.out);
+    let status = std::process::Command::new(exe)
+        .arg(&out)
+        .status()
+        .map_err(|e| format!("cannot start attn-bits: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("attn-bits failed ({status})"))
     }
 }
