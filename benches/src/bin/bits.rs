@@ -8,24 +8,24 @@
 //! The cases cover forward and backward, one head, batched (GQA, both layouts, 4-D masks,
 //! key lengths), packed, partial states, split-KV, the KV cache, every mask kind and score
 //! modifier, f32/f16/bf16 in and out. Inputs come from a fixed generator, so the file
-//! depends only on the code and the CPU's instruction set.
+//! depends only on the code and the CPU's instruction set. Each case is labelled with the
+//! entry point of the API before the one call (`attention_batched_with_lse`, …) whose
+//! outputs it reproduces, so that files written before and after compare line for line.
 //!
 //! Usage: `attn-bits <OUT>`.
 
 use std::io::Write;
 use std::process::ExitCode;
 
-use attn_core::{Alibi, Mask4Ref, MaskMod, ScoreMod, SoftCap};
 use attn_optimized::{
-    BoolMask, BoolMask4, Causal, CuSeqlens, Element, KvCache, Layout, Options, SlidingWindow,
-    SplitKv, Tensor4Mut, Tensor4Ref, attention, attention_backward, attention_backward_batched,
-    attention_backward_batched_into, attention_backward_into, attention_backward_packed,
-    attention_backward_packed_into, attention_batched, attention_batched_into,
-    attention_batched_with, attention_batched_with_lse, attention_into, attention_packed,
-    attention_packed_into, attention_packed_with_lse, attention_with_lse, partial_attention,
+    Alibi, Attention, BoolMask, BoolMask4, Causal, ColMut, CuSeqlens, Element, GradientsMut,
+    KvCache, Layout, Mask4Ref, MaskMod, Mat, MatRef, Options, Par, ScoreMod, SlidingWindow,
+    SoftCap, SplitKv, Tensor4Mut, Tensor4Ref, attention, bf16, f16,
 };
-use faer::{Mat, MatRef};
-use half::{bf16, f16};
+
+/// The new calls run on the calling thread, the old ones ran on the pool: the bits must not
+/// depend on it.
+const PAR: Par = Par::Seq;
 
 /// The cases' outputs, in order.
 #[derive(Default)]
@@ -229,38 +229,37 @@ fn head_cases<T: Element + ToBits>(bits: &mut Bits, dtype: &str, g: &mut Gen) {
                 "attention",
                 attention(q, k, v, &opts).map(|o| mat_bits(o.as_ref())),
             );
-            let fwd = attention_with_lse(q, k, v, &opts);
+            let call = Attention::head(q, k, v, &opts);
+            let fwd = call
+                .as_ref()
+                .map_err(Clone::clone)
+                .and_then(|c| c.forward(PAR));
             record(
                 "attention_with_lse",
                 fwd.as_ref()
-                    .map(|(o, l)| [mat_bits(o.as_ref()), slice_bits(l)].concat())
+                    .map(|f| [mat_bits(f.output().as_ref()), slice_bits(f.lse())].concat())
                     .map_err(Clone::clone),
             );
             record("attention_into", {
                 let mut out = Mat::<f32>::zeros(n_q, d_v);
                 let mut lse = vec![0.0f32; n_q];
-                attention_into(out.as_mut(), Some(&mut lse), q, k, v, &opts)
+                let lse_view = ColMut::from_slice_mut(&mut lse);
+                call.as_ref()
+                    .map_err(Clone::clone)
+                    .and_then(|c| c.forward_into(out.as_mut(), Some(lse_view), PAR))
                     .map(|()| [mat_bits(out.as_ref()), slice_bits(&lse)].concat())
             });
             if opts.sinks.is_none() && n_k >= 2 {
                 record("partial_attention", {
                     let cut = n_k / 3;
-                    let a = partial_attention(
-                        q,
-                        k.subrows(0, cut),
-                        v.subrows(0, cut),
-                        0..cut,
-                        n_k,
-                        &opts,
-                    );
-                    let b = partial_attention(
-                        q,
-                        k.subrows(cut, n_k - cut),
-                        v.subrows(cut, n_k - cut),
-                        cut..n_k,
-                        n_k,
-                        &opts,
-                    );
+                    let shard = |keys: core::ops::Range<usize>| {
+                        let (kk, vv) = (
+                            k.subrows(keys.start, keys.len()),
+                            v.subrows(keys.start, keys.len()),
+                        );
+                        Attention::keys_of(q, kk, vv, keys, n_k, &opts)?.partial_state(PAR)
+                    };
+                    let (a, b) = (shard(0..cut), shard(cut..n_k));
                     a.and_then(|a| b.map(|b| (a, b))).map(|(a, b)| {
                         [
                             mat_bits(a.output()),
@@ -272,10 +271,12 @@ fn head_cases<T: Element + ToBits>(bits: &mut Bits, dtype: &str, g: &mut Gen) {
                     })
                 });
             }
-            let Ok((out, lse)) = fwd else { continue };
+            let (Ok(call), Ok(fwd)) = (call, fwd) else {
+                continue;
+            };
             record(
                 "attention_backward",
-                attention_backward(d_out.as_ref(), q, k, v, out.as_ref(), &lse, &opts).map(|g| {
+                call.backward(&fwd, d_out.as_ref(), PAR).map(|g| {
                     [
                         mat_bits(g.dq.as_ref()),
                         mat_bits(g.dk.as_ref()),
@@ -291,27 +292,21 @@ fn head_cases<T: Element + ToBits>(bits: &mut Bits, dtype: &str, g: &mut Gen) {
                     Mat::<f32>::zeros(n_k, d_k),
                     Mat::<f32>::zeros(n_k, d_v),
                 );
-                attention_backward_into(
-                    dq.as_mut(),
-                    dk.as_mut(),
-                    dv.as_mut(),
-                    d_out.as_ref(),
-                    q,
-                    k,
-                    v,
-                    out.as_ref(),
-                    &lse,
-                    &opts,
-                )
-                .map(|ds| {
-                    [
-                        mat_bits(dq.as_ref()),
-                        mat_bits(dk.as_ref()),
-                        mat_bits(dv.as_ref()),
-                        ds.as_deref().map(slice_bits).unwrap_or_default(),
-                    ]
-                    .concat()
-                })
+                let grads = GradientsMut {
+                    dq: dq.as_mut(),
+                    dk: dk.as_mut(),
+                    dv: dv.as_mut(),
+                };
+                call.backward_into(&fwd, d_out.as_ref(), grads, PAR)
+                    .map(|ds| {
+                        [
+                            mat_bits(dq.as_ref()),
+                            mat_bits(dk.as_ref()),
+                            mat_bits(dv.as_ref()),
+                            ds.as_deref().map(slice_bits).unwrap_or_default(),
+                        ]
+                        .concat()
+                    })
             });
         }
     }
@@ -374,42 +369,53 @@ fn batched_cases<T: Element + ToBits>(bits: &mut Bits, dtype: &str, g: &mut Gen)
                     let bits_ = r.unwrap_or_else(|e| vec![u32::MAX, e.to_string().len() as u32]);
                     bits.push(format!("{name} {tag}"), bits_);
                 };
+                let call = Attention::batched(q, k, v, &opts);
+                let fwd = call
+                    .as_ref()
+                    .map_err(Clone::clone)
+                    .and_then(|c| c.forward(PAR));
                 record(
                     "attention_batched",
-                    attention_batched(q, k, v, &opts).map(|o| slice_bits(o.as_slice())),
+                    fwd.as_ref()
+                        .map(|f| slice_bits(f.output().as_slice()))
+                        .map_err(Clone::clone),
                 );
                 record(
                     "attention_batched_with(Never)",
-                    attention_batched_with(q, k, v, &opts, SplitKv::Never)
-                        .map(|o| slice_bits(o.as_slice())),
+                    Attention::batched(q, k, v, &opts)
+                        .and_then(|c| c.split_kv(SplitKv::Never).forward(PAR))
+                        .map(|f| slice_bits(f.output().as_slice())),
                 );
                 record("attention_batched_into", {
                     let mut out = vec![0.0f32; b * h_q * n_q * d];
                     Tensor4Mut::from_layout(&mut out, [b, h_q, n_q, d], Layout::Bshd)
-                        .and_then(|view| attention_batched_into(view, q, k, v, &opts))
+                        .and_then(|view| {
+                            call.as_ref()
+                                .map_err(Clone::clone)?
+                                .forward_into(view, None, PAR)
+                        })
                         .map(|()| slice_bits(&out))
                 });
-                let fwd = attention_batched_with_lse(q, k, v, &opts);
                 record(
                     "attention_batched_with_lse",
                     fwd.as_ref()
-                        .map(|(o, l)| [slice_bits(o.as_slice()), slice_bits(l)].concat())
+                        .map(|f| [slice_bits(f.output().as_slice()), slice_bits(f.lse())].concat())
                         .map_err(Clone::clone),
                 );
-                let Ok((out, lse)) = fwd else { continue };
+                let (Ok(call), Ok(fwd)) = (call, fwd) else {
+                    continue;
+                };
                 record(
                     "attention_backward_batched",
-                    attention_backward_batched(d_out, q, k, v, out.as_ref(), &lse, &opts).map(
-                        |g| {
-                            [
-                                slice_bits(g.dq.as_slice()),
-                                slice_bits(g.dk.as_slice()),
-                                slice_bits(g.dv.as_slice()),
-                                g.dsinks.as_deref().map(slice_bits).unwrap_or_default(),
-                            ]
-                            .concat()
-                        },
-                    ),
+                    call.backward(&fwd, d_out, PAR).map(|g| {
+                        [
+                            slice_bits(g.dq.as_slice()),
+                            slice_bits(g.dk.as_slice()),
+                            slice_bits(g.dv.as_slice()),
+                            g.dsinks.as_deref().map(slice_bits).unwrap_or_default(),
+                        ]
+                        .concat()
+                    }),
                 );
                 record("attention_backward_batched_into", {
                     let (mut dq, mut dk, mut dv) = (
@@ -423,18 +429,7 @@ fn batched_cases<T: Element + ToBits>(bits: &mut Bits, dtype: &str, g: &mut Gen)
                                 Tensor4Mut::from_layout(&mut dk, [b, h_kv, n_k, d], Layout::Bhsd)?;
                             let dv =
                                 Tensor4Mut::from_layout(&mut dv, [b, h_kv, n_k, d], Layout::Bshd)?;
-                            attention_backward_batched_into(
-                                dq,
-                                dk,
-                                dv,
-                                d_out,
-                                q,
-                                k,
-                                v,
-                                out.as_ref(),
-                                &lse,
-                                &opts,
-                            )
+                            call.backward_into(&fwd, d_out, GradientsMut { dq, dk, dv }, PAR)
                         });
                     views.map(|ds| {
                         [
@@ -493,28 +488,42 @@ fn packed_cases<T: Element + ToBits>(bits: &mut Bits, dtype: &str, g: &mut Gen) 
             let b = r.unwrap_or_else(|e| vec![u32::MAX, e.to_string().len() as u32]);
             bits.push(format!("{name} {tag}"), b);
         };
+        let call = Attention::packed(q, k, v, &seqs, &opts);
+        let fwd = call
+            .as_ref()
+            .map_err(Clone::clone)
+            .and_then(|c| c.forward(PAR));
         record(
             "attention_packed",
-            attention_packed(q, k, v, &seqs, &opts).map(|o| slice_bits(o.as_slice())),
+            fwd.as_ref()
+                .map(|f| slice_bits(f.output().as_slice()))
+                .map_err(Clone::clone),
         );
         record("attention_packed_into", {
             let mut out = vec![0.0f32; h_q * tq * d];
             let mut lse = vec![0.0f32; h_q * tq];
             Tensor4Mut::from_layout(&mut out, [1, h_q, tq, d], Layout::Bhsd)
-                .and_then(|view| attention_packed_into(view, Some(&mut lse), q, k, v, &seqs, &opts))
+                .and_then(|view| {
+                    let lse_view =
+                        Tensor4Mut::from_layout(&mut lse, [1, h_q, tq, 1], Layout::Bhsd)?;
+                    call.as_ref()
+                        .map_err(Clone::clone)?
+                        .forward_into(view, Some(lse_view), PAR)
+                })
                 .map(|()| [slice_bits(&out), slice_bits(&lse)].concat())
         });
-        let fwd = attention_packed_with_lse(q, k, v, &seqs, &opts);
         record(
             "attention_packed_with_lse",
             fwd.as_ref()
-                .map(|(o, l)| [slice_bits(o.as_slice()), slice_bits(l)].concat())
+                .map(|f| [slice_bits(f.output().as_slice()), slice_bits(f.lse())].concat())
                 .map_err(Clone::clone),
         );
-        let Ok((out, lse)) = fwd else { continue };
+        let (Ok(call), Ok(fwd)) = (call, fwd) else {
+            continue;
+        };
         record(
             "attention_backward_packed",
-            attention_backward_packed(d_out, q, k, v, out.as_ref(), &lse, &seqs, &opts).map(|g| {
+            call.backward(&fwd, d_out, PAR).map(|g| {
                 [
                     slice_bits(g.dq.as_slice()),
                     slice_bits(g.dk.as_slice()),
@@ -534,19 +543,7 @@ fn packed_cases<T: Element + ToBits>(bits: &mut Bits, dtype: &str, g: &mut Gen) 
                 Tensor4Mut::from_layout(&mut dq, [1, h_q, tq, d], Layout::Bhsd).and_then(|dq| {
                     let dk = Tensor4Mut::from_layout(&mut dk, [1, h_kv, tk, d], Layout::Bshd)?;
                     let dv = Tensor4Mut::from_layout(&mut dv, [1, h_kv, tk, d], Layout::Bhsd)?;
-                    attention_backward_packed_into(
-                        dq,
-                        dk,
-                        dv,
-                        d_out,
-                        q,
-                        k,
-                        v,
-                        out.as_ref(),
-                        &lse,
-                        &seqs,
-                        &opts,
-                    )
+                    call.backward_into(&fwd, d_out, GradientsMut { dq, dk, dv }, PAR)
                 });
             r.map(|ds| {
                 [
@@ -609,21 +606,23 @@ fn cache_cases<T: Element + ToBits>(bits: &mut Bits, dtype: &str, g: &mut Gen) {
                 let b = r.unwrap_or_else(|e| vec![u32::MAX, e.to_string().len() as u32]);
                 bits.push(format!("{name} {tag}"), b);
             };
+            let fwd = cache.attention(q, &opts).and_then(|c| c.forward(PAR));
             record(
                 "KvCache::attend",
-                cache.attend(q, &opts).map(|o| slice_bits(o.as_slice())),
+                fwd.as_ref()
+                    .map(|f| slice_bits(f.output().as_slice()))
+                    .map_err(Clone::clone),
             );
             record(
                 "KvCache::attend_with_lse",
-                cache
-                    .attend_with_lse(q, &opts)
-                    .map(|(o, l)| [slice_bits(o.as_slice()), slice_bits(&l)].concat()),
+                fwd.map(|f| [slice_bits(f.output().as_slice()), slice_bits(f.lse())].concat()),
             );
             record(
                 "KvCache::attend_with(Never)",
                 cache
-                    .attend_with(q, &opts, SplitKv::Never)
-                    .map(|o| slice_bits(o.as_slice())),
+                    .attention(q, &opts)
+                    .and_then(|c| c.split_kv(SplitKv::Never).forward(PAR))
+                    .map(|f| slice_bits(f.output().as_slice())),
             );
         }
     }

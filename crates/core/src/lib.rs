@@ -16,6 +16,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod call;
 mod error;
 mod gradients;
 mod mask;
@@ -29,6 +30,7 @@ mod score_mod;
 mod shape;
 mod tensor;
 
+pub use call::{Batch, Forward, ForwardRef, GradientsMut, OneHead};
 pub use error::{Error, Result, check_dim};
 pub use gradients::{BatchGradients, Gradients, validate_batch_backward, validate_head_backward};
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};

@@ -3,16 +3,15 @@
 //! Training attends every position in one causal pass; generation appends one token at a
 //! time and attends its query against everything cached so far. The cache stores K and V
 //! per layer as `[batch, kv_heads, capacity, d]` in the storage type `T` (f32, f16, bf16),
-//! with a valid length per batch entry (ragged batches). [`KvCache::attend`] runs the
+//! with a valid length per batch entry (ragged batches). [`KvCache::attention`] runs the
 //! streaming engine on the cached prefix of each entry; with few heads the grid splits the
 //! keys into fixed chunks (flash-decoding) and merges the partial states in order.
 
-use attn_core::{Error, Layout, Options, Result, Tensor4, Tensor4Ref};
+use attn_core::{Causal, Error, Layout, Options, Result, Tensor4Ref};
 
-use crate::forward;
+use crate::call::{Attention, Batch};
 use crate::kernel::element::Element;
 use crate::problem::{Batched, filled, zeroed};
-use crate::schedule::SplitKv;
 
 /// What happens when an append does not fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -29,7 +28,7 @@ pub enum Growth {
 /// Keys and values of one attention layer for a batch of sequences being generated.
 ///
 /// ```
-/// use attn_optimized::{Causal, KvCache, Layout, Options, Tensor4Ref};
+/// use attn_optimized::{Causal, KvCache, Layout, Options, Par, Tensor4Ref};
 /// // Batch of 1, 2 kv heads, room for 8 tokens, d_k = d_v = 4.
 /// let mut cache = KvCache::<f32>::new(1, 2, 8, 4, 4)?;
 /// let prompt = vec![0.5f32; 2 * 3 * 4]; // 3 tokens, [B,S,H,D]
@@ -38,7 +37,8 @@ pub enum Growth {
 /// assert_eq!(cache.len(0), 3);
 /// let q = vec![1.0f32; 4 * 4]; // one new token, 4 query heads (GQA over 2 kv heads)
 /// let q = Tensor4Ref::from_layout(&q, [1, 4, 1, 4], Layout::Bshd)?;
-/// let out = cache.attend(q, &Options::default().with_causal(Causal::BottomRight))?;
+/// let opts = Options::default().with_causal(Causal::BottomRight);
+/// let out = cache.attention(q, &opts)?.forward(Par::rayon(0))?.into_output();
 /// assert_eq!(out.dims(), [1, 4, 1, 4]);
 /// assert!(out.as_slice().iter().all(|&x| (x - 0.5).abs() < 1e-6));
 /// # Ok::<(), attn_optimized::Error>(())
@@ -295,19 +295,25 @@ impl<T: Element> KvCache<T> {
         Ok(())
     }
 
-    /// Attends new queries `q : [batch, h_q, n_q, d_k]` (`h_q` a multiple of the kv heads)
-    /// to each entry's cached tokens, which must already include the new ones: with
-    /// `Causal::BottomRight` query `i` sees the keys up to position `len − n_q + i`.
-    /// Returns `[batch, h_q, n_q, d_v]`.
+    /// The call of new queries `q : [batch, h_q, n_q, d_k]` (`h_q` a multiple of the kv
+    /// heads) against each entry's cached tokens, which must already include the new ones;
+    /// run it with [`Attention::forward`](crate::Attention::forward) (or `_into`). The
+    /// queries are the newest positions of each entry: query `i` is position
+    /// `len − n_q + i`, and a causal mask, a window or ALiBi is aligned bottom-right
+    /// (`Causal::BottomRight`: query `i` sees the keys up to position `len − n_q + i`).
+    /// `Causal::TopLeft` would mean the oldest positions instead: it is an error
+    /// ([`Error::Unsupported`]) unless every entry holds exactly `n_q` tokens, where both
+    /// alignments agree.
     ///
-    /// Scale, causal alignment and sliding window are honoured, and so are
+    /// Scale, causal alignment, sliding window and score modifiers are honoured, and so are
     /// `[B, H, n_q, n_k]` masks ([`Options::with_bool_mask_4d`],
     /// [`Options::with_additive_mask_4d`]) whose key axis spans the longest entry (or
     /// broadcasts): entry `b` reads its first `len_b` columns. `[n_q, n_k]` masks and key
-    /// padding are rejected (the cache's lengths are the padding).
+    /// padding are rejected (the cache's lengths are the padding). With few heads the keys
+    /// are split into fixed chunks (flash-decoding, [`Attention::split_kv`](crate::Attention::split_kv)).
     ///
     /// ```
-    /// use attn_optimized::{BoolMask4, KvCache, Layout, Mask4Ref, Options, Tensor4Ref};
+    /// use attn_optimized::{BoolMask4, KvCache, Layout, Mask4Ref, Options, Par, Tensor4Ref};
     /// let mut cache = KvCache::<f32>::new(1, 1, 4, 2, 2)?;
     /// let k = [0.0f32; 6];
     /// let v = [1.0f32, 1.0, 2.0, 2.0, 3.0, 3.0]; // three tokens with values 1, 2, 3
@@ -318,57 +324,32 @@ impl<T: Element> KvCache<T> {
     /// // Head 0 sees only the first token, head 1 only the last one.
     /// let bits = [true, false, false, false, false, true];
     /// let mask = BoolMask4::allow(Mask4Ref::contiguous(&bits, [1, 2, 1, 3])?);
-    /// let o = cache.attend(q, &Options::default().with_bool_mask_4d(mask))?;
-    /// assert_eq!(o.as_slice(), [1.0, 1.0, 3.0, 3.0]);
+    /// let opts = Options::default().with_bool_mask_4d(mask);
+    /// let fwd = cache.attention(q, &opts)?.forward(Par::rayon(0))?;
+    /// assert_eq!(fwd.output().as_slice(), [1.0, 1.0, 3.0, 3.0]);
     /// # Ok::<(), attn_optimized::Error>(())
     /// ```
-    pub fn attend(&self, q: Tensor4Ref<'_, T>, options: &Options<'_>) -> Result<Tensor4<T>> {
-        self.attend_impl(q, options, SplitKv::Auto, false)
-            .map(|(o, _)| o)
-    }
-
-    /// [`KvCache::attend`] and the natural-log LSE of every row, `[batch][h_q][n_q]`
-    /// flattened (`-inf` for a row that sees no key): what a caller needs to merge this
-    /// step with attention over keys held elsewhere ([`crate::PartialState`]).
+    ///
+    /// One query against three cached tokens, aligned top-left, would see only the first:
     ///
     /// ```
-    /// use attn_optimized::{Causal, KvCache, Layout, Options, Tensor4Ref};
+    /// use attn_optimized::{Causal, Error, KvCache, Layout, Options, Tensor4Ref};
     /// let mut cache = KvCache::<f32>::new(1, 1, 4, 2, 2)?;
-    /// let kv = vec![0.0f32; 3 * 2]; // three tokens whose keys are all 0
+    /// let kv = vec![0.0f32; 3 * 2];
     /// let kv = Tensor4Ref::from_layout(&kv, [1, 1, 3, 2], Layout::Bhsd)?;
     /// cache.append(kv, kv)?;
     /// let q = vec![1.0f32, 1.0];
     /// let q = Tensor4Ref::from_layout(&q, [1, 1, 1, 2], Layout::Bhsd)?;
-    /// let opts = Options::default().with_causal(Causal::BottomRight);
-    /// let (_, lse) = cache.attend_with_lse(q, &opts)?;
-    /// assert!((lse[0] - 3f32.ln()).abs() < 1e-6); // three equal scores of 0
+    /// let err = cache.attention(q, &Options::default().with_causal(Causal::TopLeft)).unwrap_err();
+    /// assert!(matches!(err, Error::Unsupported { .. }));
+    /// assert!(cache.attention(q, &Options::default().with_causal(Causal::BottomRight)).is_ok());
     /// # Ok::<(), attn_optimized::Error>(())
     /// ```
-    pub fn attend_with_lse(
-        &self,
-        q: Tensor4Ref<'_, T>,
-        options: &Options<'_>,
-    ) -> Result<(Tensor4<T>, Vec<f32>)> {
-        self.attend_impl(q, options, SplitKv::Auto, true)
-    }
-
-    /// [`KvCache::attend`] with an explicit split-KV policy.
-    pub fn attend_with(
-        &self,
-        q: Tensor4Ref<'_, T>,
-        options: &Options<'_>,
-        split: SplitKv,
-    ) -> Result<Tensor4<T>> {
-        self.attend_impl(q, options, split, false).map(|(o, _)| o)
-    }
-
-    fn attend_impl(
-        &self,
-        q: Tensor4Ref<'_, T>,
-        options: &Options<'_>,
-        split: SplitKv,
-        with_lse: bool,
-    ) -> Result<(Tensor4<T>, Vec<f32>)> {
+    pub fn attention<'a>(
+        &'a self,
+        q: Tensor4Ref<'a, T>,
+        options: &Options<'a>,
+    ) -> Result<Attention<'a, T, Batch>> {
         if options.bool_mask.is_some()
             || options.additive_mask.is_some()
             || options.key_padding.is_some()
@@ -378,7 +359,7 @@ impl<T: Element> KvCache<T> {
                 "[n_q, n_k] masks and key padding are not accepted; use [B, H, n_q, n_k] masks, causal alignment and windows (the cache lengths pad each entry)",
             ));
         }
-        let [b, h_q, _, d_k] = q.dims();
+        let [b, h_q, n_q, d_k] = q.dims();
         let mismatch = |operand, axis, found, expected, rule| {
             Error::mismatch(operand, axis, found, "the cache", expected, rule)
         };
@@ -397,15 +378,19 @@ impl<T: Element> KvCache<T> {
         if self.kv_heads == 0 || !h_q.is_multiple_of(self.kv_heads) {
             return Err(Error::head_grouping(h_q, self.kv_heads));
         }
+        let top_left = options.causal == Some(Causal::TopLeft)
+            || options.window.is_some_and(|w| w.align == Causal::TopLeft)
+            || options.alibi.is_some_and(|a| a.align() == Causal::TopLeft);
+        if top_left && self.lens.iter().any(|&len| len != n_q) {
+            return Err(Error::unsupported(
+                "KV cache alignment",
+                "the queries are the newest positions: align causal masks, windows and ALiBi bottom-right (Causal::TopLeft would make them the oldest)",
+            ));
+        }
         let longest = self.lens.iter().copied().max().unwrap_or(0);
-        let scale = options.validate_batched(b, h_q, q.dims()[2], longest, d_k)?;
+        let scale = options.validate_batched(b, h_q, n_q, longest, d_k)?;
         let (keys, values) = (self.keys(), self.values());
         let batch = Batched::cached(q, keys, values, &self.lens, options, scale)?;
-        let dims = batch.out_dims();
-        let mut out = Tensor4::from_vec(zeroed("attention output", &dims)?, dims)?;
-        let lse_len = if with_lse { batch.out_rows() } else { 0 };
-        let mut lse = filled("LSE", Some(lse_len), f32::NEG_INFINITY)?;
-        forward::batched(&batch, out.as_mut(), Some(&mut lse), split)?;
-        Ok((out, lse))
+        Ok(Attention::cached(batch, options))
     }
 }

@@ -1,11 +1,12 @@
 //! Multi-head attention with projections: faer GEMMs around the batched engine, forward
 //! and backward.
 
+use attn_core::{ForwardRef, GradientsMut, Options, Result, Tensor4, Tensor4Mut, Tensor4Ref};
 pub use attn_core::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
-use attn_core::{Options, Result, Tensor4, Tensor4Mut, Tensor4Ref};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatMut, MatRef, Par};
 
+use crate::call::Attention;
 use crate::problem::{zeroed, zeroed_mat};
 
 /// A multi-head (optionally grouped-query) attention layer: projections are faer GEMMs on
@@ -118,12 +119,16 @@ impl MultiHeadAttention {
         let (n_q, n_k, h, h_kv, d_k, d_v) = self.dims(x_q, x_kv);
         // The heads write their outputs in place into the concatenation [n_q, h·d_v].
         let mut concat = zeroed("concatenated heads", &[n_q, h * d_v])?;
-        crate::attention_batched_into(
-            heads_view_mut(&mut concat, n_q, h, d_v)?,
+        Attention::batched(
             heads_view(&q, n_q, h, d_k)?,
             heads_view(&k, n_k, h_kv, d_k)?,
             heads_view(&v, n_k, h_kv, d_v)?,
             options,
+        )?
+        .forward_into(
+            heads_view_mut(&mut concat, n_q, h, d_v)?,
+            None,
+            Par::rayon(0),
         )?;
         product("layer output", rows(&concat, n_q, h * d_v), w.w_o())
     }
@@ -166,12 +171,14 @@ impl MultiHeadAttention {
         let w = &self.weights;
         let [q, k, v] = self.projections(x_q, x_kv, options)?;
         let (n_q, n_k, h, h_kv, d_k, d_v) = self.dims(x_q, x_kv);
-        let (o, lse) = crate::attention_batched_with_lse(
+        let (o, lse) = Attention::batched(
             heads_view(&q, n_q, h, d_k)?,
             heads_view(&k, n_k, h_kv, d_k)?,
             heads_view(&v, n_k, h_kv, d_v)?,
             options,
-        )?;
+        )?
+        .forward(Par::rayon(0))?
+        .into_parts();
         let concat = concat_heads("concatenated heads", &o)?;
         drop(o);
         let y = product("layer output", rows(&concat, n_q, h * d_v), w.w_o())?;
@@ -185,7 +192,7 @@ impl MultiHeadAttention {
     /// `activations` and its options.
     ///
     /// `dW_O = Cᵀ dY` and `dC = dY W_Oᵀ` are faer GEMMs; the heads' backward pass
-    /// ([`crate::attention_backward_batched_into`]) reads Q, K, V, the output and the LSE
+    /// (a batched [`Attention`] call, `backward_into`) reads Q, K, V, the output and the LSE
     /// in place from the activations and writes dQ, dK, dV in place into `[n, h·d]`
     /// matrices (a kv head's gradient summed over its group); `dW_Q = x_qᵀ dQ`,
     /// `dW_K = x_kvᵀ dK`, `dW_V = x_kvᵀ dV`, `dx_q = dQ W_Qᵀ`, `dx_kv = dK W_Kᵀ + dV W_Vᵀ`
@@ -238,18 +245,15 @@ impl MultiHeadAttention {
         let mut dq = zeroed("Q gradient", &[n_q, h * d_k])?;
         let mut dk = zeroed("K gradient", &[n_k, h_kv * d_k])?;
         let mut dv = zeroed("V gradient", &[n_k, h_kv * d_v])?;
-        crate::attention_backward_batched_into(
-            heads_view_mut(&mut dq, n_q, h, d_k)?,
-            heads_view_mut(&mut dk, n_k, h_kv, d_k)?,
-            heads_view_mut(&mut dv, n_k, h_kv, d_v)?,
-            heads_view(&dc, n_q, h, d_v)?,
-            act.q_heads()?,
-            act.k_heads()?,
-            act.v_heads()?,
-            act.output_heads()?,
-            act.lse(),
-            options,
-        )?;
+        let call = Attention::batched(act.q_heads()?, act.k_heads()?, act.v_heads()?, options)?;
+        let lse = Tensor4Ref::new(act.lse(), [1, h, n_q, 1], [h * n_q, n_q, 1])?;
+        let grads = GradientsMut {
+            dq: heads_view_mut(&mut dq, n_q, h, d_k)?,
+            dk: heads_view_mut(&mut dk, n_k, h_kv, d_k)?,
+            dv: heads_view_mut(&mut dv, n_k, h_kv, d_v)?,
+        };
+        let fwd = ForwardRef::new(act.output_heads()?, lse);
+        call.backward_into(fwd, heads_view(&dc, n_q, h, d_v)?, grads, Par::rayon(0))?;
         drop(dc);
         let dq = rows(&dq, n_q, h * d_k);
         let dk = rows(&dk, n_k, h_kv * d_k);

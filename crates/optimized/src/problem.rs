@@ -7,10 +7,10 @@
 use core::ops::Range;
 
 use attn_core::{
-    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Result, Tensor4Mut,
-    Tensor4Ref, check_shape, validate_packed,
+    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Result, Tensor4Ref,
+    validate_packed,
 };
-use faer::{Mat, MatMut, MatRef, RowMut, TryReserveError};
+use faer::{Mat, MatRef, RowMut, TryReserveError};
 
 use crate::kernel::element::Element;
 use crate::schedule::{TilePlan, heads_per_job};
@@ -80,16 +80,6 @@ impl Problem {
         let mods = options.head_modifiers(0, 0, 1, n_q, n_k_total);
         let problem = Self::new(n_q, n_k, d_k, d_v, scale);
         Ok((problem, problem.inputs(q, k, v, keys.start, mask, mods)))
-    }
-
-    /// Checks a caller's output `[n_q, d_v]` and LSE (`n_q` entries) for one head.
-    pub fn check_output<O>(&self, out: &MatMut<'_, O>, lse: Option<&[f32]>) -> Result<()> {
-        let (n_q, d_v) = (self.rows, self.d_v);
-        check_shape("output", out.nrows(), out.ncols(), n_q, d_v, "n_q × d_v")?;
-        match lse {
-            Some(l) if l.len() != n_q => Err(Error::lse_length(l.len(), n_q)),
-            _ => Ok(()),
-        }
     }
 
     fn inputs<'a, T>(
@@ -179,8 +169,6 @@ pub(crate) struct Batched<'a, T> {
     entry_keys: EntryKeys<'a>,
     /// `[batch, h_q, n_q, d_v]`.
     out_dims: [usize; 4],
-    /// `batch · h_q · n_q`, checked.
-    out_rows: usize,
     group: usize,
     /// Query heads per job ([`heads_per_job`]).
     stack: usize,
@@ -241,7 +229,8 @@ impl<'a, T> Batched<'a, T> {
         entry_keys: EntryKeys<'a>,
     ) -> Result<Self> {
         let HeadShape { n_q, d_k, d_v, .. } = shape.head;
-        let out_rows = check_row_handles(element_count(&[shape.batch, shape.h_q, n_q]))?;
+        // The output's row handles must fit in one allocation.
+        check_row_handles(element_count(&[shape.batch, shape.h_q, n_q]))?;
         let group = shape.h_q / shape.h_kv.max(1);
         // Stacked heads share one mask and one set of modifiers: not when those differ
         // between them.
@@ -258,7 +247,6 @@ impl<'a, T> Batched<'a, T> {
             options: *options,
             entry_keys,
             out_dims: [shape.batch, shape.h_q, n_q, d_v],
-            out_rows,
             group,
             stack,
         })
@@ -267,27 +255,6 @@ impl<'a, T> Batched<'a, T> {
     /// `[batch, h_q, n_q, d_v]`.
     pub fn out_dims(&self) -> [usize; 4] {
         self.out_dims
-    }
-
-    /// Query rows over all heads (`batch · h_q · n_q`, the LSE's length; checked when the
-    /// call was set up).
-    pub fn out_rows(&self) -> usize {
-        self.out_rows
-    }
-
-    /// Checks a caller's output view.
-    pub fn check_output<O>(&self, out: &Tensor4Mut<'_, O>) -> Result<()> {
-        let want = self.out_dims;
-        if out.dims() != want {
-            return Err(Error::layout(
-                "output tensor",
-                format!(
-                    "dims {:?} but the result is {want:?} ([batch, h_q, n_q, d_v])",
-                    out.dims()
-                ),
-            ));
-        }
-        Ok(())
     }
 
     /// The jobs writing `out` (the output's rows in (batch, head, query) order) and, if
@@ -361,8 +328,6 @@ pub(crate) struct Packed<'a, T> {
     seqs: CuSeqlens<'a>,
     /// `[1, h_q, total_q, d_v]`.
     out_dims: [usize; 4],
-    /// `h_q · total_q`, checked.
-    out_rows: usize,
     group: usize,
 }
 
@@ -377,7 +342,7 @@ impl<'a, T> Packed<'a, T> {
     ) -> Result<Self> {
         let (shape, scale) = validate_packed(q, k, v, seqs, options)?;
         let HeadShape { n_q, d_k, d_v, .. } = shape.head;
-        let out_rows = check_row_handles(element_count(&[shape.h_q, n_q]))?;
+        check_row_handles(element_count(&[shape.h_q, n_q]))?;
         let problem = Problem::new(seqs.max_q(), seqs.max_k(), d_k, d_v, scale);
         Ok(Self {
             problem,
@@ -387,7 +352,6 @@ impl<'a, T> Packed<'a, T> {
             options: *options,
             seqs: *seqs,
             out_dims: [1, shape.h_q, n_q, d_v],
-            out_rows,
             group: shape.h_q / shape.h_kv.max(1),
         })
     }
@@ -395,29 +359,6 @@ impl<'a, T> Packed<'a, T> {
     /// `[1, h_q, total_q, d_v]`.
     pub fn out_dims(&self) -> [usize; 4] {
         self.out_dims
-    }
-
-    /// `h_q · total_q`, the LSE's length.
-    pub fn out_rows(&self) -> usize {
-        self.out_rows
-    }
-
-    /// Checks a caller's output view and LSE (`[h_q][total_q]`).
-    pub fn check_output<O>(&self, out: &Tensor4Mut<'_, O>, lse: Option<&[f32]>) -> Result<()> {
-        let want = self.out_dims;
-        if out.dims() != want {
-            return Err(Error::layout(
-                "output tensor",
-                format!(
-                    "dims {:?} but the result is {want:?} ([1, h_q, total_q, d_v])",
-                    out.dims()
-                ),
-            ));
-        }
-        match lse {
-            Some(l) if l.len() != self.out_rows => Err(Error::lse_length(l.len(), self.out_rows)),
-            _ => Ok(()),
-        }
     }
 
     /// The jobs writing `out` (rows in (head, packed row) order) and, if not empty, `lse`:

@@ -10,6 +10,8 @@ use core::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use faer::Par;
+
 use crate::kernel::rows::MAX_ROWS;
 
 /// Query rows per task (at most): the Q tile, the score tile and the accumulator of this
@@ -145,8 +147,9 @@ pub(crate) enum Order {
 /// machine, as long as a whole decode step of a short sequence (`docs/algorithm.md` §4). A helper that has not started by then finds no work
 /// left; the rayon scope waits for it the ordinary way (a worker thread runs pending jobs
 /// meanwhile, so nested calls cannot deadlock). The calling thread counts as one of the
-/// pool's threads.
-pub(crate) fn for_each_index(n: usize, order: Order, task: impl Fn(usize) + Sync) {
+/// pool's threads. `par` bounds the threads: [`Par::Seq`] runs every task on the calling
+/// thread, [`Par::Rayon`]`(t)` on at most `t` threads of the pool (the bits are the same).
+pub(crate) fn for_each_index(n: usize, order: Order, par: Par, task: impl Fn(usize) + Sync) {
     let left = Mutex::new(0..n);
     let take = |back: bool| {
         let mut left = left.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -158,7 +161,11 @@ pub(crate) fn for_each_index(n: usize, order: Order, task: impl Fn(usize) + Sync
         }
     };
     let (started, finished) = (AtomicUsize::new(0), AtomicUsize::new(0));
-    let helpers = rayon::current_num_threads().min(n).saturating_sub(1);
+    let threads = match par {
+        Par::Seq => 1,
+        Par::Rayon(t) => t.get().min(rayon::current_num_threads()),
+    };
+    let helpers = threads.min(n).saturating_sub(1);
     rayon::in_place_scope(|scope| {
         for _ in 0..helpers {
             scope.spawn(|_| {
@@ -212,7 +219,7 @@ mod tests {
                 for n in [0, 1, 2, 3, 7, 40] {
                     let runs: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
                     in_pool(threads, || {
-                        for_each_index(n, order, |i| {
+                        for_each_index(n, order, Par::rayon(0), |i| {
                             runs[i].fetch_add(1, Ordering::Relaxed);
                         })
                     });
@@ -231,7 +238,7 @@ mod tests {
             rayon::scope(|s| {
                 for _ in 0..6 {
                     s.spawn(|_| {
-                        for_each_index(5, Order::BothEnds, |_| {
+                        for_each_index(5, Order::BothEnds, Par::rayon(0), |_| {
                             total.fetch_add(1, Ordering::Relaxed);
                         })
                     });
@@ -245,7 +252,7 @@ mod tests {
     fn a_panicking_task_reaches_the_caller_instead_of_hanging() {
         let result = std::panic::catch_unwind(|| {
             in_pool(2, || {
-                for_each_index(8, Order::BothEnds, |i| {
+                for_each_index(8, Order::BothEnds, Par::rayon(0), |i| {
                     if i == 5 {
                         panic!("task 5");
                     }

@@ -157,20 +157,7 @@ pub(crate) fn attend_backward(
 ///
 /// The reference recomputes its own f64 forward (it is the ground truth), so it needs
 /// only the operands and the upstream gradient `grad_out : [n_q, d_v]`.
-///
-/// ```
-/// use attn_reference::{attention_backward_materialized, Options};
-/// use faer::mat;
-/// let x = mat![[1.0f32, 0.0], [0.0, 1.0], [1.0, 1.0]];
-/// let d_out = mat![[1.0f32, -1.0], [0.5, 0.0], [0.0, 2.0]];
-/// let m = attention_backward_materialized(x.as_ref(), x.as_ref(), x.as_ref(), d_out.as_ref(), &Options::default())?;
-/// // Softmax is invariant to adding a constant to a row of scores: each row of dS sums to 0.
-/// for i in 0..3 {
-///     assert!((0..3).map(|j| m.ds[(i, j)]).sum::<f64>().abs() < 1e-12);
-/// }
-/// # Ok::<(), attn_reference::Error>(())
-/// ```
-pub fn attention_backward_materialized<T: Element>(
+pub(crate) fn head_backward_materialized<T: Element>(
     q: MatRef<'_, T>,
     k: MatRef<'_, T>,
     v: MatRef<'_, T>,
@@ -198,34 +185,17 @@ pub fn attention_backward_materialized<T: Element>(
 /// Takes what an engine's backward pass takes (the forward's `out : [n_q, d_v]` and its
 /// natural-log `lse`, one per query row) and checks them like one, but uses its own exact
 /// forward instead: it is the ground truth the engines are tested against.
-///
-/// ```
-/// use attn_reference::{attention_backward, attention_with_lse, Options};
-/// use faer::Mat;
-/// let q = Mat::<f32>::from_fn(3, 4, |i, j| (i + j) as f32 * 0.25);
-/// let k = Mat::<f32>::from_fn(5, 4, |i, j| (i * j % 3) as f32 * 0.5);
-/// let v = Mat::<f32>::from_fn(5, 2, |i, j| i as f32 - j as f32);
-/// let opts = Options::default();
-/// let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)?;
-/// let d_out = Mat::<f32>::from_fn(3, 2, |i, j| (i + 2 * j) as f32 * 0.1);
-/// let g = attention_backward(d_out.as_ref(), q.as_ref(), k.as_ref(), v.as_ref(), out.as_ref(), &lse, &opts)?;
-/// assert_eq!((g.dq.nrows(), g.dk.nrows(), g.dv.ncols()), (3, 5, 2));
-/// // Each value row's gradient is the weight-summed upstream gradient: Σ_j dV_j = Σ_i dO_i.
-/// let col_sum = |m: faer::MatRef<'_, f32>, c: usize| (0..m.nrows()).map(|i| m[(i, c)]).sum::<f32>();
-/// assert!((col_sum(g.dv.as_ref(), 1) - col_sum(d_out.as_ref(), 1)).abs() < 1e-5);
-/// # Ok::<(), attn_reference::Error>(())
-/// ```
-pub fn attention_backward<T: Element>(
+pub(crate) fn head_gradients<T: Element>(
     grad_out: MatRef<'_, T>,
     q: MatRef<'_, T>,
     k: MatRef<'_, T>,
     v: MatRef<'_, T>,
     out: MatRef<'_, T>,
-    lse: &[f32],
+    lse_len: usize,
     options: &Options<'_>,
 ) -> Result<attn_core::Gradients<T>> {
-    validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
-    let m = attention_backward_materialized(q, k, v, grad_out, options)?;
+    validate_head_backward(q, k, v, grad_out, out, lse_len, options)?;
+    let m = head_backward_materialized(q, k, v, grad_out, options)?;
     let dsinks = options.sinks.map(|_| vec![m.dsink as f32]);
     Ok(attn_core::Gradients::new(
         narrow(m.dq.as_ref()),
@@ -238,7 +208,7 @@ pub fn attention_backward<T: Element>(
 /// The backward pass of a batched, grouped-query call by the formula: every intermediate
 /// of every (batch, query head), in `[batch][head]` order. `grad_out` is
 /// `[batch, h_q, n_q, d_v]`.
-pub fn attention_backward_batched_materialized<T: Element>(
+pub(crate) fn batched_backward_materialized<T: Element>(
     q: Tensor4Ref<'_, T>,
     k: Tensor4Ref<'_, T>,
     v: Tensor4Ref<'_, T>,
@@ -278,28 +248,17 @@ pub fn attention_backward_batched_materialized<T: Element>(
 ///
 /// Checks `grad_out` and `out` (`[batch, h_q, n_q, d_v]`) and `lse` (`batch·h_q·n_q`
 /// values) like an engine's backward pass, and uses its own exact forward.
-///
-/// ```
-/// use attn_reference::{attention_backward_batched, attention_batched_with_lse, Options, Tensor4};
-/// let q = Tensor4::<f32>::from_vec((0..2 * 3 * 4).map(|i| (i % 5) as f32 * 0.2).collect(), [1, 2, 3, 4])?;
-/// let kv = Tensor4::<f32>::from_vec((0..5 * 4).map(|i| (i % 3) as f32 * 0.3).collect(), [1, 1, 5, 4])?;
-/// let opts = Options::default();
-/// let (out, lse) = attention_batched_with_lse(q.as_ref(), kv.as_ref(), kv.as_ref(), &opts)?;
-/// let g = attention_backward_batched(out.as_ref(), q.as_ref(), kv.as_ref(), kv.as_ref(), out.as_ref(), &lse, &opts)?;
-/// assert_eq!((g.dq.dims(), g.dk.dims()), ([1, 2, 3, 4], [1, 1, 5, 4])); // dK like K: one kv head
-/// # Ok::<(), attn_reference::Error>(())
-/// ```
-pub fn attention_backward_batched<T: Element + Default>(
+pub(crate) fn batched_gradients<T: Element + Default>(
     grad_out: Tensor4Ref<'_, T>,
     q: Tensor4Ref<'_, T>,
     k: Tensor4Ref<'_, T>,
     v: Tensor4Ref<'_, T>,
     out: Tensor4Ref<'_, T>,
-    lse: &[f32],
+    lse_len: usize,
     options: &Options<'_>,
 ) -> Result<BatchGradients<T>> {
-    let (shape, _) = validate_batch_backward(q, k, v, grad_out, out, lse.len(), options)?;
-    let heads = attention_backward_batched_materialized(q, k, v, grad_out, options)?;
+    let (shape, _) = validate_batch_backward(q, k, v, grad_out, out, lse_len, options)?;
+    let heads = batched_backward_materialized(q, k, v, grad_out, options)?;
     let (n_q, n_k, d_k, d_v) = (
         shape.head.n_q,
         shape.head.n_k,

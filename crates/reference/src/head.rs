@@ -123,17 +123,7 @@ pub(crate) fn attend(
 }
 
 /// Attention of one head with every intermediate returned (f64).
-///
-/// ```
-/// use attn_reference::{attention_materialized, Causal, Options};
-/// use faer::mat;
-/// let x = mat![[1.0f32, 0.0], [0.0, 1.0]];
-/// let opts = Options::default().with_causal(Causal::TopLeft);
-/// let m = attention_materialized(x.as_ref(), x.as_ref(), x.as_ref(), &opts).unwrap();
-/// assert_eq!(m.weights[(0, 1)], 0.0); // the first query cannot see the second key
-/// assert_eq!(m.scores[(0, 1)], f64::NEG_INFINITY);
-/// ```
-pub fn attention_materialized<T: Element>(
+pub(crate) fn head_materialized<T: Element>(
     q: MatRef<'_, T>,
     k: MatRef<'_, T>,
     v: MatRef<'_, T>,
@@ -172,35 +162,13 @@ pub fn attention<T: Element>(
     v: MatRef<'_, T>,
     options: &Options<'_>,
 ) -> Result<Mat<T>> {
-    let m = attention_materialized(q, k, v, options)?;
+    let m = head_materialized(q, k, v, options)?;
     Ok(narrow(m.output.as_ref()))
-}
-
-/// Attention of one head and the natural-log LSE of each row (`-inf` for a row that sees
-/// no key), computed in f64 and rounded once: what an engine's backward pass takes.
-///
-/// ```
-/// use attn_reference::{attention_with_lse, Options};
-/// use faer::Mat;
-/// let (q, k) = (Mat::<f32>::zeros(1, 4), Mat::<f32>::zeros(3, 4));
-/// let (_, lse) = attention_with_lse(q.as_ref(), k.as_ref(), k.as_ref(), &Options::default())?;
-/// assert_eq!(lse[0], 3f32.ln()); // three equal scores of 0
-/// # Ok::<(), attn_reference::Error>(())
-/// ```
-pub fn attention_with_lse<T: Element>(
-    q: MatRef<'_, T>,
-    k: MatRef<'_, T>,
-    v: MatRef<'_, T>,
-    options: &Options<'_>,
-) -> Result<(Mat<T>, Vec<f32>)> {
-    let m = attention_materialized(q, k, v, options)?;
-    let lse = m.lse.iter().map(|&l| l as f32).collect();
-    Ok((narrow(m.output.as_ref()), lse))
 }
 
 /// Batched, grouped-query attention by the formula: every intermediate of every
 /// (batch, query head), in `[batch][head]` order.
-pub fn attention_batched_materialized<T: Element>(
+pub(crate) fn batched_materialized<T: Element>(
     q: Tensor4Ref<'_, T>,
     k: Tensor4Ref<'_, T>,
     v: Tensor4Ref<'_, T>,
@@ -231,37 +199,15 @@ pub fn attention_batched_materialized<T: Element>(
         .collect()
 }
 
-/// Batched, grouped-query attention over `[batch, heads, seq, dim]` views (any strides);
-/// returns `[batch, h_q, n_q, d_v]`.
-///
-/// ```
-/// use attn_reference::{attention_batched, Layout, Options, Tensor4Ref};
-/// let q = vec![0.5f32; 2 * 4 * 3 * 8]; // [B=2, S=3, H=4, D=8]
-/// let kv = vec![1.0f32; 2 * 2 * 5 * 8]; // [B=2, S=5, H=2, D=8]: 2 kv heads (GQA)
-/// let q = Tensor4Ref::from_layout(&q, [2, 4, 3, 8], Layout::Bshd).unwrap();
-/// let kv = Tensor4Ref::from_layout(&kv, [2, 2, 5, 8], Layout::Bshd).unwrap();
-/// let o = attention_batched(q, kv, kv, &Options::default()).unwrap();
-/// assert_eq!(o.dims(), [2, 4, 3, 8]);
-/// assert!(o.as_slice().iter().all(|&x| (x - 1.0).abs() < 1e-6));
-/// ```
-pub fn attention_batched<T: Element + Default>(
-    q: Tensor4Ref<'_, T>,
-    k: Tensor4Ref<'_, T>,
-    v: Tensor4Ref<'_, T>,
-    options: &Options<'_>,
-) -> Result<Tensor4<T>> {
-    attention_batched_with_lse(q, k, v, options).map(|(o, _)| o)
-}
-
-/// [`attention_batched`] and the natural-log LSE of every row, `[batch][h_q][n_q]`
+/// Batched attention by the formula and the natural-log LSE of every row, `[batch][h_q][n_q]`
 /// flattened (what the batched backward pass takes).
-pub fn attention_batched_with_lse<T: Element + Default>(
+pub(crate) fn batched_forward<T: Element + Default>(
     q: Tensor4Ref<'_, T>,
     k: Tensor4Ref<'_, T>,
     v: Tensor4Ref<'_, T>,
     options: &Options<'_>,
 ) -> Result<(Tensor4<T>, Vec<f32>)> {
-    let heads = attention_batched_materialized(q, k, v, options)?;
+    let heads = batched_materialized(q, k, v, options)?;
     let lse = heads
         .iter()
         .flatten()

@@ -16,27 +16,29 @@
 #![forbid(unsafe_code)]
 
 mod backward;
+mod call;
 mod element;
 mod head;
+mod legacy;
 mod multi_head;
 mod packed;
 pub mod worked;
 
-pub use attn_core::{BatchGradients, Gradients};
 pub use attn_core::{
-    BoolMask, BoolMask4, Causal, CuSeqlens, Error, KeyPadding, Layout, Mask4Ref, Options, Result,
-    SCORE_LIMIT, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
+    Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Error, Forward, ForwardRef,
+    Gradients, KeyPadding, Layout, Mask4Ref, MaskMod, Options, PartialState, Result, SCORE_LIMIT,
+    ScoreMod, SlidingWindow, SoftCap, Tensor4, Tensor4Mut, Tensor4Ref,
 };
-pub use backward::{
-    MaterializedBackward, attention_backward, attention_backward_batched,
-    attention_backward_batched_materialized, attention_backward_materialized,
-};
+pub use backward::MaterializedBackward;
+pub use call::{Attention, Batch, OneHead};
 pub use element::Element;
-pub use head::{
-    Materialized, attention, attention_batched, attention_batched_materialized,
-    attention_batched_with_lse, attention_materialized, attention_with_lse,
+pub use head::{Materialized, attention};
+pub use legacy::{
+    attention_backward, attention_backward_batched, attention_backward_batched_materialized,
+    attention_backward_materialized, attention_backward_packed, attention_batched,
+    attention_batched_materialized, attention_batched_with_lse, attention_materialized,
+    attention_packed, attention_packed_with_lse, attention_with_lse,
 };
 pub use multi_head::{
     MultiHeadActivations, MultiHeadAttention, MultiHeadGradients, MultiHeadWeights,
 };
-pub use packed::{attention_backward_packed, attention_packed, attention_packed_with_lse};

@@ -17,23 +17,7 @@ use crate::head::{attend, widen};
 /// of Q and `cu_k[s]..cu_k[s+1]` of K and V and attending only within itself (causal
 /// alignment and windows per sequence). Returns the output `[1, h_q, total_q, d_v]` and
 /// the LSE `[h_q][total_q]`, computed in f64 and rounded once.
-///
-/// ```
-/// use attn_reference::{attention, attention_packed_with_lse, Causal, CuSeqlens, Layout, Options, Tensor4Ref};
-/// use faer::Mat;
-/// let x: Vec<f32> = (0..5 * 4).map(|i| (i % 7) as f32 * 0.25).collect(); // 5 tokens, d = 4
-/// let packed = Tensor4Ref::from_layout(&x, [1, 1, 5, 4], Layout::Bshd)?;
-/// let seqs = CuSeqlens::new(&[0, 2, 5], &[0, 2, 5])?; // sequences of 2 and 3 tokens
-/// let opts = Options::default().with_causal(Causal::TopLeft);
-/// let (o, lse) = attention_packed_with_lse(packed, packed, packed, &seqs, &opts)?;
-/// // The second sequence on its own: its first token sees only itself.
-/// let second = Mat::<f32>::from_fn(3, 4, |i, j| x[(2 + i) * 4 + j]);
-/// let alone = attention(second.as_ref(), second.as_ref(), second.as_ref(), &opts)?;
-/// assert_eq!(o.as_ref().head(0, 0)?[(2, 1)], alone[(0, 1)]);
-/// assert_eq!(lse.len(), 5);
-/// # Ok::<(), attn_reference::Error>(())
-/// ```
-pub fn attention_packed_with_lse<T: Element + Default>(
+pub(crate) fn packed_forward<T: Element + Default>(
     q: Tensor4Ref<'_, T>,
     k: Tensor4Ref<'_, T>,
     v: Tensor4Ref<'_, T>,
@@ -76,60 +60,26 @@ pub fn attention_packed_with_lse<T: Element + Default>(
     Ok((out, lse))
 }
 
-/// [`attention_packed_with_lse`] without the LSE.
-///
-/// ```
-/// use attn_reference::{attention_packed, CuSeqlens, Layout, Options, Tensor4Ref};
-/// let x = vec![1.0f32; 3 * 2]; // 3 tokens, d = 2
-/// let x = Tensor4Ref::from_layout(&x, [1, 1, 3, 2], Layout::Bshd)?;
-/// let seqs = CuSeqlens::new(&[0, 1, 3], &[0, 0, 3])?; // the first sequence has no keys
-/// let o = attention_packed(x, x, x, &seqs, &Options::default())?;
-/// assert_eq!(o.as_slice(), [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]); // its row sees nothing: 0
-/// # Ok::<(), attn_reference::Error>(())
-/// ```
-pub fn attention_packed<T: Element + Default>(
-    q: Tensor4Ref<'_, T>,
-    k: Tensor4Ref<'_, T>,
-    v: Tensor4Ref<'_, T>,
-    seqs: &CuSeqlens<'_>,
-    options: &Options<'_>,
-) -> Result<Tensor4<T>> {
-    attention_packed_with_lse(q, k, v, seqs, options).map(|(o, _)| o)
-}
-
 /// The backward pass of a packed batch, sequence by sequence in f64, rounded once: the
 /// gradients are packed like their operands (dQ `[1, h_q, total_q, d_k]`, dK, dV
 /// `[1, h_kv, total_k, d]`), a kv head's the sums over its query heads, a sink logit's
 /// (`dsinks`, `[h_q]`) the sum over the sequences. `grad_out` and
 /// `out` are `[1, h_q, total_q, d_v]`, `lse` the `[h_q][total_q]` values of
-/// [`attention_packed_with_lse`] (checked for shape; the reference uses its own exact
+/// the packed forward (checked for shape; the reference uses its own exact
 /// forward).
 ///
-/// ```
-/// use attn_reference::{attention_backward_packed, attention_packed_with_lse, CuSeqlens, Layout, Options, Tensor4Ref};
-/// let x: Vec<f32> = (0..4 * 2 * 3).map(|i| (i % 5) as f32 * 0.2).collect();
-/// let x = Tensor4Ref::from_layout(&x, [1, 2, 4, 3], Layout::Bshd)?; // 4 tokens, 2 heads
-/// let seqs = CuSeqlens::new(&[0, 1, 1, 4], &[0, 1, 1, 4])?; // an empty sequence among them
-/// let opts = Options::default();
-/// let (out, lse) = attention_packed_with_lse(x, x, x, &seqs, &opts)?;
-/// let g = attention_backward_packed(out.as_ref(), x, x, x, out.as_ref(), &lse, &seqs, &opts)?;
-/// assert_eq!(g.dq.dims(), [1, 2, 4, 3]);
-/// // A one-token sequence's softmax is constant: its dQ is 0.
-/// assert!(g.dq.as_ref().head(0, 1)?.row(0).iter().all(|&x| x == 0.0));
-/// # Ok::<(), attn_reference::Error>(())
-/// ```
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward_packed<T: Element + Default>(
+pub(crate) fn packed_gradients<T: Element + Default>(
     grad_out: Tensor4Ref<'_, T>,
     q: Tensor4Ref<'_, T>,
     k: Tensor4Ref<'_, T>,
     v: Tensor4Ref<'_, T>,
     out: Tensor4Ref<'_, T>,
-    lse: &[f32],
+    lse_len: usize,
     seqs: &CuSeqlens<'_>,
     options: &Options<'_>,
 ) -> Result<BatchGradients<T>> {
-    let (shape, _) = validate_packed_backward(q, k, v, grad_out, out, lse.len(), seqs, options)?;
+    let (shape, _) = validate_packed_backward(q, k, v, grad_out, out, lse_len, seqs, options)?;
     let scale = options.scale_for_f64(shape.head.d_k)?;
     let (h_q, h_kv) = (shape.h_q, shape.h_kv);
     let (total_q, total_k, d_k, d_v) = (

@@ -33,7 +33,7 @@ use attn_core::{
     TileCoverage, validate_batch_backward, validate_head_backward, validate_packed_backward,
 };
 use faer::reborrow::{Reborrow, ReborrowMut};
-use faer::{MatRef, RowMut};
+use faer::{MatRef, Par, RowMut};
 
 use crate::exact;
 use crate::kernel::element::Element;
@@ -294,6 +294,7 @@ impl<'a, T: Element> Backward<'a, T> {
         dq: &mut [RowMut<'o, G>],
         dk: &mut [RowMut<'o, G>],
         dv: &mut [RowMut<'o, G>],
+        par: Par,
     ) -> Result<Option<Vec<f32>>> {
         let dsinks = self.sink_gradients()?;
         let d_k = self.shape.d_k;
@@ -349,7 +350,7 @@ impl<'a, T: Element> Backward<'a, T> {
         let tasks: Vec<Mutex<Option<Task<'_, '_, G>>>> =
             tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
         let failure = Mutex::new(None);
-        for_each_index(tasks.len(), Order::Front, |i| {
+        for_each_index(tasks.len(), Order::Front, par, |i| {
             let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
                 return;
             };

@@ -20,7 +20,7 @@ use std::sync::Mutex;
 
 use attn_core::{Error, PartialState, Result, Tensor4Mut};
 use faer::reborrow::ReborrowMut;
-use faer::{Mat, MatMut, RowMut};
+use faer::{Mat, MatMut, Par, RowMut};
 
 use crate::exact;
 use crate::kernel::element::Element;
@@ -37,6 +37,8 @@ pub(crate) fn head<T: Element, O: Element>(
     inputs: HeadInputs<'_, T>,
     out: MatMut<'_, O>,
     lse: Option<&mut [f32]>,
+    split: SplitKv,
+    par: Par,
 ) -> Result<()> {
     let mut rows = row_list(out.row_iter_mut())?;
     let job = HeadJob {
@@ -45,7 +47,7 @@ pub(crate) fn head<T: Element, O: Element>(
         out: &mut rows,
         lse,
     };
-    run(problem, vec![job], SplitKv::Auto);
+    run(problem, vec![job], split, par);
     Ok(())
 }
 
@@ -56,11 +58,12 @@ pub(crate) fn batched<T: Element, O: Element>(
     out: Tensor4Mut<'_, O>,
     lse: Option<&mut [f32]>,
     split: SplitKv,
+    par: Par,
 ) -> Result<()> {
     let mut rows = row_list(out.into_rows()?.into_iter().map(RowMut::from_slice_mut))?;
     let lse = lse.unwrap_or_default();
     let jobs = batch.jobs(&mut rows, lse)?;
-    run(&batch.problem, jobs, split);
+    run(&batch.problem, jobs, split, par);
     Ok(())
 }
 
@@ -70,10 +73,12 @@ pub(crate) fn packed<T: Element, O: Element>(
     packed: &Packed<'_, T>,
     out: Tensor4Mut<'_, O>,
     lse: Option<&mut [f32]>,
+    split: SplitKv,
+    par: Par,
 ) -> Result<()> {
     let mut rows = row_list(out.into_rows()?.into_iter().map(RowMut::from_slice_mut))?;
     let jobs = packed.jobs(&mut rows, lse.unwrap_or_default())?;
-    run(&packed.problem, jobs, SplitKv::Auto);
+    run(&packed.problem, jobs, split, par);
     Ok(())
 }
 
@@ -113,6 +118,7 @@ pub(crate) fn run<T: Element, O: Element>(
     problem: &Problem,
     jobs: Vec<HeadJob<'_, '_, T, O>>,
     split: SplitKv,
+    par: Par,
 ) {
     let Problem {
         rows,
@@ -133,7 +139,7 @@ pub(crate) fn run<T: Element, O: Element>(
     }
     let n_k = jobs.iter().map(|j| j.keys.len()).max().unwrap_or(0);
     if uniform && splits(split, tiles, 1, n_k) {
-        return split_kv::run(problem, jobs);
+        return split_kv::run(problem, jobs, par);
     }
 
     let mut tasks = Vec::with_capacity(tiles);
@@ -166,7 +172,7 @@ pub(crate) fn run<T: Element, O: Element>(
     tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
     let tasks: Vec<Mutex<Option<TileTask<'_, '_, T, O>>>> =
         tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
-    for_each_index(tasks.len(), Order::Front, |i| {
+    for_each_index(tasks.len(), Order::Front, par, |i| {
         let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
             return;
         };

@@ -7,6 +7,7 @@ use core::ops::Range;
 use std::sync::OnceLock;
 
 use attn_core::PartialState;
+use faer::Par;
 
 use super::Scratch;
 use crate::kernel::element::Element;
@@ -15,7 +16,11 @@ use crate::problem::{HeadJob, Problem};
 use crate::schedule::{Order, chunked, for_each_index};
 
 /// Runs `jobs` split into key chunks.
-pub(super) fn run<T: Element, O: Element>(problem: &Problem, jobs: Vec<HeadJob<'_, '_, T, O>>) {
+pub(super) fn run<T: Element, O: Element>(
+    problem: &Problem,
+    jobs: Vec<HeadJob<'_, '_, T, O>>,
+    par: Par,
+) {
     let (n_q, plan) = (problem.rows, problem.plan);
     let tiles = plan.query_tiles(n_q);
     let chunks: Vec<Vec<Range<usize>>> = jobs.iter().map(|j| chunked(j.keys.clone())).collect();
@@ -26,7 +31,7 @@ pub(super) fn run<T: Element, O: Element>(problem: &Problem, jobs: Vec<HeadJob<'
         }
     }
     let states: Vec<OnceLock<PartialState>> = index.iter().map(|_| OnceLock::new()).collect();
-    for_each_index(index.len(), Order::BothEnds, |i| {
+    for_each_index(index.len(), Order::BothEnds, par, |i| {
         let (j, t, c) = index[i];
         let state = Scratch::with::<T, _>(plan, problem.d_k, problem.d_v, |scratch| {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);

@@ -1,0 +1,162 @@
+//! What a forward pass hands to its backward pass, in both engines' call values: the output
+//! and the natural-log LSE of its rows, paired by type so that neither can be swapped for
+//! the upstream gradient, and the caller's gradient views of an `_into` backward.
+
+use faer::{ColRef, Mat, MatRef};
+
+use crate::{Error, Result, Tensor4, Tensor4Ref};
+
+/// The result of a forward pass: the output (`Mat<T>` for one head, `Tensor4<T>`
+/// `[batch, h_q, n_q, d_v]` for many) and the natural-log LSE of each of its rows, in row
+/// order (`[n_q]`, or `[batch][h_q][n_q]` flattened; `-inf` for a row that sees no key).
+/// A backward pass takes it whole ([`Forward::as_view`]), so the output cannot be passed
+/// where the upstream gradient belongs, nor an LSE of other rows.
+///
+/// ```
+/// use attn_core::Forward;
+/// use faer::Mat;
+/// let fwd = Forward::head(Mat::<f32>::zeros(2, 3), vec![0.0, 1.0])?;
+/// assert_eq!(fwd.lse(), [0.0, 1.0]);
+/// assert!(Forward::head(Mat::<f32>::zeros(2, 3), vec![0.0]).is_err()); // one LSE per row
+/// # Ok::<(), attn_core::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Forward<O> {
+    output: O,
+    lse: Vec<f32>,
+}
+
+impl<T> Forward<Mat<T>> {
+    /// One head's output `[n_q, d_v]` and its `n_q` LSE entries.
+    pub fn head(output: Mat<T>, lse: Vec<f32>) -> Result<Self> {
+        if lse.len() != output.nrows() {
+            return Err(Error::lse_length(lse.len(), output.nrows()));
+        }
+        Ok(Self { output, lse })
+    }
+
+    /// Borrowed views of both, for a backward pass.
+    pub fn as_view(&self) -> ForwardRef<MatRef<'_, T>, ColRef<'_, f32>> {
+        ForwardRef::new(self.output.as_ref(), ColRef::from_slice(&self.lse))
+    }
+}
+
+impl<T> Forward<Tensor4<T>> {
+    /// A batched output `[batch, h_q, n_q, d_v]` and its `batch · h_q · n_q` LSE entries.
+    pub fn batch(output: Tensor4<T>, lse: Vec<f32>) -> Result<Self> {
+        let [b, h, n, _] = output.dims();
+        let rows = b.checked_mul(h).and_then(|x| x.checked_mul(n));
+        if rows != Some(lse.len()) {
+            return Err(Error::lse_length(lse.len(), rows.unwrap_or(usize::MAX)));
+        }
+        Ok(Self { output, lse })
+    }
+
+    /// Borrowed views of both, for a backward pass: the LSE as a `[batch, h_q, n_q, 1]` view.
+    pub fn as_view(&self) -> ForwardRef<Tensor4Ref<'_, T>, Tensor4Ref<'_, f32>> {
+        let [b, h, n, _] = self.output.dims();
+        let lse = Tensor4Ref::new(&self.lse, [b, h, n, 1], [h * n, n, 1]);
+        ForwardRef::new(
+            self.output.as_ref(),
+            lse.expect("one LSE per output row, checked when built"),
+        )
+    }
+}
+
+impl<O> Forward<O> {
+    /// The output.
+    pub fn output(&self) -> &O {
+        &self.output
+    }
+
+    /// The natural-log LSE of each output row, in row order.
+    pub fn lse(&self) -> &[f32] {
+        &self.lse
+    }
+
+    /// The output alone.
+    pub fn into_output(self) -> O {
+        self.output
+    }
+
+    /// The output and the LSE.
+    pub fn into_parts(self) -> (O, Vec<f32>) {
+        (self.output, self.lse)
+    }
+}
+
+/// A forward pass's output and LSE as views, for a backward pass: what
+/// [`Forward::as_view`] gives, or what a caller builds from the buffers an `_into` forward
+/// wrote (an LSE of any stride: a [`ColRef`] for one head, a `[batch, h_q, n_q, 1]`
+/// [`Tensor4Ref`] for many). The backward checks both against its call.
+///
+/// ```
+/// use attn_core::ForwardRef;
+/// use faer::{ColRef, Mat};
+/// let out = Mat::<f32>::zeros(2, 4);
+/// let lse = [0.5f32, 9.0, 0.25, 9.0]; // every other entry: a strided LSE
+/// let fwd = ForwardRef::new(out.as_ref(), ColRef::from_slice_with_stride(&lse, 2, 2));
+/// assert_eq!(fwd.lse[1], 0.25);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardRef<V, L> {
+    /// The forward's output.
+    pub output: V,
+    /// The natural-log LSE of each output row.
+    pub lse: L,
+}
+
+impl<V, L> ForwardRef<V, L> {
+    /// The views of an output and its LSE.
+    pub fn new(output: V, lse: L) -> Self {
+        Self { output, lse }
+    }
+}
+
+impl<'f, T> From<&'f Forward<Mat<T>>> for ForwardRef<MatRef<'f, T>, ColRef<'f, f32>> {
+    fn from(fwd: &'f Forward<Mat<T>>) -> Self {
+        fwd.as_view()
+    }
+}
+
+impl<'f, T> From<&'f Forward<Tensor4<T>>> for ForwardRef<Tensor4Ref<'f, T>, Tensor4Ref<'f, f32>> {
+    fn from(fwd: &'f Forward<Tensor4<T>>) -> Self {
+        fwd.as_view()
+    }
+}
+
+/// The caller's views an `_into` backward pass writes: `dq`, `dk` and `dv`, each shaped
+/// like its operand (`MatMut` for one head, `Tensor4Mut` for many).
+///
+/// ```
+/// use attn_core::GradientsMut;
+/// use faer::Mat;
+/// let (mut dq, mut dk, mut dv) = (Mat::<f32>::zeros(2, 4), Mat::zeros(3, 4), Mat::zeros(3, 5));
+/// let views = GradientsMut { dq: dq.as_mut(), dk: dk.as_mut(), dv: dv.as_mut() };
+/// assert_eq!(views.dv.ncols(), 5);
+/// ```
+#[derive(Debug)]
+pub struct GradientsMut<V> {
+    /// `∂loss/∂Q`.
+    pub dq: V,
+    /// `∂loss/∂K`.
+    pub dk: V,
+    /// `∂loss/∂V`.
+    pub dv: V,
+}
+
+/// The kind of operands of a call that holds one head: `q : [n_q, d_k]`, `k : [n_k, d_k]`,
+/// `v : [n_k, d_v]` as faer views; the output is a `Mat`, the gradients [`Gradients`].
+/// Both engines' `Attention` take it as their third type parameter (the default).
+///
+/// [`Gradients`]: crate::Gradients
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OneHead {}
+
+/// The kind of operands of a call over many heads: `[batch, heads, seq, dim]` views (a
+/// batch, a packed batch of sequences, a KV cache's entries); the output is a
+/// `[batch, h_q, n_q, d_v]` [`Tensor4`], the gradients [`BatchGradients`].
+///
+/// [`BatchGradients`]: crate::BatchGradients
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Batch {}

@@ -1,0 +1,344 @@
+//! [`Attention`] over many heads: `[batch, heads, seq, dim]` views in, `Tensor4` out.
+
+use attn_core::{
+    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, GradientsMut, Options, Result, Tensor4,
+    Tensor4Mut, Tensor4Ref,
+};
+use faer::{Par, RowMut};
+
+use super::{Attention, Batch, check_lse_view, lse_rows};
+use crate::backward::Backward;
+use crate::forward;
+use crate::kernel::element::Element;
+use crate::problem::{Batched, Packed, filled, zeroed};
+
+/// The validated operands of a call over many heads.
+#[derive(Debug)]
+pub struct BatchOperands<'a, T>(Operands<'a, T>);
+
+#[derive(Debug)]
+enum Operands<'a, T> {
+    /// A batch, grouped-query heads.
+    Batched {
+        call: Batched<'a, T>,
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+    },
+    /// Sequences of different lengths packed one after the other.
+    Packed {
+        call: Packed<'a, T>,
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        seqs: CuSeqlens<'a>,
+    },
+    /// New queries against a KV cache's entries.
+    Cached(Batched<'a, T>),
+}
+
+impl<'a, T: Element> Attention<'a, T, Batch> {
+    /// Batched, grouped-query attention over `[batch, heads, seq, dim]` views (either
+    /// layout, any strides): Q `[batch, h_q, n_q, d_k]` against K, V
+    /// `[batch, h_kv, n_k, d]`; query head `h` reads key/value head `h / (h_q / h_kv)`.
+    /// Masks per batch entry and head are broadcast `[B, H, n_q, n_k]` views
+    /// ([`Options::with_bool_mask_4d`]); key lengths may differ per entry
+    /// ([`Options::with_key_lengths`]).
+    ///
+    /// ```
+    /// use attn_optimized::{Attention, Layout, Options, Par, Tensor4Ref};
+    /// let q = vec![0.5f32; 2 * 3 * 4 * 8]; // [B=2, S=3, H=4, D=8]
+    /// let kv = vec![1.0f32; 2 * 5 * 1 * 8]; // one shared kv head (MQA)
+    /// let q = Tensor4Ref::from_layout(&q, [2, 4, 3, 8], Layout::Bshd)?;
+    /// let kv = Tensor4Ref::from_layout(&kv, [2, 1, 5, 8], Layout::Bshd)?;
+    /// let fwd = Attention::batched(q, kv, kv, &Options::default())?.forward(Par::rayon(0))?;
+    /// assert_eq!(fwd.output().dims(), [2, 4, 3, 8]);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn batched(
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let call = Batched::new(q, k, v, options)?;
+        let ops = BatchOperands(Operands::Batched { call, q, k, v });
+        Ok(Self::from_operands(ops, options))
+    }
+
+    /// Attention over a packed batch of sequences of different lengths (FlashAttention's
+    /// varlen): Q `[1, h_q, total_q, d_k]`, K and V `[1, h_kv, total_k, d]` (any strides:
+    /// FlashAttention's `[total, heads, dim]` is [`Layout::Bshd`](crate::Layout::Bshd)
+    /// with batch 1), sequence `s` on the rows `cu_q[s]..cu_q[s+1]` of Q and
+    /// `cu_k[s]..cu_k[s+1]` of K and V. Each sequence attends only within itself, with the
+    /// causal alignment and window applied per sequence; element-wise masks and key padding
+    /// are rejected. No work is spent on padding, because there is none. The output is
+    /// `[1, h_q, total_q, d_v]`, the LSE `[h_q][total_q]`.
+    ///
+    /// ```
+    /// use attn_optimized::{attention, Attention, Causal, CuSeqlens, Layout, Options, Par, Tensor4Ref};
+    /// let (d, heads) = (8, 2);
+    /// let x: Vec<f32> = (0..7 * heads * d).map(|i| ((i * 5) % 11) as f32 * 0.1).collect();
+    /// let x = Tensor4Ref::from_layout(&x, [1, heads, 7, d], Layout::Bshd)?; // 7 tokens
+    /// let seqs = CuSeqlens::new(&[0, 3, 3, 7], &[0, 3, 3, 7])?; // lengths 3, 0 and 4
+    /// let opts = Options::default().with_causal(Causal::TopLeft);
+    /// let o = Attention::packed(x, x, x, &seqs, &opts)?.forward(Par::rayon(0))?.into_output();
+    /// // Head 1 of the last sequence, computed on its own.
+    /// let last = x.head(0, 1)?.subrows(3, 4);
+    /// let alone = attention(last, last, last, &opts)?;
+    /// assert!((o.as_ref().head(0, 1)?[(5, 3)] - alone[(2, 3)]).abs() < 1e-6);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn packed(
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        seqs: &CuSeqlens<'a>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let call = Packed::new(q, k, v, seqs, options)?;
+        let seqs = *seqs;
+        let ops = BatchOperands(Operands::Packed {
+            call,
+            q,
+            k,
+            v,
+            seqs,
+        });
+        Ok(Self::from_operands(ops, options))
+    }
+
+    /// A KV cache's call ([`crate::KvCache::attention`]), validated by the cache.
+    pub(crate) fn cached(call: Batched<'a, T>, options: &Options<'a>) -> Self {
+        Self::from_operands(BatchOperands(Operands::Cached(call)), options)
+    }
+
+    /// The output's dims, `[batch, h_q, n_q, d_v]` (`[1, h_q, total_q, d_v]` packed).
+    pub fn out_dims(&self) -> [usize; 4] {
+        match &self.ops.0 {
+            Operands::Batched { call, .. } | Operands::Cached(call) => call.out_dims(),
+            Operands::Packed { call, .. } => call.out_dims(),
+        }
+    }
+
+    /// The output (`[batch, h_q, n_q, d_v]` in the `[B,H,S,D]` layout, the operands'
+    /// element type) and the natural-log LSE of every row, `[batch][h_q][n_q]` flattened
+    /// (`-inf` for a row that sees no key).
+    pub fn forward(&self, par: Par) -> Result<Forward<Tensor4<T>>> {
+        let dims = self.out_dims();
+        let mut out = Tensor4::from_vec(zeroed("attention output", &dims)?, dims)?;
+        let rows = crate::problem::element_count(&dims[..3]);
+        let mut lse = filled("LSE", rows, f32::NEG_INFINITY)?;
+        self.run_forward(out.as_mut(), Some(&mut lse), par)?;
+        Forward::batch(out, lse)
+    }
+
+    /// [`forward`](Attention::forward) written in place into a caller's view
+    /// `[batch, h_q, n_q, d_v]` (any layout and strides that do not overlap, any element
+    /// type), and the LSE into a `[batch, h_q, n_q, 1]` view of any strides when given.
+    ///
+    /// ```
+    /// use attn_optimized::{Attention, Layout, Options, Par, Tensor4Mut, Tensor4Ref};
+    /// let q: Vec<f32> = (0..2 * 3 * 8).map(|i| (i % 5) as f32 * 0.1).collect();
+    /// let q = Tensor4Ref::from_layout(&q, [1, 2, 3, 8], Layout::Bhsd)?;
+    /// let call = Attention::batched(q, q, q, &Options::default())?;
+    /// let mut out = vec![0.0f32; 2 * 3 * 8];
+    /// let mut lse = vec![0.0f32; 2 * 3];
+    /// // The result in the [B,S,H,D] layout and the LSE as torch's [B,S,H], where wanted.
+    /// call.forward_into(
+    ///     Tensor4Mut::from_layout(&mut out, [1, 2, 3, 8], Layout::Bshd)?,
+    ///     Some(Tensor4Mut::from_layout(&mut lse, [1, 2, 3, 1], Layout::Bshd)?),
+    ///     Par::rayon(0),
+    /// )?;
+    /// let want = call.forward(Par::rayon(0))?;
+    /// assert_eq!(out[8], want.output().as_ref().head(0, 1)?[(0, 0)]); // position 0, head 1
+    /// assert_eq!(lse[1], want.lse()[3]); // position 0, head 1
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn forward_into<O: Element>(
+        &self,
+        out: Tensor4Mut<'_, O>,
+        lse: Option<Tensor4Mut<'_, f32>>,
+        par: Par,
+    ) -> Result<()> {
+        let dims = self.out_dims();
+        if out.dims() != dims {
+            return Err(Error::layout(
+                "output tensor",
+                format!(
+                    "dims {:?} but the result is {dims:?} ([batch, h_q, n_q, d_v])",
+                    out.dims()
+                ),
+            ));
+        }
+        let Some(view) = lse else {
+            return self.run_forward(out, None, par);
+        };
+        check_lse_view(&view, [dims[0], dims[1], dims[2]])?;
+        let rows = crate::problem::element_count(&dims[..3]);
+        let mut lse = filled("LSE", rows, f32::NEG_INFINITY)?;
+        self.run_forward(out, Some(&mut lse), par)?;
+        for (dst, &x) in view.into_rows()?.into_iter().zip(&lse) {
+            dst[0] = x;
+        }
+        Ok(())
+    }
+
+    fn run_forward<O: Element>(
+        &self,
+        out: Tensor4Mut<'_, O>,
+        lse: Option<&mut [f32]>,
+        par: Par,
+    ) -> Result<()> {
+        match &self.ops.0 {
+            Operands::Batched { call, .. } | Operands::Cached(call) => {
+                forward::batched(call, out, lse, self.split, par)
+            }
+            Operands::Packed { call, .. } => forward::packed(call, out, lse, self.split, par),
+        }
+    }
+
+    /// The backward pass over every head, given what [`forward`](Attention::forward)
+    /// returned (or the views an `_into` forward wrote, [`ForwardRef::new`]) and the
+    /// upstream gradient `d_out` (`[batch, h_q, n_q, d_v]`): the gradients shaped like
+    /// their operands, in the `[B,H,S,D]` layout. A kv head's gradient is summed over its
+    /// query heads in head order; a packed call's are packed like its operands. See
+    /// [`Attention::backward`](Attention#method.backward) of one head for the formulas. A
+    /// KV cache's call has no backward pass.
+    ///
+    /// ```
+    /// use attn_optimized::{Attention, Layout, Options, Par, Tensor4Ref};
+    /// let q: Vec<f32> = (0..2 * 5 * 4 * 8).map(|i| (i % 7) as f32 * 0.1).collect();
+    /// let kv: Vec<f32> = (0..2 * 6 * 2 * 8).map(|i| (i % 5) as f32 * 0.2).collect();
+    /// let q = Tensor4Ref::from_layout(&q, [2, 4, 5, 8], Layout::Bshd)?; // 4 query heads
+    /// let kv = Tensor4Ref::from_layout(&kv, [2, 2, 6, 8], Layout::Bshd)?; // 2 kv heads (GQA)
+    /// let call = Attention::batched(q, kv, kv, &Options::default())?;
+    /// let fwd = call.forward(Par::rayon(0))?;
+    /// let g = call.backward(&fwd, fwd.output().as_ref(), Par::rayon(0))?;
+    /// assert_eq!((g.dq.dims(), g.dk.dims(), g.dv.dims()), ([2, 4, 5, 8], [2, 2, 6, 8], [2, 2, 6, 8]));
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn backward<'f>(
+        &self,
+        fwd: impl Into<ForwardRef<Tensor4Ref<'f, T>, Tensor4Ref<'f, f32>>>,
+        d_out: Tensor4Ref<'_, T>,
+        par: Par,
+    ) -> Result<BatchGradients<T>> {
+        let (q, k, v) = self.operands()?;
+        let grad = |what, dims: [usize; 4]| Tensor4::from_vec(zeroed(what, &dims)?, dims);
+        let (mut dq, mut dk, mut dv) = (
+            grad("dQ", q.dims())?,
+            grad("dK", k.dims())?,
+            grad("dV", v.dims())?,
+        );
+        let grads = GradientsMut {
+            dq: dq.as_mut(),
+            dk: dk.as_mut(),
+            dv: dv.as_mut(),
+        };
+        let dsinks = self.backward_into(fwd, d_out, grads, par)?;
+        Ok(BatchGradients::new(dq, dk, dv).with_dsinks(dsinks))
+    }
+
+    /// [`backward`](Attention::backward) written in place into caller views (any layout
+    /// and strides that do not overlap, any element type `G`), each with its operand's
+    /// dims. Returns the sink logits' gradients (`[h_q]`, summed over the batch entries)
+    /// when the options carry them, `None` otherwise.
+    ///
+    /// ```
+    /// use attn_optimized::{Attention, GradientsMut, Layout, Options, Par, Tensor4Mut, Tensor4Ref};
+    /// let x: Vec<f32> = (0..3 * 2 * 4).map(|i| (i % 5) as f32 * 0.3).collect();
+    /// let x = Tensor4Ref::from_layout(&x, [1, 2, 3, 4], Layout::Bhsd)?;
+    /// let call = Attention::batched(x, x, x, &Options::default())?;
+    /// let fwd = call.forward(Par::rayon(0))?;
+    /// let (mut dq, mut dk, mut dv) = (vec![0.0f32; 24], vec![0.0f32; 24], vec![0.0f32; 24]);
+    /// fn view(b: &mut [f32]) -> attn_optimized::Result<Tensor4Mut<'_, f32>> {
+    ///     Tensor4Mut::from_layout(b, [1, 2, 3, 4], Layout::Bshd)
+    /// }
+    /// let grads = GradientsMut { dq: view(&mut dq)?, dk: view(&mut dk)?, dv: view(&mut dv)? };
+    /// call.backward_into(&fwd, fwd.output().as_ref(), grads, Par::rayon(0))?;
+    /// let want = call.backward(&fwd, fwd.output().as_ref(), Par::rayon(0))?;
+    /// assert_eq!(dv[4], want.dv.as_ref().head(0, 1)?[(0, 0)]); // position 0, head 1
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn backward_into<'f, G: Element>(
+        &self,
+        fwd: impl Into<ForwardRef<Tensor4Ref<'f, T>, Tensor4Ref<'f, f32>>>,
+        d_out: Tensor4Ref<'_, T>,
+        grads: GradientsMut<Tensor4Mut<'_, G>>,
+        par: Par,
+    ) -> Result<Option<Vec<f32>>> {
+        let (q, k, v) = self.operands()?;
+        let fwd = fwd.into();
+        let [b, h, n, _] = self.out_dims();
+        let lse = lse_rows(fwd.lse, [b, h, n])?;
+        let GradientsMut { dq, dk, dv } = grads;
+        for (name, view, want) in [
+            ("dQ tensor", dq.dims(), q.dims()),
+            ("dK tensor", dk.dims(), k.dims()),
+            ("dV tensor", dv.dims(), v.dims()),
+        ] {
+            if view != want {
+                return Err(Error::layout(
+                    name,
+                    format!("dims {view:?} but its operand is {want:?}"),
+                ));
+            }
+        }
+        match &self.ops.0 {
+            Operands::Packed { seqs, .. } => {
+                let call = Backward::packed(d_out, q, k, v, fwd.output, &lse, seqs, &self.options)?;
+                let (h_q, h_kv) = (dq.dims()[1], dk.dims()[1]);
+                let (dq_order, dk_order) = Backward::<T>::packed_row_order(seqs, h_q, h_kv);
+                call.run(
+                    &mut reorder(dq, &dq_order)?,
+                    &mut reorder(dk, &dk_order)?,
+                    &mut reorder(dv, &dk_order)?,
+                    par,
+                )
+            }
+            _ => {
+                let call = Backward::batched(d_out, q, k, v, fwd.output, &lse, &self.options)?;
+                fn rows<G>(t: Tensor4Mut<'_, G>) -> Result<Vec<RowMut<'_, G>>> {
+                    forward::row_list(t.into_rows()?.into_iter().map(RowMut::from_slice_mut))
+                }
+                call.run(&mut rows(dq)?, &mut rows(dk)?, &mut rows(dv)?, par)
+            }
+        }
+    }
+
+    /// Q, K and V of a call that has a backward pass.
+    fn operands(&self) -> Result<(Tensor4Ref<'a, T>, Tensor4Ref<'a, T>, Tensor4Ref<'a, T>)> {
+        match &self.ops.0 {
+            Operands::Batched { q, k, v, .. } | Operands::Packed { q, k, v, .. } => {
+                Ok((*q, *k, *v))
+            }
+            Operands::Cached(_) => Err(Error::unsupported(
+                "the backward pass of a KV cache's call",
+                "train with Attention::batched over the whole sequences",
+            )),
+        }
+    }
+}
+
+/// The rows of a packed call's gradient view in the order of the backward's groups
+/// (sequence, kv head), not the tensor's.
+fn reorder<'t, G>(t: Tensor4Mut<'t, G>, order: &[usize]) -> Result<Vec<RowMut<'t, G>>> {
+    // In place: `Option<&mut [G]>` has the layout of `&mut [G]`.
+    let mut rows: Vec<Option<&mut [G]>> = t.into_rows()?.into_iter().map(Some).collect();
+    let mut list = Vec::new();
+    list.try_reserve_exact(order.len())
+        .map_err(|_| Error::allocation_of::<RowMut<'t, G>>("gradient rows", Some(order.len())))?;
+    for &i in order {
+        match rows.get_mut(i).and_then(Option::take) {
+            Some(row) => list.push(RowMut::from_slice_mut(row)),
+            None => {
+                return Err(Error::layout(
+                    "gradient tensor",
+                    "its rows do not match the packed sequences",
+                ));
+            }
+        }
+    }
+    Ok(list)
+}
