@@ -92,10 +92,11 @@ impl<O> Forward<O> {
 ///
 /// ```
 /// use attn_core::ForwardRef;
-/// use faer::{ColRef, Mat};
+/// use faer::{Mat, MatRef};
 /// let out = Mat::<f32>::zeros(2, 4);
 /// let lse = [0.5f32, 9.0, 0.25, 9.0]; // every other entry: a strided LSE
-/// let fwd = ForwardRef::new(out.as_ref(), ColRef::from_slice_with_stride(&lse, 2, 2));
+/// let every_other = MatRef::from_row_major_slice_with_stride(&lse, 2, 1, 2).col(0);
+/// let fwd = ForwardRef::new(out.as_ref(), every_other);
 /// assert_eq!(fwd.lse[1], 0.25);
 /// ```
 #[derive(Debug, Clone, Copy)]

@@ -5,11 +5,13 @@
 
 use attn_optimized::{
     Attention, Causal, ColMut, ColRef, Error, ForwardRef, GradientsMut, KvCache, Layout, Mat,
-    Options, Par, SlidingWindow, Tensor4Mut, Tensor4Ref, bf16,
+    MatMut, MatRef, Options, Par, SlidingWindow, Tensor4Mut, Tensor4Ref, bf16,
 };
 
 fn mat(n: usize, d: usize, seed: usize) -> Mat<f32> {
-    Mat::from_fn(n, d, |i, j| (((i * 31 + j * 17 + seed * 7) % 23) as f32 - 11.0) / 8.0)
+    Mat::from_fn(n, d, |i, j| {
+        (((i * 31 + j * 17 + seed * 7) % 23) as f32 - 11.0) / 8.0
+    })
 }
 
 fn data(len: usize, seed: usize) -> Vec<f32> {
@@ -35,15 +37,22 @@ fn one_head_into_a_strided_lse_equals_the_owned_forward_and_the_threads_change_n
     let call = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
     let all = call.forward(Par::rayon(0)).unwrap();
     let one = call.forward(Par::Seq).unwrap();
-    assert_eq!(mat_bits(all.output().as_ref()), mat_bits(one.output().as_ref()));
+    assert_eq!(
+        mat_bits(all.output().as_ref()),
+        mat_bits(one.output().as_ref())
+    );
     assert_eq!(bits(all.lse()), bits(one.lse()));
 
     // A transposed output and an LSE every third entry.
     let mut out_t = Mat::<f32>::zeros(24, 300);
     let mut lse = vec![7.0f32; 900];
-    let lse_view = ColMut::from_slice_with_stride_mut(&mut lse, 300, 3);
-    call.forward_into(out_t.as_mut().transpose_mut(), Some(lse_view), Par::rayon(2))
-        .unwrap();
+    let lse_view = MatMut::from_row_major_slice_with_stride_mut(&mut lse, 300, 1, 3).col_mut(0);
+    call.forward_into(
+        out_t.as_mut().transpose_mut(),
+        Some(lse_view),
+        Par::rayon(2),
+    )
+    .unwrap();
     assert_eq!(mat_bits(out_t.transpose()), mat_bits(all.output().as_ref()));
     let strided: Vec<f32> = lse.iter().step_by(3).copied().collect();
     assert_eq!(bits(&strided), bits(all.lse()));
@@ -54,9 +63,13 @@ fn one_head_into_a_strided_lse_equals_the_owned_forward_and_the_threads_change_n
     let owned = call.backward(&all, d_out.as_ref(), Par::Seq).unwrap();
     let fwd = ForwardRef::new(
         out_t.transpose(),
-        ColRef::from_slice_with_stride(&lse, 300, 3),
+        MatRef::from_row_major_slice_with_stride(&lse, 300, 1, 3).col(0),
     );
-    let (mut dq, mut dk, mut dv) = (Mat::zeros(300, 32), Mat::zeros(700, 32), Mat::zeros(700, 24));
+    let (mut dq, mut dk, mut dv) = (
+        Mat::<f32>::zeros(300, 32),
+        Mat::<f32>::zeros(700, 32),
+        Mat::<f32>::zeros(700, 24),
+    );
     let grads = GradientsMut {
         dq: dq.as_mut(),
         dk: dk.as_mut(),
@@ -75,8 +88,8 @@ fn a_batched_call_writes_torch_layouts_of_output_and_lse() {
     let (qd, kd) = (data(b * h_q * n * d, 1), data(b * h_kv * n * d, 2));
     let q = Tensor4Ref::from_layout(&qd, [b, h_q, n, d], Layout::Bshd).unwrap();
     let kv = Tensor4Ref::from_layout(&kd, [b, h_kv, n, d], Layout::Bhsd).unwrap();
-    let call = Attention::batched(q, kv, kv, &Options::default().with_causal(Causal::TopLeft))
-        .unwrap();
+    let call =
+        Attention::batched(q, kv, kv, &Options::default().with_causal(Causal::TopLeft)).unwrap();
     let fwd = call.forward(Par::Seq).unwrap();
     let mut out = vec![0.0f32; b * h_q * n * d];
     let mut lse = vec![0.0f32; b * h_q * n];
@@ -99,9 +112,15 @@ fn a_batched_call_writes_torch_layouts_of_output_and_lse() {
         }
     }
     // The backward reads the same strided LSE back.
-    let owned = call.backward(&fwd, fwd.output().as_ref(), Par::Seq).unwrap();
+    let owned = call
+        .backward(&fwd, fwd.output().as_ref(), Par::Seq)
+        .unwrap();
     let again = call
-        .backward(ForwardRef::new(out_t, lse_t), fwd.output().as_ref(), Par::rayon(0))
+        .backward(
+            ForwardRef::new(out_t, lse_t),
+            fwd.output().as_ref(),
+            Par::rayon(0),
+        )
         .unwrap();
     assert_eq!(bits(owned.dq.as_slice()), bits(again.dq.as_slice()));
     assert_eq!(bits(owned.dk.as_slice()), bits(again.dk.as_slice()));
@@ -114,7 +133,11 @@ fn mismatched_outputs_lse_and_gradients_are_errors() {
     let mut out = Mat::<f32>::zeros(5, 8);
     let mut short = vec![0.0f32; 4];
     let err = call
-        .forward_into(out.as_mut(), Some(ColMut::from_slice_mut(&mut short)), Par::Seq)
+        .forward_into(
+            out.as_mut(),
+            Some(ColMut::from_slice_mut(&mut short)),
+            Par::Seq,
+        )
         .unwrap_err();
     assert_eq!(err, Error::lse_length(4, 5));
     let mut wide = Mat::<f32>::zeros(5, 9);
@@ -126,17 +149,31 @@ fn mismatched_outputs_lse_and_gradients_are_errors() {
     let bad = ForwardRef::new(fwd.output().as_ref(), ColRef::from_slice(&other));
     assert!(call.backward(bad, x.as_ref(), Par::Seq).is_err());
     // dK of the wrong shape.
-    let (mut dq, mut dk, mut dv) = (Mat::zeros(5, 8), Mat::zeros(4, 8), Mat::zeros(5, 8));
+    let (mut dq, mut dk, mut dv) = (
+        Mat::<f32>::zeros(5, 8),
+        Mat::<f32>::zeros(4, 8),
+        Mat::<f32>::zeros(5, 8),
+    );
     let grads = GradientsMut {
         dq: dq.as_mut(),
         dk: dk.as_mut(),
         dv: dv.as_mut(),
     };
-    assert!(call.backward_into(&fwd, x.as_ref(), grads, Par::Seq).is_err());
+    assert!(
+        call.backward_into(&fwd, x.as_ref(), grads, Par::Seq)
+            .is_err()
+    );
 
     // A key range has no backward pass, and refuses sinks.
-    let shard = Attention::keys_of(x.as_ref(), x.subrows(0, 3), x.subrows(0, 3), 0..3, 5, &Options::default())
-        .unwrap();
+    let shard = Attention::keys_of(
+        x.as_ref(),
+        x.subrows(0, 3),
+        x.subrows(0, 3),
+        0..3,
+        5,
+        &Options::default(),
+    )
+    .unwrap();
     let partial = shard.forward(Par::Seq).unwrap();
     assert!(matches!(
         shard.backward(&partial, x.as_ref(), Par::Seq),
@@ -145,7 +182,14 @@ fn mismatched_outputs_lse_and_gradients_are_errors() {
     let sinks = [0.5f32];
     let with_sinks = Options::default().with_sinks(&sinks);
     assert!(matches!(
-        Attention::keys_of(x.as_ref(), x.subrows(0, 3), x.subrows(0, 3), 0..3, 5, &with_sinks),
+        Attention::keys_of(
+            x.as_ref(),
+            x.subrows(0, 3),
+            x.subrows(0, 3),
+            0..3,
+            5,
+            &with_sinks
+        ),
         Err(Error::Unsupported { .. })
     ));
 }
@@ -160,8 +204,16 @@ fn a_cache_call_aligns_bottom_right_and_refuses_top_left_when_it_would_differ() 
     // The prompt's own queries: both alignments agree, both are accepted, same bits.
     let tl = Options::default().with_causal(Causal::TopLeft);
     let br = Options::default().with_causal(Causal::BottomRight);
-    let a = cache.attention(prompt, &tl).unwrap().forward(Par::Seq).unwrap();
-    let b = cache.attention(prompt, &br).unwrap().forward(Par::Seq).unwrap();
+    let a = cache
+        .attention(prompt, &tl)
+        .unwrap()
+        .forward(Par::Seq)
+        .unwrap();
+    let b = cache
+        .attention(prompt, &br)
+        .unwrap()
+        .forward(Par::Seq)
+        .unwrap();
     assert_eq!(a, b);
 
     let token: Vec<bf16> = data(h * d, 4).into_iter().map(bf16::from_f32).collect();
@@ -177,14 +229,21 @@ fn a_cache_call_aligns_bottom_right_and_refuses_top_left_when_it_would_differ() 
         ));
     }
     // Bottom-right: the new token sees all six positions, as one causal pass's last row.
-    let step = cache.attention(token, &br).unwrap().forward(Par::rayon(0)).unwrap();
+    let step = cache
+        .attention(token, &br)
+        .unwrap()
+        .forward(Par::rayon(0))
+        .unwrap();
     let keys = cache.keys();
     let values = cache.values();
     for head in 0..h {
         let k = keys.head(0, head).unwrap().subrows(0, 6);
         let v = values.head(0, head).unwrap().subrows(0, 6);
         let q = token.head(0, head).unwrap();
-        let one = Attention::head(q, k, v, &br).unwrap().forward(Par::Seq).unwrap();
+        let one = Attention::head(q, k, v, &br)
+            .unwrap()
+            .forward(Par::Seq)
+            .unwrap();
         let got = step.output().as_ref().head(0, head).unwrap();
         assert_eq!(got.row(0), one.output().row(0));
     }

@@ -141,12 +141,12 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
     ///
     /// ```
     /// use attn_optimized::{Attention, Options, Par};
-    /// use faer::{ColMut, Mat};
+    /// use faer::{Mat, MatMut};
     /// use half::bf16;
     /// let x = Mat::<bf16>::from_fn(4, 8, |i, j| bf16::from_f32((i + j) as f32 * 0.1));
     /// let mut out = Mat::<f32>::zeros(4, 8); // bf16 operands, an f32 result
     /// let mut lse = vec![0.0f32; 8];
-    /// let every_other = ColMut::from_slice_with_stride_mut(&mut lse, 4, 2);
+    /// let every_other = MatMut::from_row_major_slice_with_stride_mut(&mut lse, 4, 1, 2).col_mut(0);
     /// Attention::head(x.as_ref(), x.as_ref(), x.as_ref(), &Options::default())?
     ///     .forward_into(out.as_mut(), Some(every_other), Par::rayon(0))?;
     /// assert!(lse.iter().step_by(2).all(|l| l.is_finite() && *l != 0.0));
