@@ -23,6 +23,7 @@ use faer::{MatRef, RowRef};
 
 use crate::kernel::element::Element;
 use crate::kernel::finite::row_is_finite;
+use crate::keys::KeySource;
 use crate::problem::HeadInputs;
 
 /// The contract's score limit in the base-2 domain (`SCORE_LIMIT · log2(e)`).
@@ -32,12 +33,18 @@ fn saturate(x: f64) -> f64 {
     x.clamp(-LIMIT, LIMIT)
 }
 
-/// `scale·log2(e) · q·k` in f64, saturated: the exact log2-domain score of two rows.
-fn exact_score<T: Element>(q: RowRef<'_, T>, k: RowRef<'_, T>, scale_log2: f32) -> f64 {
+/// `scale·log2(e) · q·k_j` in f64, saturated: the exact log2-domain score of query row `q`
+/// and row `j` of the keys `k`.
+fn exact_score<T: Element, K: KeySource<T>>(
+    q: RowRef<'_, T>,
+    k: &K,
+    j: usize,
+    scale_log2: f32,
+) -> f64 {
     let dot: f64 = q
         .iter()
-        .zip(k.iter())
-        .map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32()))
+        .enumerate()
+        .map(|(c, a)| f64::from(a.to_f32()) * f64::from(k.at(j, c)))
         .sum();
     saturate(dot * f64::from(scale_log2))
 }
@@ -45,18 +52,18 @@ fn exact_score<T: Element>(q: RowRef<'_, T>, k: RowRef<'_, T>, scale_log2: f32) 
 /// The exact log2-domain score of query `row` and key `j` of `head` with the additive bias
 /// saturated in as the masks add it; `None` where the key is hidden from the row (by the
 /// structure, the boolean mask or a `-inf` bias). A NaN bias gives a NaN score.
-fn visible_score<T: Element>(head: &HeadInputs<'_, T>, row: usize, j: usize) -> Option<f64> {
+fn visible_score<T: Element, K: KeySource<T>>(
+    head: &HeadInputs<'_, T, K>,
+    row: usize,
+    j: usize,
+) -> Option<f64> {
     let mrow = head.mask_row(row);
     let bias = head.mask.bias(mrow, j);
     if !head.key_range(row).contains(&j) || !head.mask.allows(mrow, j) || bias == f32::NEG_INFINITY
     {
         return None;
     }
-    let mut s = exact_score(
-        head.q.row(row),
-        head.k.row(j - head.key_base),
-        head.scale_log2,
-    );
+    let mut s = exact_score(head.q.row(row), &head.k, j - head.key_base, head.scale_log2);
     if head.mods.modifies_scores() {
         // The modifiers' own definition (f64 built-ins), in natural units.
         let natural = head.mods.score(s * core::f64::consts::LN_2, mrow, j);
@@ -74,16 +81,16 @@ fn visible_score<T: Element>(head: &HeadInputs<'_, T>, row: usize, j: usize) -> 
 /// recomputed when its query and key rows are finite and it is not finite, or its query row
 /// was scaled out of f32 (`rescaled[i]`, when given); the other non-finite entries (a NaN or
 /// infinity in the operands) keep what f32 gave them.
-pub(crate) fn rescore<T: Element>(
+pub(crate) fn rescore<T: Element, K: KeySource<T>>(
     s: &mut [f32],
     (rs, cs): (usize, usize),
     q: MatRef<'_, T>,
-    k: MatRef<'_, T>,
+    k: &K,
     scale_log2: f32,
     rescaled: Option<&[bool]>,
 ) {
     // Allocated on this rare path only; at most one tile's keys.
-    let k_finite: Vec<bool> = (0..k.nrows()).map(|j| row_is_finite(k.row(j))).collect();
+    let k_finite: Vec<bool> = (0..k.len()).map(|j| k.row_finite(j)).collect();
     for i in 0..q.nrows() {
         if !row_is_finite(q.row(i)) {
             continue;
@@ -92,7 +99,7 @@ pub(crate) fn rescore<T: Element>(
         for (j, &k_ok) in k_finite.iter().enumerate() {
             let x = &mut s[i * rs + j * cs];
             if k_ok && (all || !x.is_finite()) {
-                *x = exact_score(q.row(i), k.row(j), scale_log2) as f32;
+                *x = exact_score(q.row(i), k, j, scale_log2) as f32;
             }
         }
     }
@@ -106,14 +113,16 @@ struct FiniteKeys {
 
 impl FiniteKeys {
     /// `None` when the list cannot be allocated (then no row is repaired).
-    fn of<T: Element>(head: &HeadInputs<'_, T>, keys: Range<usize>) -> Option<Self> {
+    fn of<T: Element, K: KeySource<T>>(
+        head: &HeadInputs<'_, T, K>,
+        keys: Range<usize>,
+    ) -> Option<Self> {
         let mut ok = Vec::new();
         ok.try_reserve_exact(keys.len()).ok()?;
         let local = |j: usize| j - head.key_base;
         ok.extend(
-            keys.clone().map(|j| {
-                row_is_finite(head.k.row(local(j))) && row_is_finite(head.v.row(local(j)))
-            }),
+            keys.clone()
+                .map(|j| head.k.row_finite(local(j)) && head.v.row_finite(local(j))),
         );
         Some(Self {
             start: keys.start,
@@ -125,8 +134,8 @@ impl FiniteKeys {
 /// Row `row` of `head` over the keys `keys` in f64, written into `out` (`d_v` entries), and
 /// its natural-log LSE; `None` when the row sees a NaN or an infinity (in its query, a key,
 /// a value or a bias), which is then what made its f32 result non-finite.
-fn exact_row<T: Element>(
-    head: &HeadInputs<'_, T>,
+fn exact_row<T: Element, K: KeySource<T>>(
+    head: &HeadInputs<'_, T, K>,
     row: usize,
     keys: &FiniteKeys,
     out: &mut [f64],
@@ -155,8 +164,8 @@ fn exact_row<T: Element>(
         }
         let p = (s - m).exp2();
         l += p;
-        for (o, v) in out.iter_mut().zip(head.v.row(local).iter()) {
-            *o += p * f64::from(v.to_f32());
+        for (c, o) in out.iter_mut().enumerate() {
+            *o += p * f64::from(head.v.at(local, c));
         }
     }
     if l == 0.0 {
@@ -169,15 +178,15 @@ fn exact_row<T: Element>(
 /// Recomputes exactly the rows `rows` of `head` (over the keys `keys`) for which `bad` says
 /// the f32 result is not finite and whose inputs are all finite, handing each to
 /// `write(i, output, lse)` (`i` counted from `rows.start`).
-pub(crate) fn repair_rows<T: Element>(
-    head: &HeadInputs<'_, T>,
+pub(crate) fn repair_rows<T: Element, K: KeySource<T>>(
+    head: &HeadInputs<'_, T, K>,
     rows: Range<usize>,
     keys: Range<usize>,
     bad: impl Fn(usize) -> bool,
     mut write: impl FnMut(usize, &[f64], f32),
 ) {
     let mut finite_keys = None;
-    let mut out = vec![0.0f64; head.v.ncols()];
+    let mut out = vec![0.0f64; head.v.width()];
     for (i, row) in rows.enumerate() {
         if !bad(i) {
             continue;
@@ -196,8 +205,8 @@ pub(crate) fn repair_rows<T: Element>(
 
 /// One query head of a backward group, for [`group_gradients`]: its inputs (Q, K, V, mask,
 /// scale) and the upstream gradient, the forward's output and its natural-log LSE.
-pub(crate) struct BackwardHead<'a, T> {
-    pub inputs: HeadInputs<'a, T>,
+pub(crate) struct BackwardHead<'a, T, K> {
+    pub inputs: HeadInputs<'a, T, K>,
     pub d_out: MatRef<'a, T>,
     pub out: MatRef<'a, T>,
     pub lse: &'a [f32],
@@ -211,9 +220,9 @@ fn flags(n: usize, f: impl Fn(usize) -> bool) -> Option<Vec<bool>> {
 }
 
 /// A backward group prepared for exact repairs: which rows and keys are finite, and `D`.
-struct BackwardGroup<'h, 'a, T> {
-    heads: &'h [BackwardHead<'a, T>],
-    v: MatRef<'a, T>,
+struct BackwardGroup<'h, 'a, T, K> {
+    heads: &'h [BackwardHead<'a, T, K>],
+    v: K,
     scale: f64,
     /// Per head: whether row `i`'s Q, dO, O, biases are finite and its LSE is not NaN.
     row_ok: Vec<Vec<bool>>,
@@ -223,7 +232,7 @@ struct BackwardGroup<'h, 'a, T> {
     key_ok: Vec<bool>,
 }
 
-impl<T: Element> BackwardGroup<'_, '_, T> {
+impl<T: Element, K: KeySource<T>> BackwardGroup<'_, '_, T, K> {
     /// `(P, dS)` of row `i` of head `h` and key `j`, exactly; `None` where the key is hidden
     /// from the row or its weight is 0 (then it contributes nothing).
     fn pair(&self, h: usize, i: usize, j: usize) -> Option<(f64, f64)> {
@@ -239,8 +248,8 @@ impl<T: Element> BackwardGroup<'_, '_, T> {
             return None;
         }
         let d_out = head.d_out.row(i);
-        let dp: f64 = (0..self.v.ncols())
-            .map(|t| f64::from(d_out[t].to_f32()) * f64::from(self.v[(j, t)].to_f32()))
+        let dp: f64 = (0..self.v.width())
+            .map(|t| f64::from(d_out[t].to_f32()) * f64::from(self.v.at(j, t)))
             .sum();
         Some((p, p * (dp - self.d[h][i]) * self.derivative(h, i, j)))
     }
@@ -253,7 +262,7 @@ impl<T: Element> BackwardGroup<'_, '_, T> {
         if x.mods.softcap.is_none() && x.mods.user.is_none() {
             return 1.0;
         }
-        let raw = exact_score(x.q.row(i), x.k.row(j - x.key_base), x.scale_log2);
+        let raw = exact_score(x.q.row(i), &x.k, j - x.key_base, x.scale_log2);
         x.mods.derivative(raw * core::f64::consts::LN_2, i, j)
     }
 
@@ -289,8 +298,8 @@ impl<T: Element> BackwardGroup<'_, '_, T> {
 /// given, capped at 1; dS = 0 where P = 0; dS times the modifiers' derivative), in f64 with
 /// exact scores (modified by [`visible_score`]). A row that depends on
 /// a NaN or an infinity keeps its f32 value: the contract lets the poison through there.
-pub(crate) fn repair_gradients<T: Element>(
-    heads: &[BackwardHead<'_, T>],
+pub(crate) fn repair_gradients<T: Element, K: KeySource<T>>(
+    heads: &[BackwardHead<'_, T, K>],
     scale: f32,
     (bad_dq, bad_key): (impl Fn(usize, usize) -> bool, impl Fn(usize) -> bool),
     mut write_dq: impl FnMut(usize, usize, &[f64]),
@@ -298,7 +307,7 @@ pub(crate) fn repair_gradients<T: Element>(
 ) -> Option<()> {
     let first = heads.first()?;
     let (k, v) = (first.inputs.k, first.inputs.v);
-    let (n_q, n_k, d_k, d_v) = (first.inputs.q.nrows(), k.nrows(), k.ncols(), v.ncols());
+    let (n_q, n_k, d_k, d_v) = (first.inputs.q.nrows(), k.len(), k.width(), v.width());
     let mut row_ok = Vec::new();
     let mut d = Vec::new();
     for head in heads {
@@ -326,7 +335,7 @@ pub(crate) fn repair_gradients<T: Element>(
         }));
         d.push(di);
     }
-    let key_ok = flags(n_k, |j| row_is_finite(k.row(j)) && row_is_finite(v.row(j)))?;
+    let key_ok = flags(n_k, |j| k.row_finite(j) && v.row_finite(j))?;
     let g = BackwardGroup {
         heads,
         v,
@@ -342,7 +351,7 @@ pub(crate) fn repair_gradients<T: Element>(
             for j in head.inputs.key_range(i) {
                 if let Some((_, ds)) = g.pair(h, i, j) {
                     for (c, x) in dq.iter_mut().enumerate() {
-                        *x += g.scale * ds * f64::from(k[(j, c)].to_f32());
+                        *x += g.scale * ds * f64::from(k.at(j, c));
                     }
                 }
             }

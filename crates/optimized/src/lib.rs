@@ -43,6 +43,7 @@ mod exact;
 mod forward;
 #[allow(unsafe_code)]
 mod kernel;
+mod keys;
 mod kv_cache;
 mod legacy;
 mod mask;

@@ -20,8 +20,8 @@ use crate::problem::HeadInputs;
 /// their coverage. Blocks start at the first key some row can see and the last one stops
 /// at the last such key (on the causal diagonal that halves the work of the boundary
 /// tile); fully hidden blocks are left out. Both ends depend on the shape alone.
-pub(crate) fn key_blocks<'a, T>(
-    head: &'a HeadInputs<'_, T>,
+pub(crate) fn key_blocks<'a, T, K>(
+    head: &'a HeadInputs<'_, T, K>,
     rows: Range<usize>,
     keys: Range<usize>,
     block: usize,
@@ -46,8 +46,8 @@ pub(crate) fn key_blocks<'a, T>(
 /// Keys at the ends of a straddling block that the user's mask hides from every row, asked
 /// [`TRIM_KEYS`] at a time, are left out of the block — as the structural bounds trim the
 /// causal diagonal's block, so that a user's causal mask costs what `Causal` does.
-fn trim_for_user<T>(
-    head: &HeadInputs<'_, T>,
+fn trim_for_user<T, K>(
+    head: &HeadInputs<'_, T, K>,
     queries: Range<usize>,
     mut cols: Range<usize>,
 ) -> Range<usize> {
@@ -75,10 +75,10 @@ const TRIM_KEYS: usize = 16;
 /// visible score of a masked block is saturated ([`saturate`]) before any key is hidden,
 /// so `-inf` there means hidden; the softmax pass saturates overflowed scores of the
 /// blocks with nothing hidden.
-pub(crate) fn mask_tile<T>(
+pub(crate) fn mask_tile<T, K>(
     s: &mut [f32],
     br: usize,
-    head: &HeadInputs<'_, T>,
+    head: &HeadInputs<'_, T, K>,
     (rows, cols): (Range<usize>, Range<usize>),
     coverage: TileCoverage,
 ) {
@@ -158,8 +158,8 @@ pub(crate) fn without_non_finite_rows<'b, T: Element>(
 /// The terms [`without_non_finite_rows`] left out, for the rows that see them: for each key
 /// `cols.start + jj` with a non-finite value row `v[jj]` and each query row `i` that gives
 /// it a weight `p(i, jj)` or sees it, `add(i, c, p(i, jj) · v[jj][c])` for every column.
-pub(crate) fn add_non_finite_terms<T, V: Element>(
-    head: &HeadInputs<'_, T>,
+pub(crate) fn add_non_finite_terms<T, K, V: Element>(
+    head: &HeadInputs<'_, T, K>,
     (rows, cols): (Range<usize>, Range<usize>),
     v: MatRef<'_, V>,
     p: impl Fn(usize, usize) -> f32,
@@ -182,7 +182,7 @@ pub(crate) fn add_non_finite_terms<T, V: Element>(
 /// under the element-wise masks: `-inf` where the boolean mask blocks it or its bias is
 /// `-inf` (assigned, so a non-finite score of a hidden key never reaches the row), else
 /// the score plus the bias (in the log2 domain), saturated into the finite range.
-fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
+fn mask_entry<T, K>(x: &mut f32, head: &HeadInputs<'_, T, K>, row: usize, j: usize) {
     let row = head.mask_row(row);
     if let Some(b) = head.mask.boolean()
         && !b.allows(row, j)
@@ -202,9 +202,9 @@ fn mask_entry<T>(x: &mut f32, head: &HeadInputs<'_, T>, row: usize, j: usize) {
 }
 
 /// [`mask_tile`] for one row of scores: query row `row`, keys `cols`.
-pub(crate) fn mask_row<T>(
+pub(crate) fn mask_row<T, K>(
     s: &mut [f32],
-    head: &HeadInputs<'_, T>,
+    head: &HeadInputs<'_, T, K>,
     (row, cols): (usize, Range<usize>),
     coverage: TileCoverage,
 ) {
@@ -230,10 +230,10 @@ pub(crate) fn mask_row<T>(
 /// Hides (`-inf`) the entries of a tile that the user's mask hides, where its answer for
 /// the tile is `Partial`; entry `(i, j)` at `s[i·rs + j·cs]`. Runs after every other mask,
 /// whose saturation of the visible scores must not turn these `-inf` back into scores.
-fn hide_by_user<T>(
+fn hide_by_user<T, K>(
     s: &mut [f32],
     strides: (usize, usize),
-    head: &HeadInputs<'_, T>,
+    head: &HeadInputs<'_, T, K>,
     (rows, cols): (Range<usize>, Range<usize>),
 ) {
     let Some((user, (b, h), off)) = head.mask.user() else {

@@ -17,10 +17,10 @@ use crate::problem::HeadInputs;
 /// rows) and keys `cols` (global indices), entry `(i, j)` at `s[i·rs + j·cs]`; with
 /// `derivative` (laid out alike, filled with 1 by the caller) multiplies it by
 /// `∂modified/∂raw`. Does nothing without score modifiers.
-pub(crate) fn modify_scores<T>(
+pub(crate) fn modify_scores<T, K>(
     s: &mut [f32],
     strides: (usize, usize),
-    head: &HeadInputs<'_, T>,
+    head: &HeadInputs<'_, T, K>,
     (rows, cols): (Range<usize>, Range<usize>),
     derivative: Option<&mut [f32]>,
 ) {

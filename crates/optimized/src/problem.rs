@@ -13,6 +13,7 @@ use attn_core::{
 use faer::{Mat, MatRef, RowMut, TryReserveError};
 
 use crate::kernel::element::Element;
+use crate::keys::Dense;
 use crate::schedule::{TilePlan, heads_per_job};
 
 /// What every job of one call shares.
@@ -93,8 +94,8 @@ impl Problem {
     ) -> HeadInputs<'a, T> {
         HeadInputs {
             q,
-            k,
-            v,
+            k: Dense(k),
+            v: Dense(v),
             key_base,
             mask,
             mods,
@@ -104,13 +105,14 @@ impl Problem {
     }
 }
 
-/// One head's operands, resolved: Q, and the K/V rows it may read.
+/// One head's operands, resolved: Q, and the sources of the K/V rows it may read
+/// ([`KeySource`](crate::keys::KeySource): the passes ask them for blocks of rows).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct HeadInputs<'a, T> {
+pub(crate) struct HeadInputs<'a, T, K = Dense<'a, T>> {
     pub q: MatRef<'a, T>,
     /// Rows of K (and V) are keys `key_base ..` of the full problem.
-    pub k: MatRef<'a, T>,
-    pub v: MatRef<'a, T>,
+    pub k: K,
+    pub v: K,
     pub key_base: usize,
     pub mask: HeadMask<'a>,
     /// The head's score modifiers ([`crate::modifiers`]).
@@ -122,7 +124,7 @@ pub(crate) struct HeadInputs<'a, T> {
     pub stacked: bool,
 }
 
-impl<T> HeadInputs<'_, T> {
+impl<T, K> HeadInputs<'_, T, K> {
     /// The mask's query index for row `row` of this job.
     pub fn mask_row(&self, row: usize) -> usize {
         if self.stacked { 0 } else { row }
@@ -141,8 +143,8 @@ impl<T> HeadInputs<'_, T> {
 
 /// One head (or stack of heads) to compute: its inputs, the keys it attends (global
 /// indices; its K/V rows start at `keys.start`), and where its output rows (and LSE) go.
-pub(crate) struct HeadJob<'s, 'o, T, O> {
-    pub inputs: HeadInputs<'s, T>,
+pub(crate) struct HeadJob<'s, 'o, T, O, K = Dense<'s, T>> {
+    pub inputs: HeadInputs<'s, T, K>,
     pub keys: Range<usize>,
     pub out: &'s mut [RowMut<'o, O>],
     pub lse: Option<&'s mut [f32]>,

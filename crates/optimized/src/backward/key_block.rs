@@ -15,6 +15,7 @@ use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
+use crate::keys::KeySource;
 use crate::mask::{add_product_skipping_zeros, mask_tile};
 use crate::modifiers::modify_scores;
 use crate::problem::{HeadInputs, filled};
@@ -88,10 +89,10 @@ pub(super) struct Scratch {
 impl Scratch {
     /// Scratch for tiles of `plan` and one group of `heads` query heads of `shape`, with
     /// each head's [`RowTerms`] computed; every buffer is allocated fallibly.
-    pub fn new<T: Element>(
+    pub fn new<T: Element, K>(
         plan: TilePlan,
         shape: &HeadShape,
-        group: &Group<'_, T>,
+        group: &Group<'_, T, K>,
     ) -> Result<Self> {
         let TilePlan { br, bc } = plan;
         let HeadShape { n_q, d_k, d_v, .. } = *shape;
@@ -142,10 +143,10 @@ impl Scratch {
     /// Accumulates the block `cols` of the group's keys: its dK and dV over every query
     /// tile of every head that sees it, and its part of each head's dQ into `dq`
     /// (`[heads][n_q][d_k]` row-major, `head_len = n_q · d_k` apart).
-    pub fn key_block<T: Element>(
+    pub fn key_block<T: Element, K: KeySource<T>>(
         &mut self,
-        group: &Group<'_, T>,
-        heads: &[HeadInputs<'_, T>],
+        group: &Group<'_, T, K>,
+        heads: &[HeadInputs<'_, T, K>],
         cols: Range<usize>,
         dq: &mut [f32],
         head_len: usize,
@@ -164,8 +165,9 @@ impl Scratch {
             dv,
             ..
         } = self;
-        let k_blk = f32_rows(group.k, cols.clone(), k_wide);
-        let v_blk = f32_rows(group.v, cols.clone(), v_wide);
+        let (k_src, v_src) = (group.k.block(cols.clone()), group.v.block(cols.clone()));
+        let k_blk = k_src.to_f32(k_wide);
+        let v_blk = v_src.to_f32(v_wide);
         for (jj, f) in k_finite.iter_mut().enumerate().take(nc) {
             *f = k_blk.row(jj).iter().all(|x| x.is_finite());
         }
@@ -198,11 +200,8 @@ impl Scratch {
                 if !tile_is_finite(p, br, nr, nc) {
                     // A dot product of finite rows that overflowed f32: exact, as in the
                     // forward pass (whose LSE counted the exact score).
-                    let (q, k) = (
-                        head.q.subrows(rows.start, nr),
-                        group.k.subrows(cols.start, nc),
-                    );
-                    rescore(p, (1, br), q, k, head.scale_log2, None);
+                    let q = head.q.subrows(rows.start, nr);
+                    rescore(p, (1, br), q, &k_src, head.scale_log2, None);
                 }
                 // The modifiers on the raw scores, before the masks, as in the forward;
                 // the derivative kept only where it is not 1 everywhere.

@@ -37,6 +37,7 @@ use faer::{MatRef, Par, RowMut};
 
 use crate::exact;
 use crate::kernel::element::Element;
+use crate::keys::{Dense, KeySource};
 use crate::problem::{HeadInputs, element_count, filled};
 use crate::schedule::{Order, TilePlan, for_each_index, key_chunks};
 
@@ -57,13 +58,13 @@ struct QueryHead<'a, T> {
 /// A kv head and the query heads that read it (one, without grouped-query attention).
 /// Every head of a group has the same number of queries.
 #[derive(Debug)]
-struct Group<'a, T> {
-    k: MatRef<'a, T>,
-    v: MatRef<'a, T>,
+struct Group<'a, T, K = Dense<'a, T>> {
+    k: K,
+    v: K,
     heads: Vec<QueryHead<'a, T>>,
 }
 
-impl<T> Group<'_, T> {
+impl<T, K> Group<'_, T, K> {
     /// Queries of each head.
     fn n_q(&self) -> usize {
         self.heads.first().map_or(0, |h| h.q.nrows())
@@ -72,12 +73,12 @@ impl<T> Group<'_, T> {
 
 /// A backward call, validated: every group, and what they share.
 #[derive(Debug)]
-pub(crate) struct Backward<'a, T> {
+pub(crate) struct Backward<'a, T, K = Dense<'a, T>> {
     /// The widths, and the lengths of the whole call (a packed call's totals).
     shape: HeadShape,
     scale: f32,
     plan: TilePlan,
-    groups: Vec<Group<'a, T>>,
+    groups: Vec<Group<'a, T, K>>,
     /// `Some(h_q)` when the call has sink logits: [`Backward::run`] returns their gradients.
     sinks: Option<usize>,
 }
@@ -112,8 +113,8 @@ impl<'a, T: Element> Backward<'a, T> {
     ) -> Result<Self> {
         let (shape, scale) = validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
         let group = Group {
-            k,
-            v,
+            k: Dense(k),
+            v: Dense(v),
             heads: vec![QueryHead {
                 q,
                 d_out: grad_out,
@@ -175,8 +176,8 @@ impl<'a, T: Element> Backward<'a, T> {
                     })
                     .collect::<Result<Vec<_>>>()?;
                 groups.push(Group {
-                    k: k.head(b, kv)?,
-                    v: v.head(b, kv)?,
+                    k: Dense(k.head(b, kv)?),
+                    v: Dense(v.head(b, kv)?),
                     heads,
                 });
             }
@@ -232,8 +233,8 @@ impl<'a, T: Element> Backward<'a, T> {
                     })
                     .collect::<Result<Vec<_>>>()?;
                 groups.push(Group {
-                    k: sub(k.head(0, kv)?, &keys),
-                    v: sub(v.head(0, kv)?, &keys),
+                    k: Dense(sub(k.head(0, kv)?, &keys)),
+                    v: Dense(sub(v.head(0, kv)?, &keys)),
                     heads,
                 });
             }
@@ -264,12 +265,14 @@ impl<'a, T: Element> Backward<'a, T> {
         }
         (dq, dk)
     }
+}
 
+impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
     fn new(
         shape: HeadShape,
         scale: f32,
         plan: TilePlan,
-        groups: Vec<Group<'a, T>>,
+        groups: Vec<Group<'a, T, K>>,
         sinks: Option<usize>,
     ) -> Self {
         Self {
@@ -305,7 +308,7 @@ impl<'a, T: Element> Backward<'a, T> {
         let mut layout = Vec::with_capacity(self.groups.len());
         let mut total = Some(0usize);
         for g in &self.groups {
-            let blocks = g.k.nrows().div_ceil(bc);
+            let blocks = g.k.len().div_ceil(bc);
             let chunks = key_chunks(self.groups.len(), blocks);
             let per_task = element_count(&[g.heads.len(), g.n_q(), d_k]);
             let start = total.unwrap_or(usize::MAX);
@@ -333,7 +336,7 @@ impl<'a, T: Element> Backward<'a, T> {
                     work: 0,
                 });
             }
-            let n_k = self.groups[g].k.nrows();
+            let n_k = self.groups[g].k.len();
             let (dk_g, rest) = core::mem::take(&mut dk_rest).split_at_mut(n_k);
             dk_rest = rest;
             let (dv_g, rest) = core::mem::take(&mut dv_rest).split_at_mut(n_k);
@@ -441,7 +444,7 @@ impl<'a, T: Element> Backward<'a, T> {
         // follow each other in group order.
         let (mut dq_rest, mut dk_rest, mut dv_rest) = (dq, dk, dv);
         for group in &self.groups {
-            let (n_q, n_k) = (group.n_q(), group.k.nrows());
+            let (n_q, n_k) = (group.n_q(), group.k.len());
             let (dq_g, rest) = core::mem::take(&mut dq_rest).split_at_mut(group.heads.len() * n_q);
             dq_rest = rest;
             let (dk_g, rest) = core::mem::take(&mut dk_rest).split_at_mut(n_k);
@@ -451,7 +454,7 @@ impl<'a, T: Element> Backward<'a, T> {
             if dq_g.iter().all(finite) && dk_g.iter().all(finite) && dv_g.iter().all(finite) {
                 continue;
             }
-            let heads: Vec<exact::BackwardHead<'_, T>> = group
+            let heads: Vec<exact::BackwardHead<'_, T, K>> = group
                 .heads
                 .iter()
                 .zip(self.head_inputs(group))
@@ -480,7 +483,7 @@ impl<'a, T: Element> Backward<'a, T> {
     }
 
     /// The [`HeadInputs`] of each query head of `group`, each with its own mask.
-    fn head_inputs<'g>(&self, group: &'g Group<'a, T>) -> Vec<HeadInputs<'g, T>> {
+    fn head_inputs<'g>(&self, group: &'g Group<'a, T, K>) -> Vec<HeadInputs<'g, T, K>> {
         group
             .heads
             .iter()
@@ -498,7 +501,7 @@ impl<'a, T: Element> Backward<'a, T> {
     }
 
     /// Query rows that see some key of `cols`, over the group's heads: the task's weight.
-    fn block_work(&self, group: &Group<'a, T>, cols: Range<usize>) -> usize {
+    fn block_work(&self, group: &Group<'a, T, K>, cols: Range<usize>) -> usize {
         let (br, n_q) = (self.plan.br, group.n_q());
         let seen: usize = group
             .heads
@@ -519,7 +522,7 @@ impl<'a, T: Element> Backward<'a, T> {
         let group = &self.groups[task.group];
         let shape = HeadShape {
             n_q: group.n_q(),
-            n_k: group.k.nrows(),
+            n_k: group.k.len(),
             ..self.shape
         };
         if shape.n_q == 0 {

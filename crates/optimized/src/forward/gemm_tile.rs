@@ -10,10 +10,11 @@ use faer::{Accum, MatMut, MatRef, Par};
 
 use super::Scratch;
 use crate::exact::rescore;
-use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update};
+use crate::keys::KeySource;
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_tile, without_non_finite_rows,
     zero_weight_meets_non_finite,
@@ -26,15 +27,15 @@ impl Scratch {
     /// [`Scratch::attend`] for a tile of more than [`crate::schedule::DECODE_ROWS`]
     /// queries: `S = Q Kᵀ` and `O += P V` as faer GEMMs on the tile, the softmax between
     /// them one fused pass ([`softmax_update`]).
-    pub(super) fn attend_gemm<T: Element>(
+    pub(super) fn attend_gemm<T: Element, K: KeySource<T>>(
         &mut self,
-        head: &HeadInputs<'_, T>,
+        head: &HeadInputs<'_, T, K>,
         rows: Range<usize>,
         keys: Range<usize>,
     ) {
         let TilePlan { br, bc } = self.plan;
         let nr = rows.len();
-        let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
+        let (d_k, d_v) = (head.q.ncols(), head.v.width());
         // Q tile, scaled once, column-major.
         for c in 0..d_k {
             let col = &mut self.q[c * br..c * br + nr];
@@ -54,9 +55,13 @@ impl Scratch {
         for (cols, coverage) in key_blocks(head, rows.clone(), keys, bc) {
             let nc = cols.len();
             let local = cols.start - head.key_base;
+            let (kb, vb) = (
+                head.k.block(local..local + nc),
+                head.v.block(local..local + nc),
+            );
             let scores = |s: &mut [f32], k_wide: &mut Vec<f32>| {
                 let s_tile = MatMut::from_column_major_slice_with_stride_mut(s, nr, nc, br);
-                let k_tile = f32_rows(head.k, local..local + nc, k_wide);
+                let k_tile = kb.to_f32(k_wide);
                 matmul(
                     s_tile,
                     Accum::Replace,
@@ -67,7 +72,7 @@ impl Scratch {
                 );
             };
             scores(&mut self.s, &mut self.k_wide);
-            let (q, k) = (head.q.subrows(rows.start, nr), head.k.subrows(local, nc));
+            let (q, k) = (head.q.subrows(rows.start, nr), &kb);
             let rescaled_rows = Some(&self.rescaled[..nr]);
             // A tile with nothing hidden is checked for a non-finite score by the softmax's
             // own first pass (below); a masked one before the mask writes its -inf, and one
@@ -123,7 +128,7 @@ impl Scratch {
             let p = MatRef::from_column_major_slice_with_stride(&self.s, nr, nc, br);
             let mut acc =
                 MatMut::from_column_major_slice_with_stride_mut(&mut self.acc, nr, d_v, br);
-            let v_tile = f32_rows(head.v, local..local + nc, &mut self.v_wide);
+            let v_tile = vb.to_f32(&mut self.v_wide);
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
             let zero_weight = |jj: usize| (0..nr).any(|i| self.s[jj * br + i] == 0.0);
             if masked && zero_weight_meets_non_finite(v_tile, zero_weight) {

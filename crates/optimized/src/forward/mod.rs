@@ -26,6 +26,7 @@ use crate::exact;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::scale_rows;
+use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
 use crate::problem::{Batched, HeadInputs, HeadJob, Packed, Problem};
 use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
@@ -42,7 +43,7 @@ pub(crate) fn head<T: Element, O: Element>(
 ) -> Result<()> {
     let mut rows = row_list(out.row_iter_mut())?;
     let job = HeadJob {
-        keys: inputs.key_base..inputs.key_base + inputs.k.nrows(),
+        keys: inputs.key_base..inputs.key_base + inputs.k.len(),
         inputs,
         out: &mut rows,
         lse,
@@ -96,8 +97,8 @@ pub(crate) fn row_list<'o, O>(
 }
 
 /// One (head, query tile) task.
-struct TileTask<'s, 'o, T, O> {
-    inputs: HeadInputs<'s, T>,
+struct TileTask<'s, 'o, T, O, K> {
+    inputs: HeadInputs<'s, T, K>,
     keys: Range<usize>,
     rows: Range<usize>,
     out: &'s mut [RowMut<'o, O>],
@@ -114,9 +115,9 @@ fn split_lse<'a>(lse: &mut Option<&'a mut [f32]>, n: usize) -> Option<&'a mut [f
 }
 
 /// Runs every job of `problem`.
-pub(crate) fn run<T: Element, O: Element>(
+pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
     problem: &Problem,
-    jobs: Vec<HeadJob<'_, '_, T, O>>,
+    jobs: Vec<HeadJob<'_, '_, T, O, K>>,
     split: SplitKv,
     par: Par,
 ) {
@@ -170,7 +171,7 @@ pub(crate) fn run<T: Element, O: Element>(
     }
     // Heaviest first (causal: the last query tiles), so no core idles at the end.
     tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
-    let tasks: Vec<Mutex<Option<TileTask<'_, '_, T, O>>>> =
+    let tasks: Vec<Mutex<Option<TileTask<'_, '_, T, O, K>>>> =
         tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
     for_each_index(tasks.len(), Order::Front, par, |i| {
         let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
@@ -299,25 +300,32 @@ impl Scratch {
 
     /// Runs the online softmax of query rows `rows` over the keys `keys` (global indices),
     /// leaving the unnormalised accumulator, maxima and sums in the scratch.
-    fn attend<T: Element>(
+    fn attend<T: Element, K: KeySource<T>>(
         &mut self,
-        head: &HeadInputs<'_, T>,
+        head: &HeadInputs<'_, T, K>,
         rows: Range<usize>,
         keys: Range<usize>,
     ) {
         debug_assert!(rows.len() <= self.plan.br);
-        self.row_tile = rows.len() <= DECODE_ROWS && !self.acc_rows.is_empty();
-        if self.row_tile {
-            self.attend_rows(head, rows, keys);
-        } else {
-            self.attend_gemm(head, rows, keys);
+        // The row kernels stream K and V in place: a source that cannot lend its rows in
+        // place goes through the GEMM tiles, which take them as f32 blocks.
+        let in_place = head.k.in_place().zip(head.v.in_place());
+        let few_rows = rows.len() <= DECODE_ROWS && !self.acc_rows.is_empty();
+        self.row_tile = few_rows && in_place.is_some();
+        match in_place {
+            Some(kv) if self.row_tile => self.attend_rows(head, kv, rows, keys),
+            _ => self.attend_gemm(head, rows, keys),
         }
     }
 
     /// Marks in `rescaled` the query rows `rows` of `head` whose scaling by `scale·log2(e)`
     /// leaves f32 for some finite entry (their saturated copy is not their scores' source:
     /// those are recomputed exactly); returns whether there is any.
-    fn mark_rescaled<T: Element>(&mut self, head: &HeadInputs<'_, T>, rows: Range<usize>) -> bool {
+    fn mark_rescaled<T: Element, K>(
+        &mut self,
+        head: &HeadInputs<'_, T, K>,
+        rows: Range<usize>,
+    ) -> bool {
         let flags = &mut self.rescaled[..rows.len()];
         flags.fill(false);
         // Beyond `limit` a finite entry times scale·log2(e) overflows; with the usual scales
@@ -394,9 +402,9 @@ impl Scratch {
 
     /// The tile's `rows` rows as a partial state (output and LSE) over the keys `keys`,
     /// built in one pass; rows whose accumulator overflowed are recomputed exactly.
-    fn partial_state<T: Element>(
+    fn partial_state<T: Element, K: KeySource<T>>(
         &self,
-        head: &HeadInputs<'_, T>,
+        head: &HeadInputs<'_, T, K>,
         rows: Range<usize>,
         keys: Range<usize>,
     ) -> PartialState {

@@ -10,6 +10,7 @@
 use core::ops::Range;
 
 use attn_core::TileCoverage;
+use faer::MatRef;
 
 use super::Scratch;
 use crate::exact::rescore;
@@ -18,6 +19,7 @@ use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::softmax_row;
 use crate::kernel::rows::{RowKernels, accumulate, scores};
+use crate::keys::Dense;
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_row, without_non_finite_rows,
     zero_weight_meets_non_finite,
@@ -40,15 +42,16 @@ impl Scratch {
     /// [`Scratch::attend`] for a tile of at most [`DECODE_ROWS`](crate::schedule::DECODE_ROWS) queries: a dot product per
     /// key instead of a GEMM, so the loop streams K and V at memory speed. The
     /// accumulators stay row-major (`acc_rows`), where [`Scratch::normalised`] reads them.
-    pub(super) fn attend_rows<T: Element>(
+    pub(super) fn attend_rows<T: Element, K>(
         &mut self,
-        head: &HeadInputs<'_, T>,
+        head: &HeadInputs<'_, T, K>,
+        (k_rows, v_rows): (MatRef<'_, T>, MatRef<'_, T>),
         rows: Range<usize>,
         keys: Range<usize>,
     ) {
         let TilePlan { bc, .. } = self.plan;
         let nr = rows.len();
-        let (d_k, d_v) = (head.q.ncols(), head.v.ncols());
+        let (d_k, d_v) = (head.q.ncols(), v_rows.ncols());
         for (i, q) in self.q.chunks_exact_mut(d_k).take(nr).enumerate() {
             for (c, x) in q.iter_mut().enumerate() {
                 // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
@@ -64,7 +67,7 @@ impl Scratch {
         let best = row_kernels();
         for (cols, coverage) in key_blocks(head, rows.clone(), keys, KEY_TILE) {
             let (nc, local) = (cols.len(), cols.start - head.key_base);
-            let (kb, vb) = (head.k.subrows(local, nc), head.v.subrows(local, nc));
+            let (kb, vb) = (k_rows.subrows(local, nc), v_rows.subrows(local, nc));
             // Read in place where this CPU has in-place kernels for the layout, else copied
             // block by block.
             let in_place = best.filter(|s| s.reads(kb) && s.reads(vb));
@@ -75,16 +78,16 @@ impl Scratch {
                 kernels.scores(&self.q[..nr * d_k], kb, vb, (&mut self.s, bc));
             } else {
                 let mut k: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
-                row_slices(head.k, local..local + nc, &mut self.k_wide, &mut k);
+                row_slices(k_rows, local..local + nc, &mut self.k_wide, &mut k);
                 for (i, s) in self.s.chunks_exact_mut(bc).take(nr).enumerate() {
                     scores(q_row(i), &k[..nc], &mut s[..nc]);
                 }
             }
             // Row-major scores: rows `bc` apart, so the tile is `nc × nr` column-major.
             if rescaled || !tile_is_finite(&self.s, bc, nc, nr) {
-                let (q, k) = (head.q.subrows(rows.start, nr), head.k.subrows(local, nc));
+                let (q, k) = (head.q.subrows(rows.start, nr), Dense(kb));
                 let rescaled = Some(&self.rescaled[..nr]);
-                rescore(&mut self.s, (bc, 1), q, k, head.scale_log2, rescaled);
+                rescore(&mut self.s, (bc, 1), q, &k, head.scale_log2, rescaled);
             }
             modify_scores(
                 &mut self.s,
@@ -112,8 +115,8 @@ impl Scratch {
                 vb
             };
             if let Some(kernels) = in_place.filter(|k| k.reads(values)) {
-                let rest = head.k.nrows() - (local + nc);
-                let next_k = head.k.subrows(local + nc, rest);
+                let rest = k_rows.nrows() - (local + nc);
+                let next_k = k_rows.subrows(local + nc, rest);
                 let accs = (&mut self.acc_rows[..nr * d_v], &self.alpha[..nr]);
                 kernels.accumulate(accs, (&self.s, bc), values, next_k);
             } else {

@@ -11,14 +11,15 @@ use faer::Par;
 
 use super::Scratch;
 use crate::kernel::element::Element;
+use crate::keys::KeySource;
 use crate::modifiers::sink_into_lse;
 use crate::problem::{HeadJob, Problem};
 use crate::schedule::{Order, chunked, for_each_index};
 
 /// Runs `jobs` split into key chunks.
-pub(super) fn run<T: Element, O: Element>(
+pub(super) fn run<T: Element, O: Element, K: KeySource<T>>(
     problem: &Problem,
-    jobs: Vec<HeadJob<'_, '_, T, O>>,
+    jobs: Vec<HeadJob<'_, '_, T, O, K>>,
     par: Par,
 ) {
     let (n_q, plan) = (problem.rows, problem.plan);

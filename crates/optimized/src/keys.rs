@@ -1,0 +1,84 @@
+//! Where a head's keys and values come from: a [`KeySource`]. The tile loops of both
+//! passes and the exact slow paths ask it for blocks of rows — widened to f32 for the GEMM
+//! tiles — and for single entries, and never index K or V themselves; the row kernels
+//! (decoding) stream a source's rows in place when it can lend them
+//! ([`KeySource::in_place`]), and a source that cannot is computed with the GEMM tiles. Today's one source is [`Dense`], a faer view;
+//! pages of a block table and quantized blocks are sources to come, each answering the same
+//! questions, so the loops above need not change (they are generic over the source and
+//! monomorphised: the dense case compiles to what indexing the view did).
+
+use core::ops::Range;
+
+use faer::MatRef;
+
+use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::finite::row_is_finite;
+
+/// Rows of keys (or values) of one head, `len()` of them, `width()` wide, of element `T`.
+pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
+    /// How many rows.
+    fn len(&self) -> usize;
+
+    /// The entries of each row.
+    fn width(&self) -> usize;
+
+    /// Rows `rows` as a source of their own.
+    fn block(&self, rows: Range<usize>) -> Self;
+
+    /// The rows in place, when the source holds them as one strided block of `T` (what the
+    /// in-place row kernels and the exact paths read); `None` when they must be copied.
+    fn in_place(&self) -> Option<MatRef<'_, T>>;
+
+    /// The rows as f32: in place for a dense f32 source, else widened (or dequantized)
+    /// into `buf`, which holds at least `len() · width()` floats.
+    fn to_f32<'s>(&'s self, buf: &'s mut [f32]) -> MatRef<'s, f32>;
+
+    /// Entry `c` of row `j`, as f32 (the exact slow paths, a few rows at a time).
+    fn at(&self, j: usize, c: usize) -> f32;
+
+    /// Whether row `j` is finite.
+    fn row_finite(&self, j: usize) -> bool {
+        (0..self.width()).all(|c| self.at(j, c).is_finite())
+    }
+}
+
+/// A dense source: a faer view of the rows (any strides).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dense<'a, T>(pub MatRef<'a, T>);
+
+impl<T: Element> KeySource<T> for Dense<'_, T> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.0.nrows()
+    }
+
+    #[inline]
+    fn width(&self) -> usize {
+        self.0.ncols()
+    }
+
+    #[inline]
+    fn block(&self, rows: Range<usize>) -> Self {
+        Self(self.0.subrows(rows.start, rows.len()))
+    }
+
+    #[inline]
+    fn in_place(&self) -> Option<MatRef<'_, T>> {
+        Some(self.0)
+    }
+
+    #[inline]
+    fn to_f32<'s>(&'s self, buf: &'s mut [f32]) -> MatRef<'s, f32> {
+        f32_rows(self.0, 0..self.0.nrows(), buf)
+    }
+
+    #[inline]
+    fn at(&self, j: usize, c: usize) -> f32 {
+        self.0[(j, c)].to_f32()
+    }
+
+    #[inline]
+    fn row_finite(&self, j: usize) -> bool {
+        row_is_finite(self.0.row(j))
+    }
+}
