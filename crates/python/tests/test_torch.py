@@ -1,18 +1,20 @@
 """attn with torch tensors: the shared cases against torch's own
 ``scaled_dot_product_attention``, bfloat16, DLPack exchange and autograd.
 
-torch is optional: without it these tests are skipped, with the reason shown (``-rs``).
+``cargo xtask test`` installs torch and runs them all (a skip fails there, see
+``strict.py``); run by hand without torch, they are skipped with the reason shown (``-rs``).
 """
 
 import numpy as np
 import pytest
 
 import reference as ref
+from strict import optional_import
 
-torch = pytest.importorskip(
+torch = optional_import(
     "torch",
-    reason="torch is not installed: the torch tests are skipped (pip install torch into "
-    "target/python-venv to run them; CI does not, torch pulls gigabytes)",
+    "torch is not installed: the torch tests are skipped (cargo xtask test installs it, "
+    "from crates/python/requirements-test.txt)",
 )
 import torch.nn.functional as F  # noqa: E402
 
@@ -27,7 +29,14 @@ def tensor(x):
 
 
 def torch_sdpa(q, k, v, mask, **opts):
-    """torch's function, or a skip where this torch version cannot run the call."""
+    """torch's function, or a skip where this torch version cannot run the call (a failure
+    under ``cargo xtask test``, whose pinned torch runs every case).
+
+    A 1-D mask ``(S,)`` is broadcast to ``(L, S)`` first: torch documents the mask as
+    broadcastable to ``(..., L, S)``, which ``(S,)`` is, but its implementation indexes the
+    mask's axis -2 and raises IndexError (torch 2.15); attn follows the documented rule."""
+    if mask is not None and mask.dim() < 2:
+        mask = mask.expand(q.shape[-2], k.shape[-2])
     try:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **opts)
     except (TypeError, RuntimeError) as e:  # enable_gqa before torch 2.5, broadcasts some backends refuse
