@@ -11,14 +11,21 @@
 //!    root, it fails and names the packages to install;
 //! 2. `cargo`: `cargo test --workspace` (every crate's tests, doctests and properties, and
 //!    tidy);
-//! 3. `python`: the extension module `attn` (crates/python) and its pytest suite. The step
-//!    creates a virtualenv under the target directory (`target/python-venv`) with the
-//!    interpreter given by `--python`, `$PYTHON` or `python3`, installs
-//!    `crates/python/requirements-test.txt` into it (maturin, NumPy, pytest: again only
-//!    when that file changes), builds and installs the extension with
-//!    `maturin develop --release` (sharing the release build of the workspace's crates),
-//!    and runs `pytest crates/python/tests`. pytest's "no tests collected" (exit 5) is a
-//!    failure: a suite that ran nothing has not passed.
+//! 3. `python`: the extension module `attn` (crates/python) and its pytest suite, torch
+//!    and `transformers` included. The step creates a virtualenv under the target directory
+//!    (`target/python-venv`) with the interpreter given by `--python`, `$PYTHON` or
+//!    `python3`, and installs `crates/python/requirements-test.txt` into it (maturin,
+//!    NumPy, pytest, and torch and transformers at pinned versions) only when that file
+//!    changes, from a wheel cache, `target/python-wheels`: `pip download` fills it once per
+//!    requirements list and interpreter (torch brings its CUDA libraries from PyPI, about
+//!    3 GB of wheels), then `pip install --no-index` installs from it alone, so a warm
+//!    machine downloads nothing even when the virtualenv is made again. It builds and
+//!    installs the extension with `maturin develop --release` (sharing the release build of
+//!    the workspace's crates) and runs `pytest crates/python/tests` with
+//!    `ATTN_TEST_NO_SKIP=1`: everything the suite needs is installed here, so a missing
+//!    torch is an import error and any skip a failure (a plain `pytest` without torch still
+//!    skips the torch tests). pytest's "no tests collected" (exit 5) is a failure too: a
+//!    suite that ran nothing has not passed.
 //! 4. `mpi`: the ring's MPI tests for real: builds `attn-ring`'s `ring_mpi` test binary
 //!    and runs it under `mpirun -np P` for P = 1, 2, 3 and 4 (`--oversubscribe`: more
 //!    ranks than cores; `--allow-run-as-root` as root; `--bind-to none`, so that a rank's
@@ -128,10 +135,26 @@ pub fn run(args: &TestArgs) -> Result<(), String> {
             step.name(),
             step.about()
         );
+        let start = std::time::Instant::now();
         step.run(&ctx)
             .map_err(|e| format!("step `{}` failed: {e}", step.name()))?;
+        println!(
+            "xtask test: step `{}` took {}",
+            step.name(),
+            minutes_seconds(start.elapsed())
+        );
     }
     Ok(())
+}
+
+/// `3 min 07 s`, or `42 s` under a minute.
+fn minutes_seconds(d: std::time::Duration) -> String {
+    let s = d.as_secs();
+    if s < 60 {
+        format!("{s} s")
+    } else {
+        format!("{} min {:02} s", s / 60, s % 60)
+    }
 }
 
 /// The target directory: `$CARGO_TARGET_DIR` (relative to the workspace root) or
@@ -244,6 +267,11 @@ fn venv_python(venv: &Path) -> PathBuf {
     }
 }
 
+/// Set to `1` for the pytest suite by the `python` step, which installs everything the suite
+/// needs (torch and transformers included): the suite then imports torch without
+/// `importorskip` and fails any test that skips (`crates/python/tests/conftest.py`).
+pub const NO_SKIP_ENV: &str = "ATTN_TEST_NO_SKIP";
+
 fn python_tests(ctx: &Context<'_>) -> Result<(), String> {
     let crate_dir = ctx.root.join("crates").join("python");
     let venv = ctx.target.join("python-venv");
@@ -251,7 +279,12 @@ fn python_tests(ctx: &Context<'_>) -> Result<(), String> {
     if !python.exists() {
         create_venv(ctx, &venv)?;
     }
-    install_requirements(&python, &venv, &crate_dir.join("requirements-test.txt"))?;
+    install_requirements(
+        &python,
+        &venv,
+        &ctx.target.join("python-wheels"),
+        &crate_dir.join("requirements-test.txt"),
+    )?;
     let bin = python
         .parent()
         .expect("the interpreter is in bin/")
@@ -274,6 +307,7 @@ fn python_tests(ctx: &Context<'_>) -> Result<(), String> {
             .current_dir(&ctx.root)
             .env("VIRTUAL_ENV", &venv)
             .env("PATH", &path)
+            .env(NO_SKIP_ENV, "1")
             .args(["-m", "pytest", "crates/python/tests", "-rs"])
             .args(&ctx.args.pytest_args),
     )?;
@@ -324,21 +358,128 @@ fn create_venv(ctx: &Context<'_>, venv: &Path) -> Result<(), String> {
 }
 
 /// Installs the requirements unless the virtualenv already has this very list (its copy,
-/// `attn-requirements.txt`, is written after a successful install).
-fn install_requirements(python: &Path, venv: &Path, requirements: &Path) -> Result<(), String> {
+/// `attn-requirements.txt`, is written after a successful install). The install reads the
+/// wheel cache `wheels` alone (`--no-index`), filled first by [`fill_wheel_cache`].
+fn install_requirements(
+    python: &Path,
+    venv: &Path,
+    wheels: &Path,
+    requirements: &Path,
+) -> Result<(), String> {
     let wanted = std::fs::read_to_string(requirements)
         .map_err(|e| format!("cannot read {}: {e}", requirements.display()))?;
     let stamp = venv.join("attn-requirements.txt");
     if std::fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
         return Ok(());
     }
+    fill_wheel_cache(python, wheels, requirements, &wanted)?;
+    println!(
+        "xtask test: installing {} from the wheel cache {}",
+        requirements.display(),
+        wheels.display()
+    );
     checked(
-        Command::new(python)
-            .args(["-m", "pip", "install", "--disable-pip-version-check", "-r"])
-            .arg(requirements),
-        &format!("pip install -r {}", requirements.display()),
+        Command::new(python).args(pip_install_args(wheels, requirements)),
+        &format!(
+            "pip install --no-index -r {} (from {})",
+            requirements.display(),
+            wheels.display()
+        ),
     )?;
     std::fs::write(&stamp, wanted).map_err(|e| format!("cannot write {}: {e}", stamp.display()))
+}
+
+/// Downloads the wheels of the requirements and of everything they depend on into `wheels`,
+/// unless the cache already holds them for this very list and this interpreter (its stamp,
+/// `attn-requirements.txt`, is written after a complete download). A changed list downloads
+/// only what the cache lacks: `pip download` keeps the files it finds in place. pip's own
+/// cache is left out (`--no-cache-dir`), so that the gigabytes of torch are stored once.
+fn fill_wheel_cache(
+    python: &Path,
+    wheels: &Path,
+    requirements: &Path,
+    wanted: &str,
+) -> Result<(), String> {
+    let key = wheel_cache_key(wanted, &interpreter_tag(python)?);
+    let stamp = wheels.join("attn-requirements.txt");
+    if std::fs::read_to_string(&stamp).is_ok_and(|have| have == key) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(wheels)
+        .map_err(|e| format!("cannot create {}: {e}", wheels.display()))?;
+    println!(
+        "xtask test: downloading the wheels of {} into {} (torch: about 3 GB, once per machine)",
+        requirements.display(),
+        wheels.display()
+    );
+    checked(
+        Command::new(python).args(pip_download_args(wheels, requirements)),
+        &format!("pip download -r {}", requirements.display()),
+    )?;
+    std::fs::write(&stamp, key).map_err(|e| format!("cannot write {}: {e}", stamp.display()))
+}
+
+/// What the wheel cache's stamp records: the requirements and the interpreter the wheels
+/// were chosen for (a virtualenv of another Python version needs other wheels).
+fn wheel_cache_key(requirements: &str, interpreter: &str) -> String {
+    format!("{requirements}\n# wheels for: {interpreter}\n")
+}
+
+/// The interpreter's implementation, version and platform, as the wheels' tags depend on
+/// them (`cpython-311 linux-x86_64`).
+fn interpreter_tag(python: &Path) -> Result<String, String> {
+    let output = Command::new(python)
+        .args([
+            "-c",
+            "import sys, sysconfig; print(sys.implementation.cache_tag, sysconfig.get_platform())",
+        ])
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{} could not name its version and platform",
+            python.display()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// `python -m pip download …`: the requirements and their dependencies as files in `wheels`.
+fn pip_download_args(wheels: &Path, requirements: &Path) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = [
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--no-cache-dir",
+        "--progress-bar",
+        "off",
+        "--dest",
+    ]
+    .map(Into::into)
+    .to_vec();
+    args.push(wheels.into());
+    args.push("-r".into());
+    args.push(requirements.into());
+    args
+}
+
+/// `python -m pip install …` from the wheel cache alone: no index, so no download.
+fn pip_install_args(wheels: &Path, requirements: &Path) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = [
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-index",
+        "--find-links",
+    ]
+    .map(Into::into)
+    .to_vec();
+    args.push(wheels.into());
+    args.push("-r".into());
+    args.push(requirements.into());
+    args
 }
 
 #[cfg(test)]
@@ -430,6 +571,45 @@ mod tests {
                 .contains("collected no tests")
         );
         assert!(pytest_outcome(2).unwrap_err().contains("did not complete"));
+    }
+
+    #[test]
+    fn the_install_reads_the_wheel_cache_alone() {
+        let (wheels, req) = (Path::new("/t/python-wheels"), Path::new("/r/req.txt"));
+        let install = pip_install_args(wheels, req);
+        assert!(install.iter().any(|a| a == "--no-index"));
+        let at = install.iter().position(|a| a == "--find-links").unwrap();
+        assert_eq!(install[at + 1], wheels.as_os_str());
+        assert_eq!(install.last().map(|a| a.as_os_str()), Some(req.as_os_str()));
+        let download = pip_download_args(wheels, req);
+        assert!(download.iter().any(|a| a == "download"));
+        let at = download.iter().position(|a| a == "--dest").unwrap();
+        assert_eq!(download[at + 1], wheels.as_os_str());
+        assert!(download.iter().any(|a| a == "--no-cache-dir"));
+    }
+
+    #[test]
+    fn the_wheel_cache_is_keyed_by_requirements_and_interpreter() {
+        let a = wheel_cache_key("torch==2.15.0\n", "cpython-311 linux-x86_64");
+        assert_ne!(
+            a,
+            wheel_cache_key("torch==2.15.1\n", "cpython-311 linux-x86_64")
+        );
+        assert_ne!(
+            a,
+            wheel_cache_key("torch==2.15.0\n", "cpython-312 linux-x86_64")
+        );
+        assert_eq!(
+            a,
+            wheel_cache_key("torch==2.15.0\n", "cpython-311 linux-x86_64")
+        );
+    }
+
+    #[test]
+    fn durations_read_as_minutes_and_seconds() {
+        use std::time::Duration;
+        assert_eq!(minutes_seconds(Duration::from_millis(42_900)), "42 s");
+        assert_eq!(minutes_seconds(Duration::from_secs(187)), "3 min 07 s");
     }
 
     #[test]

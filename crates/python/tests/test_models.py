@@ -324,6 +324,8 @@ def teacher_forced(model, inputs, labels):
         for t in range(PROMPT, PROMPT + STEPS):
             step = model(**{key: tokens[:, t : t + 1]}, **fixed, cache=step.cache, use_cache=True)
             out[f"step{t - PROMPT}"] = step.logits
+        # The whole sequence in one call, without a cache: what each step must reproduce.
+        out["full"] = model(**{key: tokens}, **fixed).logits
     return out
 
 
@@ -362,7 +364,7 @@ def compare(name, what):
     shares = excess(ours, theirs, truth, k)
     worst = max(shares, key=shares.get)
     assert shares[worst] <= 1, f"{worst}: {shares[worst]:.3g} × the bound (K = {k:.0f})"
-    return shares, k, (model, inputs, labels, truth, theirs)
+    return shares, k, (model, inputs, labels, truth, theirs, ours)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -378,8 +380,15 @@ def test_parameter_gradients(name):
 
 @pytest.mark.parametrize("name", DECODERS)
 def test_teacher_forced_generation(name):
-    shares, _, _ = compare(name, teacher_forced)
-    assert len(shares) == 1 + STEPS
+    shares, k, (_, _, _, truth, _, ours) = compare(name, teacher_forced)
+    assert len(shares) == 2 + STEPS
+    # The cache is really used: with attn, each step's logits are those of the whole
+    # sequence at that position, within the same bound (a step that forgot the cache
+    # would see one token).
+    for t in range(STEPS):
+        at = slice(PROMPT + t, PROMPT + t + 1)
+        share = excess({"s": ours[f"step{t}"]}, {"s": ours["full"][:, at]}, {"s": truth["full"][:, at]}, k)["s"]
+        assert share <= 1, f"step {t} differs from the full sequence: {share:.3g} × the bound"
 
 
 # ---------------------------------------------------------------------------------------
@@ -400,7 +409,7 @@ def scale_off_by_a_percent(query, key, value, attn_mask=None, dropout_p=0.0, is_
 @pytest.mark.parametrize("bug", [without_masks, scale_off_by_a_percent], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("name", MODELS)
 def test_a_wrong_attention_fails(name, bug):
-    shares, k, (model, inputs, labels, truth, theirs) = compare(name, eval_logits)
+    shares, k, (model, inputs, labels, truth, theirs, _) = compare(name, eval_logits)
     broken, route = run(eval_logits, model, inputs, labels, bug, check=False)
     assert route.calls > 0
     share = excess(broken, theirs, truth, k)["logits"]

@@ -21,6 +21,10 @@ import torch.nn.functional as F  # noqa: E402
 import attn  # noqa: E402
 import attn.torch as attn_torch  # noqa: E402
 
+# Tiny tensors: one thread is fastest for torch's own ops here (a pool's wake-ups cost more
+# than they save), as in test_models.py; attn's threads are its own (RAYON_NUM_THREADS).
+torch.set_num_threads(1)
+
 CASES = ref.cases()
 
 
