@@ -17,3 +17,14 @@ def pytest_runtest_makereport(item, call):
             f"skipped under cargo xtask test ({reason}): that command installs everything "
             "the suite needs, so no test may skip there"
         )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    # A module skipped as a whole (``pytest.importorskip`` at its top, say) fails too.
+    outcome = yield
+    report = outcome.get_result()
+    if NO_SKIP and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under cargo xtask test ({reason}): no module may skip there"

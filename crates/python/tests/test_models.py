@@ -22,10 +22,15 @@ attentions fall outside the bound.
 
 import copy
 import math
+import os
 
 import pytest
 
 from strict import optional_import
+
+# Nothing is downloaded: the models are built from configs. Offline mode makes an
+# accidental fetch from the hub an immediate error rather than a wait on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 torch = optional_import(
     "torch",
@@ -255,7 +260,17 @@ def whisper():
 
 MODELS = {
     "gpt2": decoder_only(
-        transformers.GPT2Config, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.1, embd_pdrop=0.1, initializer_range=INIT
+        transformers.GPT2Config,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        attn_pdrop=0.0,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        initializer_range=INIT,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     "llama_gqa": llama_like(transformers.LlamaConfig, num_key_value_heads=2),
     "mistral_sliding_window": llama_like(transformers.MistralConfig, num_key_value_heads=2, sliding_window=4),
