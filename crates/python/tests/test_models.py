@@ -4,7 +4,7 @@ through attn, against the same models with torch's own ``scaled_dot_product_atte
 The models are built from configs alone (random weights, nothing downloaded) with
 ``attn_implementation="sdpa"``, and the test patches
 ``torch.nn.functional.scaled_dot_product_attention``, which transformers' SDPA integration
-looks up at every call: GPT-2, Llama with grouped-query attention, Mistral with a sliding
+looks up at every call: GPT-2 with left padding, Llama with grouped-query attention, Mistral with a sliding
 window, Qwen2 with one K/V head, BERT with padding, BART and Whisper with cross-attention.
 For each: the logits in eval mode, every parameter's gradient after one backward pass in
 train mode (the hidden dropout layers seeded alike, attention dropout 0: attn refuses
@@ -165,12 +165,19 @@ def ids(*shape, seed):
     return torch.randint(4, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def decoder_only(config_cls, **cfg):
+def decoder_only(config_cls, left_padding=0, **cfg):
     def build():
         config = config_cls(**SMALL, **cfg)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         tokens = ids(BATCH, LEN, seed=1)
-        return model, {"input_ids": tokens}, tokens
+        inputs, labels = {"input_ids": tokens}, tokens.clone()
+        if left_padding:
+            # Batched generation's layout: the shorter prompt padded on the left.
+            mask = torch.ones(BATCH, LEN, dtype=torch.long)
+            mask[1, :left_padding] = 0
+            inputs["attention_mask"] = mask
+            labels[1, :left_padding] = -100
+        return model, inputs, labels
 
     return build
 
@@ -259,8 +266,9 @@ def whisper():
 
 
 MODELS = {
-    "gpt2": decoder_only(
+    "gpt2_left_padding": decoder_only(
         transformers.GPT2Config,
+        left_padding=3,
         n_embd=64,
         n_layer=2,
         n_head=4,
@@ -320,27 +328,37 @@ PROMPT, STEPS = 5, 6
 
 
 def teacher_forced(model, inputs, labels):
-    """Prefill the first PROMPT tokens with a KV cache, then feed the given tokens one per
-    step: the logits of each step."""
+    """Prefill the first PROMPT tokens with a KV cache, then feed the next tokens one per
+    step: the logits of each step, and those of the whole sequence in one call."""
     model.eval()
     inputs = as_dtype(inputs, model)
     key = "decoder_input_ids" if "decoder_input_ids" in inputs else "input_ids"
     tokens = torch.cat([inputs[key], ids(BATCH, STEPS, seed=4)], dim=1)
-    fixed = {k: v for k, v in inputs.items() if k != key}
     out = {}
     with torch.no_grad():
         if model.config.is_encoder_decoder:
-            fixed = {
-                "encoder_outputs": model.get_encoder()(**{k: v for k, v in fixed.items()}),
-                "attention_mask": fixed.get("attention_mask"),
-            }
-        step = model(**{key: tokens[:, :PROMPT]}, **fixed, use_cache=True)
+            # The encoder once; its padding mask is the cross-attention's at every step.
+            source = {k: v for k, v in inputs.items() if k != key}
+            fixed = {"encoder_outputs": model.get_encoder()(**source), "attention_mask": source.get("attention_mask")}
+
+            def mask(n):
+                return {}
+        else:
+            fixed = {}
+            padding = inputs.get("attention_mask")
+            grown = None if padding is None else torch.cat([padding, torch.ones_like(tokens[:, LEN:])], dim=1)
+
+            def mask(n):  # the padding mask of the first n tokens
+                return {} if grown is None else {"attention_mask": grown[:, :n]}
+
+        step = model(**{key: tokens[:, :PROMPT]}, **fixed, **mask(PROMPT), use_cache=True)
         out["prefill"] = step.logits
         for t in range(PROMPT, PROMPT + STEPS):
-            step = model(**{key: tokens[:, t : t + 1]}, **fixed, cache=step.cache, use_cache=True)
+            step = model(**{key: tokens[:, t : t + 1]}, **fixed, **mask(t + 1), cache=step.cache, use_cache=True)
             out[f"step{t - PROMPT}"] = step.logits
-        # The whole sequence in one call, without a cache: what each step must reproduce.
-        out["full"] = model(**{key: tokens}, **fixed).logits
+        # The same tokens in one call, without a cache: what each step must reproduce.
+        n = PROMPT + STEPS
+        out["full"] = model(**{key: tokens[:, :n]}, **fixed, **mask(n)).logits
     return out
 
 
