@@ -15,11 +15,11 @@
 //!    and `transformers` included. The step creates a virtualenv under the target directory
 //!    (`target/python-venv`) with the interpreter given by `--python`, `$PYTHON` or
 //!    `python3`, and installs `crates/python/requirements-test.txt` into it (maturin,
-//!    NumPy, pytest, and torch and transformers at pinned versions) only when that file
-//!    changes, from a wheel cache, `target/python-wheels`: `pip download` fills it once per
-//!    requirements list and interpreter (torch brings its CUDA libraries from PyPI, about
-//!    3 GB of wheels), then `pip install --no-index` installs from it alone, so a warm
-//!    machine downloads nothing even when the virtualenv is made again. It builds and
+//!    NumPy, pytest, and torch and transformers at pinned versions) only when its
+//!    requirements change, from a wheel cache, `target/python-wheels`: `pip download` fills
+//!    it once per list of requirements and interpreter (torch brings its CUDA libraries
+//!    from PyPI, 3.1 GB of wheels), then `pip install --no-index` installs from it alone,
+//!    so a warm machine downloads nothing even when the virtualenv is made again. It builds and
 //!    installs the extension with `maturin develop --release` (sharing the release build of
 //!    the workspace's crates) and runs `pytest crates/python/tests` with
 //!    `ATTN_TEST_NO_SKIP=1`: everything the suite needs is installed here, so a missing
@@ -357,17 +357,20 @@ fn create_venv(ctx: &Context<'_>, venv: &Path) -> Result<(), String> {
     )
 }
 
-/// Installs the requirements unless the virtualenv already has this very list (its copy,
-/// `attn-requirements.txt`, is written after a successful install). The install reads the
-/// wheel cache `wheels` alone (`--no-index`), filled first by [`fill_wheel_cache`].
+/// Installs the requirements unless the virtualenv already has this very list (its
+/// requirement lines, `attn-requirements.txt`, are written after a successful install; a
+/// change to the file's comments alone installs nothing). The install reads the wheel cache
+/// `wheels` alone (`--no-index`), filled first by [`fill_wheel_cache`].
 fn install_requirements(
     python: &Path,
     venv: &Path,
     wheels: &Path,
     requirements: &Path,
 ) -> Result<(), String> {
-    let wanted = std::fs::read_to_string(requirements)
-        .map_err(|e| format!("cannot read {}: {e}", requirements.display()))?;
+    let wanted = requirement_lines(
+        &std::fs::read_to_string(requirements)
+            .map_err(|e| format!("cannot read {}: {e}", requirements.display()))?,
+    );
     let stamp = venv.join("attn-requirements.txt");
     if std::fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
         return Ok(());
@@ -417,6 +420,16 @@ fn fill_wheel_cache(
         &format!("pip download -r {}", requirements.display()),
     )?;
     std::fs::write(&stamp, key).map_err(|e| format!("cannot write {}: {e}", stamp.display()))
+}
+
+/// The requirements of a requirements file, without its comments and blank lines: what
+/// the stamps of the virtualenv and of the wheel cache compare.
+fn requirement_lines(text: &str) -> String {
+    text.lines()
+        .map(|line| line.split(" #").next().unwrap_or_default().trim())
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .map(|line| format!("{line}\n"))
+        .collect()
 }
 
 /// What the wheel cache's stamp records: the requirements and the interpreter the wheels
@@ -610,6 +623,17 @@ mod tests {
         use std::time::Duration;
         assert_eq!(minutes_seconds(Duration::from_millis(42_900)), "42 s");
         assert_eq!(minutes_seconds(Duration::from_secs(187)), "3 min 07 s");
+    }
+
+    #[test]
+    fn the_stamps_compare_requirements_not_comments() {
+        let a = requirement_lines("# torch, pinned\nnumpy>=1.22\n\ntorch==2.15.0  # CUDA\n");
+        assert_eq!(a, "numpy>=1.22\ntorch==2.15.0\n");
+        assert_eq!(
+            a,
+            requirement_lines("# other words\nnumpy>=1.22\ntorch==2.15.0\n")
+        );
+        assert_ne!(a, requirement_lines("numpy>=1.22\ntorch==2.15.1\n"));
     }
 
     #[test]
