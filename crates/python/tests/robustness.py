@@ -489,7 +489,193 @@ def numpy_case(seed, index):
     return {"entry": _entry(rng), "passed": passed, "seen": seen, "opts": opts, "expect": expect, "what": "; ".join(whats)}
 
 
-SUITES = {"dlpack": dlpack_case, "numpy": numpy_case}
+def cache_case(seed, index):
+    """A KVCache made with hostile sizes or fed hostile arrays and options; attended queries
+    compared with the formula over the tokens appended."""
+    rng = np.random.default_rng([seed, index, 2])
+    dtype = np.float16 if rng.random() < 0.25 else np.float32
+    b, h, d, dv = (int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.integers(1, 9)), int(rng.integers(0, 6)))
+    group = int(rng.integers(1, 3))
+    cap = int(rng.integers(0, 6))
+    sizes = [b, h, cap, d, dv]
+    expect, what = "ok", []
+    if rng.random() < 0.3:
+        a = int(rng.integers(0, 5))
+        # Sizes no machine holds (a legitimate cache of gigabytes would only be slow).
+        sizes[a] = int(rng.choice([0, 2**40, 2**62, 2**64 - 1, -1]))
+        expect = "any"
+        what.append(f"size {a} = {sizes[a]}")
+    growth = "double" if rng.random() < 0.6 else "fixed"
+    steps = []
+    for _ in range(int(rng.integers(1, 4))):
+        t = int(rng.integers(0, 4))
+        k = ref.randn(rng, (b, h, t, d), dtype)
+        v = ref.randn(rng, (b, h, t, dv), dtype)
+        k2, wk, ek = _numpy_layout(rng, k, "key")
+        v2, wv, ev = _numpy_layout(rng, v, "value")
+        steps.append((k2, v2, k, v))
+        what.append(f"append {wk} / {wv}")
+        if "error" in (ek, ev) or "any" in (ek, ev):
+            expect = "any"
+    n = int(rng.integers(1, 4))
+    q = ref.randn(rng, (b, h * group, n, d), dtype)
+    opts = {}
+    if rng.random() < 0.2:
+        opts["scale"] = SCALES[int(rng.integers(0, len(SCALES)))]
+        expect = "any"
+        what.append(f"scale {opts['scale']}")
+    if rng.random() < 0.3:
+        opts["is_causal"] = False
+    return {"entry": "cache", "sizes": sizes, "dtype": dtype, "growth": growth, "steps": steps, "query": q,
+            "opts": opts, "expect": expect, "what": "; ".join(what) or "plain"}
+
+
+def run_cache_case(attn, case):
+    """``run_case`` for the cache suite: every step's outcome, the last attend compared."""
+    b, h, cap, d, dv = case["sizes"]
+    cached_k, cached_v = [], []
+    try:
+        cache = attn.KVCache(b, h, cap, d, dv, dtype=case["dtype"], growth=case["growth"])
+        for k2, v2, k, v in case["steps"]:
+            try:
+                cache.append(k2, v2)
+            except TYPED as e:
+                # Nothing is appended on error; the cache stays usable.
+                if case["expect"] == "ok" and "exceeds the capacity" not in str(e):
+                    return "bad", f"refused an append that must work: {type(e).__name__}: {e}"
+                continue
+            cached_k.append(k)
+            cached_v.append(v)
+        out, lse = cache.attend_with_lse(case["query"], **case["opts"])
+    except TYPED as e:
+        if case["expect"] == "ok":
+            return "bad", f"refused an input that must compute: {type(e).__name__}: {e}"
+        return "typed", f"{type(e).__name__}: {e}"
+    except BaseException as e:  # noqa: BLE001 - a panic is a BaseException
+        return "bad", f"untyped {type(e).__module__}.{type(e).__name__}: {e}"
+    if list(cache.lens) != [sum(k.shape[2] for k in cached_k)] * b:
+        return "bad", f"lens {cache.lens} after appending {[k.shape[2] for k in cached_k]}"
+    k = np.concatenate(cached_k, axis=2) if cached_k else np.zeros((b, h, 0, d), case["dtype"])
+    v = np.concatenate(cached_v, axis=2) if cached_v else np.zeros((b, h, 0, dv), case["dtype"])
+    q = case["query"]
+    causal = case["opts"].get("is_causal", True) and q.shape[2] <= k.shape[2]
+    ref_opts = {"scale": case["opts"].get("scale"), "enable_gqa": True}
+    if causal:
+        ref_opts.update(is_causal=True, alignment="bottom_right")
+    if case["opts"].get("is_causal", True) and not causal:
+        return "ok", "more queries than cached tokens (the causal alignment is the engine's)"
+    want, want_lse = ref.sdpa(q, k, v, **ref_opts)
+    tol = _tol(q) * max(1, d)
+    if out.shape != want.shape or not np.allclose(out.astype(np.float64), want, rtol=tol, atol=tol):
+        return "bad", "wrong result"
+    fin = np.isfinite(want_lse)
+    if not np.allclose(lse[fin], want_lse[fin], rtol=tol, atol=tol) or not np.all(lse[~fin] == -np.inf):
+        return "bad", "wrong LSE"
+    return "ok", "correct"
+
+
+def torch_case(seed, index):
+    """A call on torch tensors in the layouts torch makes: transposed, strided, expanded,
+    lazily negated (``_neg_view``, ``conj().imag``), half precision, requiring grad; now and
+    then a NumPy operand mixed in."""
+    import torch
+
+    rng = np.random.default_rng([seed, index, 3])
+    q, k, v, mask, opts = _problem(rng, np.float32)
+    dtype = [torch.float32, torch.float16, torch.bfloat16][int(rng.choice(3, p=[0.6, 0.2, 0.2]))]
+    grad = rng.random() < 0.3
+    expect, whats, passed, seen, leaves = "ok", [], {}, {}, {}
+    operands = {"query": q, "key": k, "value": v}
+    if mask is not None:
+        operands["attn_mask"] = mask
+    for name, x in operands.items():
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        if x.dtype != np.bool_:
+            t = t.to(dtype) if name != "attn_mask" or x.dtype != np.float32 else t
+        r = rng.random()
+        if r < 0.2 and t.ndim >= 2 and t.dtype != torch.bool:
+            made, what = torch._neg_view((-t).contiguous()), "neg view"
+        elif r < 0.3 and t.dtype == torch.float32:
+            made, what = torch.complex(torch.zeros_like(t), -t).conj().imag, "conj().imag"
+        elif r < 0.45 and t.ndim >= 3:
+            perm = list(rng.permutation(t.ndim - 1)) + [t.ndim - 1]
+            made, what = t.permute(*map(int, np.argsort(perm))).contiguous().permute(*map(int, perm)), "transposed"
+        elif r < 0.55 and t.ndim >= 2:
+            wide = torch.zeros(t.shape[:-2] + (2 * t.shape[-2], t.shape[-1]), dtype=t.dtype)
+            wide[..., ::2, :] = t
+            made, what = wide[..., ::2, :], "strided rows"
+        elif r < 0.6 and t.ndim >= 2 and max(t.shape[:-1]) > 1:
+            # One entry repeated by a stride of 0 (not along the feature axis, which attn
+            # reads contiguous).
+            a = int(np.argmax(t.shape[:-1]))
+            made, what = t.narrow(a, 0, 1).expand(t.shape), f"expanded along axis {a}"
+        else:
+            made, what = t.clone(), "plain"
+        if grad and name != "attn_mask" and t.dtype != torch.bool:
+            made = made.detach().requires_grad_()
+            leaves[name] = made
+        passed[name] = made
+        seen[name] = made.detach().resolve_neg().float().numpy() if made.dtype != torch.bool else made.numpy()
+        whats.append(f"{name}: {what}")
+    if rng.random() < 0.08:
+        name = ["key", "value", "attn_mask"][int(rng.integers(0, 3))]
+        if name in passed:
+            passed[name] = np.asarray(seen[name]).astype(np.float32) if seen[name].dtype != np.bool_ else seen[name]
+            expect = "error"
+            whats.append(f"{name} as a NumPy array")
+    entry = "lse" if rng.random() < 0.3 else "sdpa"
+    return {"entry": entry, "passed": passed, "seen": seen, "opts": opts, "expect": expect,
+            "what": "; ".join(whats) + (" (grad)" if grad else ""), "leaves": leaves, "dtype": str(dtype)}
+
+
+def run_torch_case(attn, case):
+    """``run_case`` for torch tensors; with leaves that require grad, their gradients too."""
+    import torch
+
+    p, s, opts = case["passed"], case["seen"], case["opts"]
+    args = (p["query"], p["key"], p["value"], p.get("attn_mask"))
+    ref_opts = {k: v for k, v in opts.items() if k in ("is_causal", "scale", "enable_gqa")}
+    try:
+        if case["entry"] == "sdpa":
+            out = attn.scaled_dot_product_attention(*args, **opts)
+            lse = None
+        else:
+            out, lse = attn.attention_with_lse(*args, **opts)
+        if case["leaves"]:
+            out.float().sum().backward()
+    except TYPED as e:
+        if case["expect"] == "ok":
+            return "bad", f"refused an input that must compute: {type(e).__name__}: {e}"
+        return "typed", f"{type(e).__name__}: {e}"
+    except BaseException as e:  # noqa: BLE001 - a panic is a BaseException
+        return "bad", f"untyped {type(e).__module__}.{type(e).__name__}: {e}"
+    if case["expect"] == "error":
+        return "bad", "accepted an input that must be refused"
+    seen = (s["query"], s["key"], s["value"], s.get("attn_mask"))
+    try:
+        want, want_lse = _formula("lse", seen, ref_opts)
+        grads = _formula("backward", seen, ref_opts) if case["leaves"] else None
+    except Exception as e:  # noqa: BLE001
+        return "bad", f"the float64 formula failed (a harness bug): {type(e).__name__}: {e}"
+    half = case["dtype"] != "torch.float32"
+    tol = (3e-2 if half else 1e-4) * max(1, s["query"].shape[-1])
+    pairs = [(out, want)] + ([(lse, want_lse)] if lse is not None else [])
+    if grads is not None:
+        pairs += [(case["leaves"][n].grad, g) for n, g in zip(("query", "key", "value"), grads) if n in case["leaves"]]
+    for got, w in pairs:
+        if got is None:
+            return "bad", "no gradient"
+        g = got.detach().float().numpy().astype(np.float64)
+        if g.shape != w.shape:
+            return "bad", f"shape {g.shape}, want {w.shape}"
+        fin = np.isfinite(w)
+        if not np.allclose(g[fin], w[fin], rtol=tol, atol=tol) or not np.array_equal(g[~fin], w[~fin]):
+            return "bad", f"wrong result (max error {np.max(np.abs(g[fin] - w[fin])) if fin.any() else 'non-finite'})"
+    return "ok", "correct"
+
+
+SUITES = {"dlpack": dlpack_case, "numpy": numpy_case, "cache": cache_case, "torch": torch_case}
+RUNNERS = {"cache": run_cache_case, "torch": run_torch_case}
 
 
 # ---------------------------------------------------------------------------------------
@@ -574,9 +760,11 @@ def main():
     for line in sys.stdin:
         suite, seed, index = line.split()
         seed, index = int(seed), int(index)
+        if suite == "torch":
+            import torch  # noqa: F401 - its first import (seconds) is not a case's time
         print(json.dumps({"start": index}), flush=True)
         case = SUITES[suite](seed, index)
-        status, detail = run_case(attn, case)
+        status, detail = RUNNERS.get(suite, run_case)(attn, case)
         print(json.dumps({"index": index, "status": status, "detail": detail, "what": case["what"],
                           "entry": case["entry"], "expect": case["expect"]}), flush=True)
 
