@@ -194,12 +194,17 @@ fn row_of(shape: &[usize], strides: &[isize]) -> (usize, isize) {
     )
 }
 
-/// The distinct elements of a view (its broadcast axes left out) as `(shape, strides,
-/// count)`, the count checked; `None` for an empty view.
-fn distinct_view(
-    shape: &[usize],
-    strides: &[isize],
-) -> PyResult<Option<(Vec<usize>, Vec<isize>, usize)>> {
+/// The distinct elements of a view: its axes but the broadcast ones.
+struct Distinct {
+    dims: Vec<usize>,
+    steps: Vec<isize>,
+    /// The product of `dims`, checked.
+    count: usize,
+}
+
+/// The distinct elements of a view (its broadcast axes left out), the count checked; `None`
+/// for an empty view.
+fn distinct_view(shape: &[usize], strides: &[isize]) -> PyResult<Option<Distinct>> {
     if shape.contains(&0) {
         return Ok(None);
     }
@@ -212,7 +217,7 @@ fn distinct_view(
             shape_str(shape)
         ))
     })?;
-    Ok(Some((dims, steps, count)))
+    Ok(Some(Distinct { dims, steps, count }))
 }
 
 /// Copies the distinct elements of a strided buffer into a compact row-major one (any
@@ -228,7 +233,7 @@ unsafe fn compact_copy(
     byte_strides: &[isize],
     size: usize,
 ) -> PyResult<(Vec<u64>, Vec<isize>)> {
-    let Some((dims, steps, count)) = distinct_view(shape, byte_strides)? else {
+    let Some(Distinct { dims, steps, count }) = distinct_view(shape, byte_strides)? else {
         return Ok((Vec::new(), vec![0; shape.len()]));
     };
     let bytes = count.checked_mul(size);
@@ -489,7 +494,8 @@ impl<'py> Array<'py> {
     /// normalising (`x != 0`) when they are not. Each distinct byte is read once (broadcast
     /// axes are not walked), with the GIL released.
     pub(crate) fn normalized_bool(self, py: Python<'_>) -> PyResult<Self> {
-        let Some((dims, steps, count)) = distinct_view(&self.shape, &self.strides)? else {
+        let Some(Distinct { dims, steps, count }) = distinct_view(&self.shape, &self.strides)?
+        else {
             return Ok(self);
         };
         let ptr = SendPtr(self.ptr);
