@@ -114,7 +114,7 @@ def test_generated_hostile_inputs(suite):
     assert all(o[0] != "bad" for o in outcomes.values()), describe(suite, SEED, outcomes)
     # The suite exercises both outcomes: results compared with the formula, and refusals.
     statuses = [o[0] for o in outcomes.values()]
-    assert statuses.count("ok") >= count // 5 and statuses.count("typed") >= count // 20, statuses
+    assert statuses.count("ok") >= count // 5 and statuses.count("typed") >= count // 50, statuses
 
 
 def test_the_harness_counts_crashes_and_hangs(tmp_path):
