@@ -17,6 +17,7 @@ use numpy::npyffi::NPY_TYPES;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 
 use crate::dlpack;
+use crate::output::SendPtr;
 
 /// Element types attn reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,8 +68,12 @@ pub(crate) enum Kind {
 enum Keep<'py> {
     /// The NumPy array itself (also held by the caller).
     Object(#[allow(dead_code)] Bound<'py, PyAny>),
-    /// The DLPack capsule: dropping it releases the producer's tensor.
-    Capsule(#[allow(dead_code)] Bound<'py, PyCapsule>),
+    /// The producer and its DLPack capsule: dropping the capsule releases the producer's
+    /// tensor; holding the producer too keeps a producer whose capsule does not own it.
+    Capsule(
+        #[allow(dead_code)] Bound<'py, PyAny>,
+        #[allow(dead_code)] Bound<'py, PyCapsule>,
+    ),
     /// Our own compact copy, in 8-byte words (aligned for every element type).
     Owned(#[allow(dead_code)] Vec<u64>),
 }
@@ -151,14 +156,19 @@ pub(crate) fn product(dims: &[usize]) -> Option<usize> {
     dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
 }
 
+/// The axes of a view that address distinct memory: those longer than 1 with a stride
+/// other than 0. Walking them alone visits each element a broadcast view repeats once.
+fn distinct_axes(shape: &[usize], strides: &[isize]) -> Vec<usize> {
+    (0..shape.len())
+        .filter(|&a| shape[a] > 1 && strides[a] != 0)
+        .collect()
+}
+
 /// Calls `f` with the offset of the first element of every row (every index of the axes
 /// but the last), in row-major order; `strides` in any unit. A 0-d array is one row.
-fn for_each_row(shape: &[usize], strides: &[isize], mut f: impl FnMut(isize)) {
-    if shape.contains(&0) {
-        return;
-    }
+/// `rows` is the product of the outer axes, computed (checked) by the caller.
+fn for_each_row(shape: &[usize], strides: &[isize], rows: usize, mut f: impl FnMut(isize)) {
     let outer = shape.len().saturating_sub(1);
-    let rows: usize = shape[..outer].iter().product();
     let mut index = vec![0usize; outer];
     for _ in 0..rows {
         f(index
@@ -184,25 +194,55 @@ fn row_of(shape: &[usize], strides: &[isize]) -> (usize, isize) {
     )
 }
 
-/// Copies the elements of a strided buffer into a compact row-major one (any alignment,
-/// any byte strides, negative included).
+/// The distinct elements of a view: its axes but the broadcast ones.
+struct Distinct {
+    dims: Vec<usize>,
+    steps: Vec<isize>,
+    /// The product of `dims`, checked.
+    count: usize,
+}
+
+/// The distinct elements of a view (its broadcast axes left out), the count checked; `None`
+/// for an empty view.
+fn distinct_view(shape: &[usize], strides: &[isize]) -> PyResult<Option<Distinct>> {
+    if shape.contains(&0) {
+        return Ok(None);
+    }
+    let axes = distinct_axes(shape, strides);
+    let dims: Vec<usize> = axes.iter().map(|&a| shape[a]).collect();
+    let steps: Vec<isize> = axes.iter().map(|&a| strides[a]).collect();
+    let count = product(&dims).ok_or_else(|| {
+        PyMemoryError::new_err(format!(
+            "a view of shape {} has too many elements",
+            shape_str(shape)
+        ))
+    })?;
+    Ok(Some(Distinct { dims, steps, count }))
+}
+
+/// Copies the distinct elements of a strided buffer into a compact row-major one (any
+/// alignment, any byte strides, negative included); returns it and the element strides of
+/// the copy over the full shape, 0 on the broadcast axes (which are not materialised).
 ///
 /// # Safety
 /// Every element `ptr + Σ i_a · byte_strides[a]` (`i_a < shape[a]`) must be `size`
 /// readable bytes.
 unsafe fn compact_copy(
-    ptr: *const u8,
+    ptr: SendPtr<u8>,
     shape: &[usize],
     byte_strides: &[isize],
     size: usize,
-) -> PyResult<Vec<u64>> {
-    let count = product(shape).unwrap_or(usize::MAX);
+) -> PyResult<(Vec<u64>, Vec<isize>)> {
+    let Some(Distinct { dims, steps, count }) = distinct_view(shape, byte_strides)? else {
+        return Ok((Vec::new(), vec![0; shape.len()]));
+    };
     let bytes = count.checked_mul(size);
     let mut words = zeroed::<u64>("a compact copy of an input", bytes.map(|b| b.div_ceil(8)))?;
     let dst = words.as_mut_ptr().cast::<u8>();
-    let (n, step) = row_of(shape, byte_strides);
+    let ptr = ptr.0;
+    let (n, step) = row_of(&dims, &steps);
     let mut written = 0;
-    for_each_row(shape, byte_strides, |row| {
+    for_each_row(&dims, &steps, count / n, |row| {
         if step == size as isize {
             // SAFETY: the caller guarantees the row's `n` contiguous elements are readable;
             // `written + n ≤ count` keeps the destination inside `words`.
@@ -220,17 +260,38 @@ unsafe fn compact_copy(
         }
         written += n;
     });
-    Ok(words)
+    let mut strides = vec![0isize; shape.len()];
+    let mut unit = 1isize;
+    for (&a, &d) in distinct_axes(shape, byte_strides).iter().zip(&dims).rev() {
+        strides[a] = unit;
+        unit *= d as isize; // at most `count`, which was allocated
+    }
+    Ok((words, strides))
 }
 
-fn compact_strides(shape: &[usize]) -> Vec<isize> {
-    let mut strides = vec![0isize; shape.len()];
-    let mut step = 1isize;
-    for a in (0..shape.len()).rev() {
-        strides[a] = if shape[a] > 1 { step } else { 0 };
-        step = step.saturating_mul(shape[a] as isize);
+/// Walks of more elements than this release the GIL (fewer take less time than the release).
+const DETACH_ABOVE: usize = 1 << 16;
+
+/// [`compact_copy`] with the GIL released: the copy of a large view takes as long as the
+/// memory takes to read, and other Python threads run meanwhile.
+///
+/// # Safety
+/// As [`compact_copy`]; the buffer must stay alive (its owner held by the caller).
+unsafe fn compact_copy_detached(
+    py: Python<'_>,
+    ptr: *const u8,
+    shape: &[usize],
+    byte_strides: &[isize],
+    size: usize,
+) -> PyResult<(Vec<u64>, Vec<isize>)> {
+    let ptr = SendPtr(ptr);
+    let elements = product(shape).unwrap_or(usize::MAX);
+    if elements <= DETACH_ABOVE {
+        // SAFETY: the caller's guarantee.
+        return unsafe { compact_copy(ptr, shape, byte_strides, size) };
     }
-    strides
+    // SAFETY: the caller's guarantee.
+    py.detach(|| unsafe { compact_copy(ptr, shape, byte_strides, size) })
 }
 
 impl<'py> Array<'py> {
@@ -239,6 +300,7 @@ impl<'py> Array<'py> {
         if let Ok(arr) = obj.cast::<PyUntypedArray>() {
             return Self::from_numpy(name, arr);
         }
+        let py = obj.py();
         let kind = if is_torch_tensor(obj)? {
             Kind::Torch
         } else if obj.hasattr("__dlpack__")? {
@@ -249,27 +311,31 @@ impl<'py> Array<'py> {
                 obj.get_type().name()?
             )));
         };
-        let detached;
-        let obj = if kind == Kind::Torch
-            && obj
-                .getattr(intern!(obj.py(), "requires_grad"))?
-                .is_truthy()?
-        {
-            // Outside grad mode (inside it, such tensors go through attn.torch): torch
-            // exports no tensor that requires grad, but its detached alias shares memory.
-            detached = obj.call_method0(intern!(obj.py(), "detach"))?;
-            &detached
-        } else {
-            obj
-        };
-        let t = dlpack::import(name, obj)?;
+        let mut tensor = obj.clone();
+        if kind == Kind::Torch {
+            if tensor.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
+                // Outside grad mode (inside it, such tensors go through attn.torch): torch
+                // exports no tensor that requires grad, but its detached alias shares memory.
+                tensor = tensor.call_method0(intern!(py, "detach"))?;
+            }
+            // torch's lazy negation and conjugation are bits on the tensor that DLPack does
+            // not carry: the memory holds the values without the sign. Resolve them (a copy,
+            // only for such views) rather than read the wrong sign.
+            if tensor.call_method0(intern!(py, "is_neg"))?.is_truthy()? {
+                tensor = tensor.call_method0(intern!(py, "resolve_neg"))?;
+            }
+            if tensor.call_method0(intern!(py, "is_conj"))?.is_truthy()? {
+                tensor = tensor.call_method0(intern!(py, "resolve_conj"))?;
+            }
+        }
+        let t = dlpack::import(name, &tensor)?;
         let _ = t.read_only; // inputs are only read
         let dtype = match t.dtype {
             // torch before 2.1 exports bool tensors as uint8.
             Dtype::Other(ref n)
                 if n == "uint8"
                     && kind == Kind::Torch
-                    && obj.getattr("dtype")?.str()? == "torch.bool" =>
+                    && tensor.getattr("dtype")?.str()? == "torch.bool" =>
             {
                 Dtype::Bool
             }
@@ -282,16 +348,17 @@ impl<'py> Array<'py> {
             dtype,
             strides: t.strides,
             ptr: t.ptr,
-            _keep: Keep::Capsule(t.capsule),
+            _keep: Keep::Capsule(obj.clone(), t.capsule),
             shape: t.shape,
         };
         array.zero_unit_strides();
         if size > 0 && !array.is_empty() && !(array.ptr as usize).is_multiple_of(size) {
             let bytes: Vec<isize> = array.strides.iter().map(|&s| s * size as isize).collect();
             // SAFETY: the producer's tensor holds every element its shape and strides
-            // reach, and the capsule keeps it alive during the copy.
-            let words = unsafe { compact_copy(array.ptr, &array.shape, &bytes, size) }?;
-            array.adopt(words);
+            // reach (`dlpack::import` checked that they lie in the address space), and the
+            // capsule keeps it alive during the copy.
+            let copy = unsafe { compact_copy_detached(py, array.ptr, &array.shape, &bytes, size) }?;
+            array.adopt(copy);
         }
         Ok(array)
     }
@@ -321,17 +388,24 @@ impl<'py> Array<'py> {
             array.strides = byte_strides.iter().map(|s| s / size as isize).collect();
             array.zero_unit_strides();
         } else if !array.is_empty() {
-            // SAFETY: a NumPy array's shape and byte strides reach only its own elements.
-            let words = unsafe { compact_copy(ptr, &array.shape, &byte_strides, size) }?;
-            array.adopt(words);
+            // SAFETY: a NumPy array's shape and byte strides reach only its own elements,
+            // kept alive by `_keep`.
+            let copy =
+                unsafe { compact_copy_detached(arr.py(), ptr, &array.shape, &byte_strides, size) }?;
+            array.adopt(copy);
         }
         Ok(array)
     }
 
-    /// Replaces the view by a compact copy (`words`, in row-major order).
-    fn adopt(&mut self, words: Vec<u64>) {
-        self.ptr = words.as_ptr().cast();
-        self.strides = compact_strides(&self.shape);
+    /// Replaces the view by a compact copy of its distinct elements (`words` and their
+    /// strides, 0 on the broadcast axes).
+    fn adopt(&mut self, (words, strides): (Vec<u64>, Vec<isize>)) {
+        self.ptr = if words.is_empty() {
+            std::ptr::NonNull::<u64>::dangling().as_ptr().cast()
+        } else {
+            words.as_ptr().cast()
+        };
+        self.strides = strides;
         self._keep = Keep::Owned(words);
     }
 
@@ -363,69 +437,103 @@ impl<'py> Array<'py> {
         self.ptr.cast()
     }
 
-    /// A compact copy of the array (row-major), for views attn cannot express.
-    pub(crate) fn compacted(mut self) -> PyResult<Self> {
+    /// A compact copy of the array (row-major over the axes it does not broadcast), for
+    /// views attn cannot express.
+    pub(crate) fn compacted(mut self, py: Python<'_>) -> PyResult<Self> {
         let size = self.dtype.size();
-        if size == 0 || self.is_empty() {
-            self.strides = compact_strides(&self.shape);
-            return Ok(self);
+        if size == 0 {
+            return Ok(self); // unsupported: rejected by the caller, never read
         }
         let bytes: Vec<isize> = self.strides.iter().map(|&s| s * size as isize).collect();
         // SAFETY: the view reaches only elements of its buffer, which `_keep` keeps alive.
-        let words = unsafe { compact_copy(self.ptr, &self.shape, &bytes, size) }?;
-        self.adopt(words);
+        let copy = unsafe { compact_copy_detached(py, self.ptr, &self.shape, &bytes, size) }?;
+        self.adopt(copy);
         Ok(self)
     }
 
-    /// The array widened to an f32 copy of the same shape (f16/bf16 additive masks).
-    pub(crate) fn widened_to_f32(self) -> PyResult<Self> {
-        let mut out = self.compacted()?;
-        let count: usize = out.shape.iter().product();
-        let mut words = zeroed::<u64>("the mask widened to float32", Some(count.div_ceil(2)))?;
-        let dst = words.as_mut_ptr().cast::<f32>();
-        let src = out.ptr.cast::<u16>();
-        for i in 0..count {
-            // SAFETY: `compacted` holds `count` compact 2-byte elements, aligned; `words`
-            // holds `count` f32 slots.
-            unsafe {
-                let bits = *src.add(i);
-                let x = match out.dtype {
-                    Dtype::F16 => half::f16::from_bits(bits).to_f32(),
-                    _ => half::bf16::from_bits(bits).to_f32(),
-                };
-                *dst.add(i) = x;
+    /// The array widened to an f32 copy of the same shape (f16/bf16 additive masks), its
+    /// broadcast axes kept as such.
+    pub(crate) fn widened_to_f32(mut self, py: Python<'_>) -> PyResult<Self> {
+        let bytes: Vec<isize> = self.strides.iter().map(|&s| s * 2).collect();
+        // SAFETY: the view reaches only 2-byte elements of its buffer, kept alive by `_keep`.
+        let (half, strides) =
+            unsafe { compact_copy_detached(py, self.ptr, &self.shape, &bytes, 2) }?;
+        let bf16 = self.dtype == Dtype::BF16;
+        // The copy's 2-byte slots, a whole number of words (the last ones padding).
+        let count = half.len() * 4;
+        let src = SendPtr(half.as_ptr().cast::<u16>());
+        let widen = move || -> PyResult<Vec<u64>> {
+            let src = src; // the whole `SendPtr`, not its field
+            let mut words = zeroed::<u64>("the mask widened to float32", Some(count.div_ceil(2)))?;
+            let dst = words.as_mut_ptr().cast::<f32>();
+            for i in 0..count {
+                // SAFETY: `half` holds `count` aligned 2-byte slots, `words` `count` f32s.
+                unsafe {
+                    let bits = *src.0.add(i);
+                    *dst.add(i) = if bf16 {
+                        half::bf16::from_bits(bits).to_f32()
+                    } else {
+                        half::f16::from_bits(bits).to_f32()
+                    };
+                }
             }
-        }
-        out.dtype = Dtype::F32;
-        out.adopt(words);
-        Ok(out)
+            Ok(words)
+        };
+        let widened = if count <= DETACH_ABOVE {
+            widen()
+        } else {
+            py.detach(widen)
+        }?;
+        drop(half);
+        self.dtype = Dtype::F32;
+        self.adopt((widened, strides));
+        Ok(self)
     }
 
     /// A boolean mask whose bytes are all 0 or 1 (as Rust's `bool` requires), copying and
-    /// normalising (`x != 0`) when they are not.
-    pub(crate) fn normalized_bool(self) -> PyResult<Self> {
-        let (n, step) = row_of(&self.shape, &self.strides);
-        let mut ok = true;
-        for_each_row(&self.shape, &self.strides, |row| {
-            ok &= if step == 1 {
-                // SAFETY: the row's `n` bytes are contiguous elements of the mask's buffer;
-                // any byte is a valid `u8`.
-                let bytes = unsafe { std::slice::from_raw_parts(self.ptr.offset(row), n) };
-                bytes.iter().all(|&b| b <= 1)
-            } else {
-                // SAFETY: every offset the view reaches is a byte of its buffer.
-                (0..n).all(|j| unsafe { *self.ptr.offset(row + j as isize * step) } <= 1)
-            };
-        });
+    /// normalising (`x != 0`) when they are not. Each distinct byte is read once (broadcast
+    /// axes are not walked), with the GIL released.
+    pub(crate) fn normalized_bool(self, py: Python<'_>) -> PyResult<Self> {
+        let Some(Distinct { dims, steps, count }) = distinct_view(&self.shape, &self.strides)?
+        else {
+            return Ok(self);
+        };
+        let ptr = SendPtr(self.ptr);
+        let (n, step) = row_of(&dims, &steps);
+        let scan = move || {
+            let ptr = ptr; // the whole `SendPtr`, not its field
+            let mut ok = true;
+            for_each_row(&dims, &steps, count / n, |row| {
+                ok &= if step == 1 {
+                    // SAFETY: the row's `n` bytes are contiguous elements of the mask's
+                    // buffer, alive (held by `self`); any byte is a valid `u8`.
+                    let bytes = unsafe { std::slice::from_raw_parts(ptr.0.offset(row), n) };
+                    bytes.iter().all(|&b| b <= 1)
+                } else {
+                    // SAFETY: every offset the view reaches is a byte of its buffer.
+                    (0..n).all(|j| unsafe { *ptr.0.offset(row + j as isize * step) } <= 1)
+                };
+            });
+            ok
+        };
+        // A small mask is scanned at once; a large one with the GIL released.
+        let ok = if count <= DETACH_ABOVE {
+            scan()
+        } else {
+            py.detach(scan)
+        };
         if ok {
             return Ok(self);
         }
-        let out = self.compacted()?;
-        let count: usize = out.shape.iter().product();
-        let bytes = out.ptr as *mut u8;
-        for i in 0..count {
-            // SAFETY: `compacted` owns `count` compact bytes (our own buffer, written only here).
-            unsafe { *bytes.add(i) = u8::from(*bytes.add(i) != 0) };
+        let mut out = self.compacted(py)?;
+        if let Keep::Owned(ref mut words) = out._keep {
+            // The copy is our own: normalise its bytes (the padding of the last word too,
+            // never read).
+            for w in words.iter_mut() {
+                let mut b = w.to_ne_bytes();
+                b.iter_mut().for_each(|x| *x = u8::from(*x != 0));
+                *w = u64::from_ne_bytes(b);
+            }
         }
         Ok(out)
     }

@@ -110,7 +110,7 @@ fn tokens<'py>(name: &'static str, obj: &Bound<'py, PyAny>, dtype: &Dtype) -> Py
     }
     a.require_contiguous_rows()?;
     if a.strides.iter().any(|&s| s < 0) {
-        a.compacted()
+        a.compacted(obj.py())
     } else {
         Ok(a)
     }
@@ -130,7 +130,16 @@ unsafe fn view4<'a, T>(a: &Array<'_>) -> PyResult<Tensor4Ref<'a, T>> {
     let len = if dims.contains(&0) {
         0
     } else {
-        1 + (dims[3] - 1) + (0..3).map(|i| (dims[i] - 1) * strides[i]).sum::<usize>()
+        // Checked, though the checks of the input rule out an overflow.
+        (0..3)
+            .try_fold(dims[3], |len, i| {
+                (dims[i] - 1)
+                    .checked_mul(strides[i])
+                    .and_then(|x| x.checked_add(len))
+            })
+            .ok_or_else(|| {
+                PyValueError::new_err(format!("{} reaches beyond the address space", a.name))
+            })?
     };
     let data: &[T] = if len == 0 {
         &[]

@@ -150,6 +150,145 @@ fn dtype_of(t: DlDataType) -> Dtype {
     }
 }
 
+/// The most axes a DLPack tensor may have here: NumPy's limit (`NPY_MAXDIMS`), far beyond
+/// any attention operand, and a bound on what a corrupt `ndim` can make us read.
+const MAX_NDIM: usize = 64;
+
+fn invalid(name: &str, what: String) -> PyErr {
+    PyValueError::new_err(format!("{name}: invalid DLPack tensor: {what}"))
+}
+
+/// Reads the `DLTensor` of a capsule: the device, the dtype, `ndim`, then the shape and
+/// strides arrays, then the data pointer and the extent the view reaches, each checked
+/// before anything is read through it.
+fn describe(name: &str, tensor: &DlTensor) -> PyResult<(*const u8, Dtype, Vec<usize>, Vec<isize>)> {
+    let device = tensor.device.device_type;
+    if device != DEVICE_CPU && device != DEVICE_CUDA_HOST {
+        let kind = usize::try_from(device)
+            .ok()
+            .and_then(|d| DEVICE_NAMES.get(d))
+            .unwrap_or(&"?");
+        return Err(PyValueError::new_err(format!(
+            "{name} is on device {kind}:{} (DLPack device type {device}); attn computes on the CPU",
+            tensor.device.device_id
+        )));
+    }
+    let ndim = usize::try_from(tensor.ndim)
+        .ok()
+        .filter(|&n| n <= MAX_NDIM)
+        .ok_or_else(|| {
+            invalid(
+                name,
+                format!("ndim {} is not in 0..={MAX_NDIM}", tensor.ndim),
+            )
+        })?;
+    if ndim > 0 && tensor.shape.is_null() {
+        return Err(invalid(
+            name,
+            format!("ndim {ndim} with a NULL shape pointer"),
+        ));
+    }
+    let shape_raw: &[i64] = if ndim == 0 {
+        &[]
+    } else {
+        // SAFETY: DLPack's `shape` points to `ndim` int64 values owned by the tensor; it is
+        // not NULL (checked) and `ndim` is at most MAX_NDIM.
+        unsafe { std::slice::from_raw_parts(tensor.shape, ndim) }
+    };
+    let mut shape = Vec::with_capacity(ndim);
+    for &s in shape_raw {
+        shape.push(
+            usize::try_from(s)
+                .map_err(|_| invalid(name, format!("shape {shape_raw:?} has a negative size")))?,
+        );
+    }
+    let strides: Vec<isize> = if tensor.strides.is_null() || ndim == 0 {
+        // NULL strides: a compact row-major tensor (DLPack < 1.2 allows it).
+        let mut strides = vec![0isize; ndim];
+        let mut step = 1isize;
+        for a in (0..ndim).rev() {
+            strides[a] = step;
+            step = isize::try_from(shape[a])
+                .ok()
+                .and_then(|n| step.checked_mul(n))
+                .ok_or_else(|| invalid(name, format!("compact shape {shape_raw:?} overflows")))?;
+        }
+        strides
+    } else {
+        // SAFETY: non-NULL `strides` points to `ndim` int64 values owned by the tensor.
+        let raw = unsafe { std::slice::from_raw_parts(tensor.strides, ndim) };
+        raw.iter()
+            .map(|&s| isize::try_from(s))
+            .collect::<Result<_, _>>()
+            .map_err(|_| invalid(name, format!("strides {raw:?} do not fit an isize")))?
+    };
+    let dtype = dtype_of(tensor.dtype);
+    if shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .is_none_or(|n| n > isize::MAX as usize)
+    {
+        return Err(invalid(
+            name,
+            format!("shape {shape_raw:?} has more than isize::MAX elements"),
+        ));
+    }
+    let offset = usize::try_from(tensor.byte_offset).map_err(|_| {
+        invalid(
+            name,
+            format!("byte_offset {} overflows", tensor.byte_offset),
+        )
+    })?;
+    if shape.contains(&0) || dtype.size() == 0 {
+        // Nothing is read: an empty tensor (whose data may be NULL), or a dtype the caller
+        // rejects by name.
+        return Ok((
+            std::ptr::NonNull::<u64>::dangling()
+                .as_ptr()
+                .cast_const()
+                .cast(),
+            dtype,
+            shape,
+            strides,
+        ));
+    }
+    if tensor.data.is_null() {
+        return Err(invalid(
+            name,
+            format!("data is NULL but shape {shape_raw:?} is not empty"),
+        ));
+    }
+    // The bytes the view reaches, relative to its first element: [lo, hi + size).
+    let size = dtype.size() as i128;
+    let (mut lo, mut hi) = (0i128, 0i128);
+    for (&n, &s) in shape.iter().zip(&strides) {
+        let reach = (n as i128 - 1)
+            .checked_mul(s as i128)
+            .and_then(|r| r.checked_mul(size));
+        let Some(reach) = reach else {
+            return Err(invalid(
+                name,
+                format!("shape {shape_raw:?} and strides {strides:?} overflow"),
+            ));
+        };
+        if reach < 0 { lo += reach } else { hi += reach }
+    }
+    let first = (tensor.data as usize as i128) + offset as i128;
+    if first + lo <= 0
+        || first + hi + size > isize::MAX as i128
+        || hi - lo + size > isize::MAX as i128
+    {
+        return Err(invalid(
+            name,
+            format!(
+                "data {:p} + byte_offset {offset} with shape {shape_raw:?} and strides {strides:?} reaches beyond the address space",
+                tensor.data
+            ),
+        ));
+    }
+    Ok(((first as usize) as *const u8, dtype, shape, strides))
+}
+
 /// Imports `obj` through DLPack as a view of CPU memory.
 pub(crate) fn import<'py>(name: &str, obj: &Bound<'py, PyAny>) -> PyResult<Imported<'py>> {
     let capsule = export(name, obj)?;
@@ -158,6 +297,7 @@ pub(crate) fn import<'py>(name: &str, obj: &Bound<'py, PyAny>) -> PyResult<Impor
         let ptr = capsule.pointer_checked(Some(VERSIONED))?;
         // SAFETY: a capsule named `dltensor_versioned` holds a `DLManagedTensorVersioned`
         // (DLPack ≥ 1.0), alive while the capsule is unconsumed and referenced: we hold it.
+        // Its version comes first in every 1.x layout; the rest is read only for 1.x.
         let managed = unsafe { &*ptr.as_ptr().cast::<DlManagedTensorVersioned>() };
         if managed.version.major != 1 {
             return Err(PyTypeError::new_err(format!(
@@ -177,52 +317,7 @@ pub(crate) fn import<'py>(name: &str, obj: &Bound<'py, PyAny>) -> PyResult<Impor
             "{name}.__dlpack__() returned a capsule that is not an unconsumed DLPack tensor"
         )));
     };
-    let device = tensor.device.device_type;
-    if device != DEVICE_CPU && device != DEVICE_CUDA_HOST {
-        let kind = usize::try_from(device)
-            .ok()
-            .and_then(|d| DEVICE_NAMES.get(d))
-            .unwrap_or(&"?");
-        return Err(PyValueError::new_err(format!(
-            "{name} is on device {kind}:{} (DLPack device type {device}); attn computes on the CPU",
-            tensor.device.device_id
-        )));
-    }
-    let ndim = usize::try_from(tensor.ndim)
-        .map_err(|_| PyValueError::new_err(format!("{name}: DLPack ndim {} < 0", tensor.ndim)))?;
-    let shape_raw: &[i64] = if ndim == 0 {
-        &[]
-    } else {
-        // SAFETY: DLPack's `shape` points to `ndim` int64 values owned by the tensor.
-        unsafe { std::slice::from_raw_parts(tensor.shape, ndim) }
-    };
-    let mut shape = Vec::with_capacity(ndim);
-    for &s in shape_raw {
-        shape.push(usize::try_from(s).map_err(|_| {
-            PyValueError::new_err(format!(
-                "{name}: DLPack shape {shape_raw:?} has a negative size"
-            ))
-        })?);
-    }
-    let strides = if tensor.strides.is_null() || ndim == 0 {
-        // Legacy producers may leave compact row-major tensors without strides.
-        let mut strides = vec![0isize; ndim];
-        let mut step = 1isize;
-        for a in (0..ndim).rev() {
-            strides[a] = step;
-            step = step.saturating_mul(isize::try_from(shape[a]).unwrap_or(isize::MAX));
-        }
-        strides
-    } else {
-        // SAFETY: non-null `strides` points to `ndim` int64 values owned by the tensor.
-        let raw = unsafe { std::slice::from_raw_parts(tensor.strides, ndim) };
-        raw.iter()
-            .map(|&s| isize::try_from(s).unwrap_or(isize::MAX))
-            .collect()
-    };
-    let offset = usize::try_from(tensor.byte_offset).unwrap_or(usize::MAX);
-    let ptr = (tensor.data as *const u8).wrapping_add(offset);
-    let dtype = dtype_of(tensor.dtype);
+    let (ptr, dtype, shape, strides) = describe(name, tensor)?;
     Ok(Imported {
         capsule,
         ptr,

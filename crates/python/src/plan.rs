@@ -12,9 +12,9 @@
 
 use attn_core::Causal;
 use pyo3::PyResult;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyMemoryError, PyValueError};
 
-use crate::array::{Array, shape_str};
+use crate::array::{Array, product, shape_str};
 
 /// Strides of an operand over the output's leading axes (0 where it broadcasts), and along
 /// its sequence axis.
@@ -90,6 +90,13 @@ fn aligned_strides(strides: &[isize], rank: usize) -> Vec<isize> {
     out
 }
 
+/// The broadcast of axis lengths, NumPy's rule: every length other than 1 must be the same
+/// (0 included: 1 broadcasts to 0); `None` when they differ.
+fn broadcast(dims: &[usize]) -> Option<usize> {
+    let n = dims.iter().copied().find(|&d| d != 1).unwrap_or(1);
+    dims.iter().all(|&d| d == 1 || d == n).then_some(n)
+}
+
 /// The stride of an operand along an axis of the output: its own, or 0 where it has one
 /// entry (broadcast).
 fn stride_on(dim: usize, stride: isize) -> isize {
@@ -155,10 +162,9 @@ impl Plan {
         };
         let mut lead = vec![0; r];
         for a in 0..r.saturating_sub(1) {
-            let n = ql[a].max(kl[a]).max(vl[a]);
-            if [ql[a], kl[a], vl[a]].iter().any(|&d| d != 1 && d != n) {
+            let Some(n) = broadcast(&[ql[a], kl[a], vl[a]]) else {
                 return err(mismatch(&format!("axes {a}")));
-            }
+            };
             lead[a] = n;
         }
         let (heads, kv_heads) = if r == 0 {
@@ -183,12 +189,10 @@ impl Plan {
                 };
                 (hq, kv)
             } else {
-                let kv = hk.max(hv);
-                if hk != hv && hk != 1 && hv != 1 {
+                let Some(kv) = broadcast(&[hk, hv]) else {
                     return err(mismatch("head axes (dim -3)"));
-                }
-                let n = hq.max(kv);
-                if (hq != 1 && hq != n) || (kv != 1 && kv != n) {
+                };
+                let Some(n) = broadcast(&[hq, kv]) else {
                     let hint = if kv != 0 && hq % kv == 0 {
                         format!(
                             " (query has {hq} heads and key/value {kv}: pass enable_gqa=True for grouped-query attention)"
@@ -197,12 +201,23 @@ impl Plan {
                         String::new()
                     };
                     return err(format!("{}{hint}", mismatch("head axes (dim -3)")));
-                }
+                };
                 (n, kv)
             }
         };
         if r > 0 {
             lead[r - 1] = heads;
+        }
+        // Every count over the leading axes below (calls, offsets, results) is at most this
+        // product, so it is checked once here, before anything is walked or allocated.
+        if !lead.contains(&0) && product(&lead).is_none() {
+            return Err(PyMemoryError::new_err(format!(
+                "the leading shapes of query {}, key {} and value {} broadcast to {}, more positions than this machine can address",
+                lead_of(q),
+                lead_of(k),
+                lead_of(v),
+                shape_str(&lead)
+            )));
         }
         let mut kv_lead = lead.clone();
         if r > 0 {
@@ -253,7 +268,9 @@ impl Plan {
         Ok(plan)
     }
 
-    fn set_mask(&mut self, m: &Array<'_>) -> PyResult<()> {
+    /// Checks that the mask broadcasts to `lead + (L, S)` and records its strides (again
+    /// when the mask has been replaced by a copy of another layout).
+    pub(crate) fn set_mask(&mut self, m: &Array<'_>) -> PyResult<()> {
         let r = self.lead.len();
         let mut full = self.lead.clone();
         full.extend([self.l, self.s]);
@@ -313,8 +330,13 @@ impl Plan {
         self.mask.as_ref().map(|m| (m.row, m.col, m.boolean))
     }
 
-    /// Every engine call, in order.
-    pub(crate) fn calls(&self) -> Vec<Call> {
+    /// Whether there is any engine call: an output position with a query.
+    pub(crate) fn has_calls(&self) -> bool {
+        !self.lead.contains(&0) && self.l > 0
+    }
+
+    /// Every engine call, in order (generated one by one: a broadcast axis may make many).
+    pub(crate) fn calls(&self) -> impl Iterator<Item = Call> + '_ {
         let r = self.lead.len();
         let looped: Vec<usize> = (0..r)
             .filter(|&a| {
@@ -323,15 +345,16 @@ impl Plan {
                 !engine_axis
             })
             .collect();
-        // No output position (or no query): nothing to compute, and dK, dV stay 0.
-        if self.lead.contains(&0) || self.l == 0 {
-            return Vec::new();
-        }
-        let count: usize = looped.iter().map(|&a| self.lead[a]).product();
+        // No output position (or no query): nothing to compute, and dK, dV stay 0. Otherwise
+        // the count divides the product of `lead`, checked by `new`.
+        let count: usize = if self.has_calls() {
+            looped.iter().map(|&a| self.lead[a]).product()
+        } else {
+            0
+        };
         let group = (self.heads / self.kv_heads.max(1)).max(1);
-        let mut calls = Vec::with_capacity(count);
         let mut index = vec![0usize; r];
-        for _ in 0..count {
+        (0..count).map(move |_| {
             let (mut lin, mut lin_kv) = (0usize, 0usize);
             for (a, &i) in index.iter().enumerate() {
                 let kv_i = if Some(a) == self.head_axis {
@@ -342,11 +365,11 @@ impl Plan {
                 lin = lin * self.lead[a] + i;
                 lin_kv = lin_kv * self.kv_lead[a] + kv_i;
             }
-            calls.push(Call {
+            let call = Call {
                 index: index.clone(),
                 lin,
                 lin_kv,
-            });
+            };
             for &a in looped.iter().rev() {
                 index[a] += 1;
                 if index[a] < self.lead[a] {
@@ -354,8 +377,8 @@ impl Plan {
                 }
                 index[a] = 0;
             }
-        }
-        calls
+            call
+        })
     }
 
     /// The element offset of leading position `index` in an operand with leading strides

@@ -88,8 +88,10 @@ fn grad_enabled(py: Python<'_>) -> PyResult<bool> {
 }
 
 /// Whether a call must go through the autograd function: a torch operand requires grad
-/// while grad mode is on (such tensors cannot be exported through DLPack).
-fn needs_autograd(operands: &[Option<&Bound<'_, PyAny>>]) -> PyResult<bool> {
+/// while grad mode is on (such tensors cannot be exported through DLPack). The operands
+/// are `[query, key, value, attn_mask]`; on that route they must all be torch tensors, which
+/// is checked here with the plain path's error (the autograd function reads tensors only).
+fn needs_autograd(operands: [Option<&Bound<'_, PyAny>>; 4]) -> PyResult<bool> {
     let mut any = false;
     for obj in operands.iter().flatten() {
         if is_torch_tensor(obj)?
@@ -100,7 +102,39 @@ fn needs_autograd(operands: &[Option<&Bound<'_, PyAny>>]) -> PyResult<bool> {
             any = true;
         }
     }
-    Ok(any && grad_enabled(operands[0].expect("query").py())?)
+    let Some(query) = operands[0] else {
+        return Ok(false);
+    };
+    if !any || !grad_enabled(query.py())? {
+        return Ok(false);
+    }
+    let names = ["query", "key", "value", "attn_mask"];
+    let q_kind = kind_of("query", query)?;
+    for (name, obj) in names.iter().zip(operands).skip(1) {
+        let Some(obj) = obj else { continue };
+        let kind = kind_of(name, obj)?;
+        if (q_kind == Kind::Torch) != (kind == Kind::Torch) {
+            return Err(mixed_kinds(q_kind, name, kind));
+        }
+    }
+    Ok(true)
+}
+
+/// The kind of an operand, without reading it (the error of [`Array::extract`] for
+/// anything else).
+fn kind_of(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Kind> {
+    if obj.cast::<numpy::PyUntypedArray>().is_ok() {
+        Ok(Kind::NumPy)
+    } else if is_torch_tensor(obj)? {
+        Ok(Kind::Torch)
+    } else if obj.hasattr("__dlpack__")? {
+        Ok(Kind::Other)
+    } else {
+        Err(PyTypeError::new_err(format!(
+            "{name} must be a NumPy array or a CPU tensor that supports DLPack (a torch.Tensor), not {}",
+            obj.get_type().name()?
+        )))
+    }
 }
 
 /// Hands a differentiable call to `attn.torch` (Python), which calls back without grad.
@@ -140,16 +174,19 @@ fn kind_name(kind: Kind) -> &'static str {
     }
 }
 
+fn mixed_kinds(q: Kind, name: &str, kind: Kind) -> PyErr {
+    PyTypeError::new_err(format!(
+        "query is {} but {name} is {}: pass torch tensors together, or NumPy arrays together",
+        kind_name(q),
+        kind_name(kind)
+    ))
+}
+
 /// torch tensors go with torch tensors: the query decides the kind of the results.
 fn check_kinds(q: &Array<'_>, others: &[&Array<'_>]) -> PyResult<()> {
     for a in others {
         if (q.kind == Kind::Torch) != (a.kind == Kind::Torch) {
-            return Err(PyTypeError::new_err(format!(
-                "query is {} but {} is {}: pass torch tensors together, or NumPy arrays together",
-                kind_name(q.kind),
-                a.name,
-                kind_name(a.kind)
-            )));
+            return Err(mixed_kinds(q.kind, a.name, a.kind));
         }
     }
     Ok(())
@@ -193,12 +230,22 @@ fn check_same_dtype(
     Ok(())
 }
 
-/// Makes a mask usable by the engine: bool bytes 0/1, float widened to f32.
-fn prepare_mask<'py>(m: Array<'py>, q: &Array<'_>) -> PyResult<Array<'py>> {
+/// Makes a mask usable by the engine: bool bytes 0/1, float widened to f32. Called once
+/// the plan has checked that the mask broadcasts, and only when the engine will read it:
+/// it reads every distinct element of the mask.
+fn prepare_mask<'py>(py: Python<'py>, m: Array<'py>) -> PyResult<Array<'py>> {
     match m.dtype {
-        Dtype::Bool => m.normalized_bool(),
-        Dtype::F32 => Ok(m),
-        Dtype::F16 | Dtype::BF16 if m.dtype == q.dtype => m.widened_to_f32(),
+        Dtype::Bool => m.normalized_bool(py),
+        Dtype::F16 | Dtype::BF16 => m.widened_to_f32(py),
+        _ => Ok(m),
+    }
+}
+
+/// torch's rule for the mask's dtype: bool, float32, or the query's.
+fn check_mask_dtype(m: &Array<'_>, q: &Array<'_>) -> PyResult<()> {
+    match m.dtype {
+        Dtype::Bool | Dtype::F32 => Ok(()),
+        Dtype::F16 | Dtype::BF16 if m.dtype == q.dtype => Ok(()),
         _ => Err(PyTypeError::new_err(format!(
             "Expected attn_mask dtype to be bool or float or to match query dtype, but got attn_mask.dtype: {} and  query.dtype: {} instead.",
             m.dtype.name(),
@@ -209,13 +256,36 @@ fn prepare_mask<'py>(m: Array<'py>, q: &Array<'_>) -> PyResult<Array<'py>> {
 
 /// A copy when an engine call would span a negative stride (attn's views step forward):
 /// the last four axes are the most a call spans (batch, head, sequence, features).
-fn forward_strides(a: Array<'_>) -> PyResult<Array<'_>> {
+fn forward_strides<'py>(py: Python<'py>, a: Array<'py>) -> PyResult<Array<'py>> {
     let n = a.ndim();
     if a.strides[n.saturating_sub(4)..].iter().any(|&s| s < 0) {
-        a.compacted()
+        a.compacted(py)
     } else {
         Ok(a)
     }
+}
+
+/// The plan of a call, and its mask made ready for the engine when the engine will read
+/// it (`work`): shapes, the mask's broadcast included, are checked before any walk over
+/// the mask, and a call that computes nothing does not walk it.
+fn plan_call<'py>(
+    py: Python<'py>,
+    (q, k, v): (&Array<'py>, &Array<'py>, &Array<'py>),
+    m: Option<Array<'py>>,
+    f: Flags,
+    work: impl Fn(&Plan) -> bool,
+) -> PyResult<(Plan, Option<Array<'py>>)> {
+    let mut plan = Plan::new(q, k, v, m.as_ref(), f.enable_gqa, f.causal, f.scale)?;
+    let m = match m {
+        Some(m) if work(&plan) => {
+            let m = prepare_mask(py, m)?;
+            plan.set_mask(&m)?; // the strides of a copy differ
+            Some(m)
+        }
+        // Never read: no engine call will be made.
+        _ => None,
+    };
+    Ok((plan, m))
 }
 
 /// Reads the query, key, value and mask and checks them together.
@@ -239,11 +309,14 @@ fn read_operands<'py>(
     for a in [&q, &k, &v] {
         a.require_contiguous_rows()?;
     }
-    let m = m.map(|m| prepare_mask(m, &q)).transpose()?;
+    if let Some(m) = &m {
+        check_mask_dtype(m, &q)?;
+    }
+    let py = query.py();
     Ok((
-        forward_strides(q)?,
-        forward_strides(k)?,
-        forward_strides(v)?,
+        forward_strides(py, q)?,
+        forward_strides(py, k)?,
+        forward_strides(py, v)?,
         m,
     ))
 }
@@ -265,16 +338,20 @@ fn mask_ptr(m: Option<&Array<'_>>) -> MaskPtr {
 }
 
 /// The number of elements a view of `dims` with (batch, head, seq) `strides` reaches from
-/// its first element: the length of the slice it needs.
-fn span(dims: [usize; 4], strides: [usize; 3]) -> usize {
+/// its first element: the length of the slice it needs (an error if it overflows, which
+/// the checks of the inputs rule out).
+fn span(dims: [usize; 4], strides: [usize; 3]) -> attn_core::Result<usize> {
     if dims.contains(&0) {
-        return 0;
+        return Ok(0);
     }
     let mut last = dims[3] - 1;
     for a in 0..3 {
-        last += (dims[a] - 1) * strides[a];
+        last = (dims[a] - 1)
+            .checked_mul(strides[a])
+            .and_then(|x| x.checked_add(last))
+            .ok_or_else(|| attn_core::Error::layout("view", "its extent overflows"))?;
     }
-    last + 1
+    Ok(last + 1)
 }
 
 fn usize_strides(s: [isize; 3]) -> attn_core::Result<[usize; 3]> {
@@ -298,7 +375,7 @@ unsafe fn view<'a, T>(
     strides: [isize; 3],
 ) -> attn_core::Result<Tensor4Ref<'a, T>> {
     let strides = usize_strides(strides)?;
-    let len = span(dims, strides);
+    let len = span(dims, strides)?;
     let data: &[T] = if len == 0 {
         &[]
     } else {
@@ -319,7 +396,7 @@ unsafe fn view_mut<'a, T>(
     dims: [usize; 4],
     strides: [usize; 3],
 ) -> attn_core::Result<Tensor4Mut<'a, T>> {
-    let len = span(dims, strides);
+    let len = span(dims, strides)?;
     let data: &mut [T] = if len == 0 {
         &mut []
     } else {
@@ -462,6 +539,9 @@ unsafe fn run_forward<T: Storage>(
     let (l, ev) = (plan.l, plan.ev);
     let [lb, lh] = plan.lin_strides(false);
     let row = l * ev;
+    if ev == 0 && lse.is_none() {
+        return Ok(()); // an empty output: no call computes anything
+    }
     for call in plan.calls() {
         // SAFETY: the caller's guarantee on `ops`.
         let (q, k, v, opts) = unsafe { ops.call(plan, &call) }?;
@@ -528,7 +608,8 @@ fn forward<'py>(
 ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let py = query.py();
     let (q, k, v, m) = read_operands(query, key, value, attn_mask)?;
-    let plan = Plan::new(&q, &k, &v, m.as_ref(), f.enable_gqa, f.causal, f.scale)?;
+    let work = |p: &Plan| p.has_calls() && (p.ev > 0 || with_lse);
+    let (plan, m) = plan_call(py, (&q, &k, &v), m, f, work)?;
     match q.dtype {
         Dtype::F32 => forward_typed::<f32>(py, &plan, &q, &k, &v, m.as_ref(), with_lse),
         Dtype::F16 => forward_typed::<f16>(py, &plan, &q, &k, &v, m.as_ref(), with_lse),
@@ -592,7 +673,7 @@ pub(crate) fn scaled_dot_product_attention<'py>(
         enable_gqa,
         causal_alignment,
     )?;
-    if needs_autograd(&[Some(query), Some(key), Some(value), attn_mask])? {
+    if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
         return via_autograd(
             query,
             key,
@@ -636,7 +717,7 @@ pub(crate) fn attention_with_lse<'py>(
         enable_gqa,
         causal_alignment,
     )?;
-    if needs_autograd(&[Some(query), Some(key), Some(value), attn_mask])? {
+    if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
         return via_autograd(
             query,
             key,
@@ -660,12 +741,16 @@ pub(crate) fn attention_with_lse<'py>(
 
 /// A gradient accumulated in f32 over `full` (the broadcast shape), summed down to an
 /// operand's `own` shape and rounded once to `T`.
-fn reduce_into<T: Storage>(
+///
+/// # Safety
+/// `dst` must be a compact buffer of `own_shape`'s elements that nothing else touches.
+unsafe fn reduce_into<T: Storage>(
     full: &[f32],
     full_shape: &[usize],
     own_shape: &[usize],
-    dst: *mut T,
+    dst: SendPtr<T>,
 ) -> PyResult<()> {
+    let dst = dst.as_mut();
     let rank = full_shape.len();
     let own = {
         let mut o = vec![1; rank - own_shape.len()];
@@ -869,10 +954,27 @@ fn backward_typed<'py, T: Storage>(
         run_backward(plan, ops, up, strides, (&mut dq, &mut dk, &mut dv), scratch)
     })
     .map_err(to_py_err)?;
+    let mut arrays = Vec::with_capacity(3);
+    for a in [q, k, v] {
+        arrays.push(T::zeros(py, &a.shape)?);
+    }
+    let dsts: Vec<SendPtr<T>> = arrays.iter().map(|(_, p)| *p).collect();
+    let owns = [&q.shape, &k.shape, &v.shape];
+    // The sums over broadcast axes read every gradient once: with the GIL released.
+    py.detach(|| {
+        for (((grad, shape), own), dst) in [&dq, &dk, &dv]
+            .into_iter()
+            .zip(&shapes)
+            .zip(owns)
+            .zip(&dsts)
+        {
+            // SAFETY: `dst` is our own compact result of the operand's shape, just allocated.
+            unsafe { reduce_into::<T>(grad, shape, own, *dst) }?;
+        }
+        PyResult::Ok(())
+    })?;
     let mut results = Vec::with_capacity(3);
-    for ((grad, shape), a) in [&dq, &dk, &dv].into_iter().zip(&shapes).zip([q, k, v]) {
-        let (arr, ptr) = T::zeros(py, &a.shape)?;
-        reduce_into::<T>(grad, shape, &a.shape, ptr.as_mut())?;
+    for (arr, _) in arrays {
         results.push(finish(arr, q.kind, &T::DTYPE)?);
     }
     PyTuple::new(py, results)
@@ -928,7 +1030,7 @@ pub(crate) fn attention_backward<'py>(
     }
     go.require_contiguous_rows()?;
     o.require_contiguous_rows()?;
-    let plan = Plan::new(&q, &k, &v, m.as_ref(), f.enable_gqa, f.causal, f.scale)?;
+    let (plan, m) = plan_call(py, (&q, &k, &v), m, f, Plan::has_calls)?;
     let (out_shape, lse_shape) = (plan.out_shape(), plan.lse_shape());
     for (a, want) in [(&go, &out_shape), (&o, &out_shape), (&ls, &lse_shape)] {
         if &a.shape != want {
@@ -941,9 +1043,9 @@ pub(crate) fn attention_backward<'py>(
         }
     }
     let (go, o, ls) = (
-        forward_strides(go)?,
-        forward_strides(o)?,
-        forward_strides(ls)?,
+        forward_strides(py, go)?,
+        forward_strides(py, o)?,
+        forward_strides(py, ls)?,
     );
     match q.dtype {
         Dtype::F32 => backward_typed::<f32>(py, &plan, &q, &k, &v, &go, &o, &ls, m.as_ref()),

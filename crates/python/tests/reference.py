@@ -98,8 +98,9 @@ def sdpa_backward(grad_out, q, k, v, mask=None, is_causal=False, scale=None, ena
     dq = scale * np.matmul(ds, k)
     dk = scale * np.matmul(np.swapaxes(ds, -1, -2), q)
     if enable_gqa and q.ndim >= 3:
-        dk = _sum_groups(dk, k0.shape[-3], heads)
-        dv = _sum_groups(dv, v0.shape[-3], heads)
+        # An operand without a head axis broadcast as one head.
+        dk = _sum_groups(dk, k0.shape[-3] if k0.ndim >= 3 else 1, heads)
+        dv = _sum_groups(dv, v0.shape[-3] if v0.ndim >= 3 else 1, heads)
     return _sum_to(dq, q0.shape), _sum_to(dk, k0.shape), _sum_to(dv, v0.shape)
 
 

@@ -32,6 +32,7 @@ class ScaledDotProductAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment):
+        _check_tensors(query, key, value, attn_mask)
         if attn_mask is not None and attn_mask.requires_grad:
             raise ValueError(
                 "attn_mask requires grad: attn does not compute the gradient of the mask "
@@ -74,6 +75,26 @@ class ScaledDotProductAttention(torch.autograd.Function):
             causal_alignment=causal_alignment,
         )
         return dq, dk, dv, None, None, None, None, None
+
+
+def _kind(x):
+    if isinstance(x, torch.Tensor):
+        return "a torch.Tensor"
+    return "a NumPy array" if type(x).__module__ == "numpy" else f"a {type(x).__name__}"
+
+
+def _check_tensors(query, key, value, attn_mask):
+    """The plain path's TypeError for operands that are not all torch tensors (this
+    function reads tensors only)."""
+    operands = (("key", key), ("value", value), ("attn_mask", attn_mask))
+    for name, x in operands:
+        if x is not None and isinstance(x, torch.Tensor) != isinstance(query, torch.Tensor):
+            raise TypeError(
+                f"query is {_kind(query)} but {name} is {_kind(x)}: pass torch tensors together, "
+                "or NumPy arrays together"
+            )
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"attn.torch computes on torch tensors: query is {_kind(query)}")
 
 
 def _check_dropout(dropout_p):
