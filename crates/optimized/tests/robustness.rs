@@ -1516,6 +1516,16 @@ fn attend_step<T: Element>(
             variant: Some("InvalidScale"),
         });
     }
+    // A cache's queries are its newest positions: a top-left alignment would make them
+    // the oldest, and is refused unless every entry holds exactly the queries.
+    let top_left =
+        causal == Some(Causal::TopLeft) || window.is_some_and(|w| w.align == Causal::TopLeft);
+    if top_left && (0..batch).any(|b| model.len(b) != n_q) {
+        rules.push(Rejection::named(
+            "the cache aligns its queries bottom-right",
+            &["alignment", "bottom-right"],
+        ));
+    }
     let storage = dtype_of::<T>();
     let result = match call {
         AttendCall::Plain => {
