@@ -92,11 +92,11 @@ impl<O> Forward<O> {
 ///
 /// ```
 /// use attn_core::ForwardRef;
-/// use faer::{Mat, MatRef};
+/// use faer::Mat;
 /// let out = Mat::<f32>::zeros(2, 4);
-/// let lse = [0.5f32, 9.0, 0.25, 9.0]; // every other entry: a strided LSE
-/// let every_other = MatRef::from_row_major_slice_with_stride(&lse, 2, 1, 2).col(0);
-/// let fwd = ForwardRef::new(out.as_ref(), every_other);
+/// // Row 0 of a column-major matrix: an LSE whose entries are a column stride apart.
+/// let lse = Mat::<f32>::from_fn(3, 2, |i, j| if i == 0 { [0.5, 0.25][j] } else { 9.0 });
+/// let fwd = ForwardRef::new(out.as_ref(), lse.row(0).transpose());
 /// assert_eq!(fwd.lse[1], 0.25);
 /// ```
 #[derive(Debug, Clone, Copy)]

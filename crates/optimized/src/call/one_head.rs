@@ -141,15 +141,17 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
     ///
     /// ```
     /// use attn_optimized::{Attention, Options, Par};
-    /// use faer::{Mat, MatMut};
+    /// use faer::Mat;
     /// use half::bf16;
     /// let x = Mat::<bf16>::from_fn(4, 8, |i, j| bf16::from_f32((i + j) as f32 * 0.1));
     /// let mut out = Mat::<f32>::zeros(4, 8); // bf16 operands, an f32 result
-    /// let mut lse = vec![0.0f32; 8];
-    /// let every_other = MatMut::from_row_major_slice_with_stride_mut(&mut lse, 4, 1, 2).col_mut(0);
+    /// // The LSE into row 0 of a column-major matrix: entries a column stride apart.
+    /// let mut lse = Mat::<f32>::zeros(2, 4);
+    /// let strided = lse.as_mut().row_mut(0).transpose_mut();
     /// Attention::head(x.as_ref(), x.as_ref(), x.as_ref(), &Options::default())?
-    ///     .forward_into(out.as_mut(), Some(every_other), Par::rayon(0))?;
-    /// assert!(lse.iter().step_by(2).all(|l| l.is_finite() && *l != 0.0));
+    ///     .forward_into(out.as_mut(), Some(strided), Par::rayon(0))?;
+    /// assert!(lse.row(0).iter().all(|l| l.is_finite() && *l != 0.0));
+    /// assert!(lse.row(1).iter().all(|&l| l == 0.0)); // untouched
     /// # Ok::<(), attn_optimized::Error>(())
     /// ```
     pub fn forward_into<O: Element>(
@@ -176,7 +178,9 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
                 if view.nrows() != n_q {
                     return Err(Error::lse_length(view.nrows(), n_q));
                 }
-                match view.rb_mut().try_as_col_major_mut() {
+                // Written in place when the view is one contiguous run, else gathered.
+                let contiguous = view.row_stride() == 1 || n_q <= 1;
+                match view.rb_mut().try_as_col_major_mut().filter(|_| contiguous) {
                     Some(col) => {
                         let slice = col.as_slice_mut();
                         forward::head(problem, *inputs, out, Some(slice), self.split, par)
@@ -184,7 +188,9 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
                     None => {
                         let mut rows = filled("LSE", Some(n_q), f32::NEG_INFINITY)?;
                         forward::head(problem, *inputs, out, Some(&mut rows), self.split, par)?;
-                        view.iter_mut().zip(&rows).for_each(|(x, &y)| *x = y);
+                        for (i, &x) in rows.iter().enumerate() {
+                            view[i] = x;
+                        }
                         Ok(())
                     }
                 }
@@ -305,13 +311,15 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
             ));
         }
         let fwd = fwd.into();
-        let lse = match fwd.lse.try_as_col_major() {
+        let n = fwd.lse.nrows();
+        let contiguous = fwd.lse.row_stride() == 1 || n <= 1;
+        let lse = match fwd.lse.try_as_col_major().filter(|_| contiguous) {
             Some(col) => std::borrow::Cow::Borrowed(col.as_slice()),
             None => {
-                let mut rows = filled("LSE", Some(fwd.lse.nrows()), 0.0f32)?;
-                rows.iter_mut()
-                    .zip(fwd.lse.iter())
-                    .for_each(|(x, &y)| *x = y);
+                let mut rows = filled("LSE", Some(n), 0.0f32)?;
+                for (i, x) in rows.iter_mut().enumerate() {
+                    *x = fwd.lse[i];
+                }
                 std::borrow::Cow::Owned(rows)
             }
         };
