@@ -45,7 +45,12 @@ impl<T> Forward<Tensor4<T>> {
     /// A batched output `[batch, h_q, n_q, d_v]` and its `batch · h_q · n_q` LSE entries.
     pub fn batch(output: Tensor4<T>, lse: Vec<f32>) -> Result<Self> {
         let [b, h, n, _] = output.dims();
-        let rows = b.checked_mul(h).and_then(|x| x.checked_mul(n));
+        // No rows when any axis is empty, however large the others.
+        let rows = if b == 0 || h == 0 || n == 0 {
+            Some(0)
+        } else {
+            b.checked_mul(h).and_then(|x| x.checked_mul(n))
+        };
         if rows != Some(lse.len()) {
             return Err(Error::lse_length(lse.len(), rows.unwrap_or(usize::MAX)));
         }

@@ -10,6 +10,7 @@ use attn_core::{
 };
 use faer::{ColMut, ColRef, Mat, MatMut, MatRef, Par};
 
+use crate::backward::Backward;
 use crate::call::Attention;
 use crate::kernel::element::Element;
 use crate::schedule::SplitKv;
@@ -246,6 +247,8 @@ pub fn attention_backward<T: Element>(
     lse: &[f32],
     options: &Options<'_>,
 ) -> Result<Gradients<T>> {
+    // The backward's own checks first, in the order this function always made them.
+    Backward::head(grad_out, q, k, v, out, lse, options)?;
     let fwd = ForwardRef::new(out, ColRef::from_slice(lse));
     Attention::head(q, k, v, options)?.backward(fwd, grad_out, Par::rayon(0))
 }
@@ -298,6 +301,7 @@ pub fn attention_backward_into<T: Element, G: Element>(
     lse: &[f32],
     options: &Options<'_>,
 ) -> Result<Option<Vec<f32>>> {
+    Backward::head(grad_out, q, k, v, out, lse, options)?;
     let fwd = ForwardRef::new(out, ColRef::from_slice(lse));
     let grads = GradientsMut { dq, dk, dv };
     Attention::head(q, k, v, options)?.backward_into(fwd, grad_out, grads, Par::rayon(0))

@@ -154,6 +154,9 @@ fn lse_rows(lse: Tensor4Ref<'_, f32>, dims: [usize; 3]) -> Result<Vec<f32>> {
     }
     let rows = crate::problem::element_count(&[b, h, n]);
     let mut out = crate::problem::filled("LSE", rows, 0.0f32)?;
+    if out.is_empty() {
+        return Ok(out); // no row, however many (batch, head) pairs
+    }
     let mut at = 0;
     for e in 0..b {
         for head in 0..h {
