@@ -18,12 +18,10 @@ use crate::problem::{HeadInputs, Problem, filled, zeroed_mat};
 #[derive(Debug)]
 pub struct HeadOperands<'a, T> {
     problem: Problem,
+    /// Q, K and V (as the key source the passes read) and the head's mask and modifiers.
     inputs: HeadInputs<'a, T>,
-    q: MatRef<'a, T>,
-    k: MatRef<'a, T>,
-    v: MatRef<'a, T>,
-    /// `Some(n_k_total)` for a shard of a longer sequence's keys ([`Attention::keys_of`]).
-    shard_of: Option<usize>,
+    /// A shard of a longer sequence's keys ([`Attention::keys_of`]): no backward pass.
+    shard: bool,
 }
 
 impl<'a, T: Element> Attention<'a, T, OneHead> {
@@ -48,10 +46,7 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         let ops = HeadOperands {
             problem,
             inputs,
-            q,
-            k,
-            v,
-            shard_of: None,
+            shard: false,
         };
         Ok(Self::from_operands(ops, options))
     }
@@ -98,10 +93,7 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         let ops = HeadOperands {
             problem,
             inputs,
-            q,
-            k,
-            v,
-            shard_of: Some(n_k_total),
+            shard: true,
         };
         Ok(Self::from_operands(ops, options))
     }
@@ -301,10 +293,8 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         grads: GradientsMut<MatMut<'_, G>>,
         par: Par,
     ) -> Result<Option<Vec<f32>>> {
-        let HeadOperands {
-            q, k, v, shard_of, ..
-        } = &self.ops;
-        if shard_of.is_some() {
+        let HeadOperands { inputs, shard, .. } = &self.ops;
+        if *shard {
             return Err(Error::unsupported(
                 "the backward pass of a key range",
                 "compute the backward pass of the whole head",
@@ -323,7 +313,8 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
                 std::borrow::Cow::Owned(rows)
             }
         };
-        let call = Backward::head(d_out, *q, *k, *v, fwd.output, &lse, &self.options)?;
+        let (q, k, v) = (inputs.q, inputs.k.0, inputs.v.0);
+        let call = Backward::head(d_out, q, k, v, fwd.output, &lse, &self.options)?;
         let s = call.shape();
         let GradientsMut { dq, dk, dv } = grads;
         check_shape("dQ", dq.nrows(), dq.ncols(), s.n_q, s.d_k, "n_q × d_k")?;
@@ -337,7 +328,7 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
 
     /// `(n_q, n_k, d_k, d_v)` of the call (`n_k` the shard's keys for a shard).
     pub fn dims(&self) -> (usize, usize, usize, usize) {
-        let HeadOperands { q, k, v, .. } = &self.ops;
-        (q.nrows(), k.nrows(), q.ncols(), v.ncols())
+        let HeadInputs { q, k, v, .. } = &self.ops.inputs;
+        (q.nrows(), k.0.nrows(), q.ncols(), v.0.ncols())
     }
 }
