@@ -210,12 +210,13 @@ fn mpi_tests(ctx: &Context<'_>) -> Result<(), String> {
 /// The ranks the fault tests run with: a failure matters when another rank waits for it.
 const FAULT_RANKS: [usize; 3] = [2, 3, 4];
 
-/// Builds `attn-ring`'s `ring_faults` test with the test-only `fault-injection` feature
-/// (attn-ring alone is compiled again with it) and returns its executable.
+/// Builds `attn-ring`'s `ring_faults` test with the test-only `fault-injection` feature and
+/// returns its executable. Selected from the whole workspace, so that every dependency keeps
+/// the features of the `cargo` step's build: attn-ring alone is compiled again.
 fn build_fault_tests(ctx: &Context<'_>) -> Result<PathBuf, String> {
     let output = Command::new(cargo())
         .current_dir(&ctx.root)
-        .args(["test", "-p", "attn-ring", "--features", "fault-injection"])
+        .args(["test", "--workspace", "--features", "attn-ring/fault-injection"])
         .args(["--test", "ring_faults", "--no-run"])
         .args(["--message-format", "json-render-diagnostics"])
         .stderr(std::process::Stdio::inherit())

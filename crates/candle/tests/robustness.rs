@@ -188,7 +188,9 @@ fn mask(rng: &mut Rng, kind: MaskKind, call: [usize; 4]) -> MaskCase {
     // The same values in another layout: transposed matrix axes, or strided by a
     // selection from a wider tensor (neither matrix axis contiguous).
     let last = rank - 1;
-    let laid = match rng.below(3) {
+    // (candle's own copies panic on some layouts of empty tensors: those stay contiguous.)
+    let empty = base_dims.contains(&0);
+    let laid = match if empty { 2 } else { rng.below(3) } {
         0 => contiguous
             .transpose(last - 1, last)
             .unwrap()
@@ -233,7 +235,6 @@ fn mask(rng: &mut Rng, kind: MaskKind, call: [usize; 4]) -> MaskCase {
 
 /// One generated case and what the contract says of it.
 struct Case {
-    seed: u64,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -295,11 +296,10 @@ fn generate(seed: u64) -> Case {
     let mask = match rng.below(6) {
         0 => Some(mask(&mut rng, MaskKind::Allow, call)),
         1 => Some(mask(&mut rng, MaskKind::Block, call)),
-        2 => Some(mask(
-            &mut rng,
-            MaskKind::Additive([DType::F32, DType::F16, DType::BF16][rng.below(3)]),
-            call,
-        )),
+        2 => {
+            let dtype = [DType::F32, DType::F16, DType::BF16][rng.below(3)];
+            Some(mask(&mut rng, MaskKind::Additive(dtype), call))
+        }
         _ => None,
     };
     if mask.as_ref().is_some_and(|m| !m.valid) {
@@ -322,7 +322,6 @@ fn generate(seed: u64) -> Case {
     };
     let [bq, bk, bv]: [(Tensor, Form, [usize; 4]); 3] = bases.try_into().unwrap();
     Case {
-        seed,
         q,
         k,
         v,
@@ -371,10 +370,12 @@ impl Case {
                 .unwrap()
         };
         let (q, k, v) = (flat(&self.q), flat(&self.k), flat(&self.v));
-        let dims = |t: &Tensor| -> [usize; 4] { t.dims().try_into().unwrap() };
-        let view = |x: &'_ [f64], t: &Tensor| {
+        fn dims(t: &Tensor) -> [usize; 4] {
+            t.dims().try_into().unwrap()
+        }
+        fn view<'a>(x: &'a [f64], t: &Tensor) -> Tensor4Ref<'a, f64> {
             Tensor4Ref::from_layout(x, dims(t), attn_core::Layout::Bhsd).unwrap()
-        };
+        }
         let (qv, kv, vv) = (view(&q, &self.q), view(&k, &self.k), view(&v, &self.v));
         let [b, h_q, n_q, _] = dims(&self.q);
         let n_k = self.k.dims()[2];
@@ -443,28 +444,42 @@ fn compare(what: &str, seed: u64, got: &[f64], want: &[f64], tol: f64) -> std::r
     }
     let scale = want.iter().fold(1.0f64, |m, x| m.max(x.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        if !((g - w).abs() <= tol * scale) {
+        if (g - w).is_nan() || (g - w).abs() > tol * scale {
             return Err(format!("seed {seed}: {what}[{i}] = {g}, the reference {w} (tolerance {})", tol * scale));
         }
     }
     Ok(())
 }
 
+/// What a case checked.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Checked {
+    /// An invalid input, rejected.
+    Rejected,
+    /// The output against the reference.
+    Output,
+    /// The output and the gradients.
+    Gradients,
+}
+
 /// Runs one case; `Err` says what broke the contract.
-fn run(seed: u64) -> std::result::Result<(), String> {
+fn run(seed: u64) -> std::result::Result<Checked, String> {
     let c = generate(seed);
     let opts = c.options();
     let got = scaled_dot_product_attention(&c.q, &c.k, &c.v, &opts);
     let out = match (got, c.valid) {
-        (Err(_), false) => return Ok(()),
+        (Err(_), false) => return Ok(Checked::Rejected),
         (Ok(_), false) => return Err(format!("seed {seed}: an invalid input was accepted")),
         (Err(e), true) => return Err(format!("seed {seed}: a valid input was rejected: {e}")),
         (Ok(out), true) => out,
     };
     let (want, _) = c.reference(None);
     compare("output", seed, &logical(&out, c.out_layout), &want, tolerance(c.dtype))?;
-    if c.dtype != DType::F32 || seed % 3 != 0 {
-        return Ok(());
+    // (candle's own reductions panic on some views of empty tensors, which the pull-back
+    // below would take: the gradients are checked where no axis is empty.)
+    let empty = c.bases.iter().any(|(_, _, d)| d.contains(&0)) || out.elem_count() == 0;
+    if c.dtype != DType::F32 || seed % 3 != 0 || empty {
+        return Ok(Checked::Output);
     }
     // Gradients of Σ O ∘ W with respect to the bases, through the op, against the
     // reference's gradients pulled back through the same views in f64.
@@ -505,7 +520,7 @@ fn run(seed: u64) -> std::result::Result<(), String> {
             .unwrap_or_else(|| vec![0.0; base.elem_count()]);
         compare(name, seed, &got, &want, 2e-4)?;
     }
-    Ok(())
+    Ok(Checked::Gradients)
 }
 
 #[test]
@@ -518,8 +533,21 @@ fn generated_hostile_layouts_hold_the_contract() {
         Some(seed) => vec![seed],
         None => (0..cases).collect(),
     };
-    let failures: Vec<String> = seeds.into_iter().filter_map(|s| run(s).err()).collect();
+    let n = seeds.len();
+    let (mut failures, mut count) = (Vec::new(), [0usize; 3]);
+    for s in seeds {
+        match run(s) {
+            Ok(c) => count[c as usize] += 1,
+            Err(e) => failures.push(e),
+        }
+    }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    // The generator must mostly make calls that succeed, and check gradients too.
+    let [rejected, output, gradients] = count;
+    println!("{n} cases: {rejected} rejected, {output} outputs, {gradients} outputs and gradients compared");
+    if n >= 100 {
+        assert!(output + gradients >= n / 2 && gradients >= n / 20, "{count:?}");
+    }
 }
 
 /// A `[1, n_k]` mask broadcast (stride 0) to `[2^22, 2^22]`, of every kind, against a small

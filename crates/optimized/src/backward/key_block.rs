@@ -36,7 +36,7 @@ struct RowTerms {
     /// every time cost half precision several per cent.
     q: Vec<f32>,
     d_out: Vec<f32>,
-    /// The rows whose LSE saturated at `±L` (every score they see saturated, as when a
+    /// The rows whose LSE is at `±L` (every score they see saturated, as when a
     /// score modifier returns `±inf` for each): `(row, top, −log2(count))`, their top
     /// score and how many keys reach it. f32 cannot carry `top + log2(count)`, so `P` is
     /// not recovered from their LSE (it would be 1 for every top key): their top keys get
@@ -62,9 +62,11 @@ impl RowTerms {
             };
             self.q_finite[i] = finite(head.q, i);
             self.d_out_finite[i] = finite(head.d_out, i);
-            // Only rows whose top score saturated too: a sink near f32::MAX also saturates
-            // an LSE, and then the keys' weights are the 0 that `P` gives.
-            if self.lse2[i].abs() == f32::MAX
+            // An LSE at `±L` comes back from natural units a little inside `±f32::MAX`
+            // (the limit rounded twice), hence the forward's threshold of overflow. Only rows
+            // whose top score saturated: a sink near f32::MAX also makes a huge LSE, and
+            // then the keys' weights are the 0 that `P` gives.
+            if self.lse2[i].abs() >= f32::MAX / 2.0
                 && let Some((top, count)) = row_top(inputs, i)
                 && top.abs() == f64::from(f32::MAX)
             {
