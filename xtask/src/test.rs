@@ -216,7 +216,12 @@ const FAULT_RANKS: [usize; 3] = [2, 3, 4];
 fn build_fault_tests(ctx: &Context<'_>) -> Result<PathBuf, String> {
     let output = Command::new(cargo())
         .current_dir(&ctx.root)
-        .args(["test", "--workspace", "--features", "attn-ring/fault-injection"])
+        .args([
+            "test",
+            "--workspace",
+            "--features",
+            "attn-ring/fault-injection",
+        ])
         .args(["--test", "ring_faults", "--no-run"])
         .args(["--message-format", "json-render-diagnostics"])
         .stderr(std::process::Stdio::inherit())

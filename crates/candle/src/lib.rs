@@ -774,7 +774,14 @@ fn compact<S: Copy, D>(
     conv: impl Fn(S) -> D,
 ) -> Result<Compact<D>> {
     let (dims, strides) = mask_dims(layout);
-    let (data, strides) = gather(name, data, layout.start_offset(), (dims, strides), [false; 4], conv)?;
+    let (data, strides) = gather(
+        name,
+        data,
+        layout.start_offset(),
+        (dims, strides),
+        [false; 4],
+        conv,
+    )?;
     Ok(Compact {
         data,
         dims,
@@ -813,7 +820,9 @@ fn gather<S: Copy, D>(
             "attn-candle: a copy of the {name} ({dims:?}, strides {strides:?}) overflows usize"
         ))
     })?;
-    let last = (0..4).try_fold(start, |at, a| at.checked_add((len[a] - 1).checked_mul(strides[a])?));
+    let last = (0..4).try_fold(start, |at, a| {
+        at.checked_add((len[a] - 1).checked_mul(strides[a])?)
+    });
     if last.is_none_or(|l| l >= data.len()) {
         return Err(Error::Msg(format!(
             "attn-candle: the {name}'s layout {dims:?} (strides {strides:?}, offset {start}) does not fit its storage of {} elements",

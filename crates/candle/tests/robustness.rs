@@ -51,7 +51,11 @@ enum Form {
     /// `[b, h, d, s].transpose(2, 3)`: the feature axis strided.
     FromBhds,
     /// A `narrow` of a base longer along `axis`, at an offset.
-    Narrowed { axis: usize, before: usize, after: usize },
+    Narrowed {
+        axis: usize,
+        before: usize,
+        after: usize,
+    },
     /// Axes (bit `a` for axis `a`) of length 1 in the base, broadcast by stride 0.
     Broadcast { axes: u8 },
 }
@@ -89,7 +93,13 @@ impl Form {
                 x
             }
             Form::Broadcast { axes } => (0..4)
-                .map(|a| if axes >> a & 1 == 1 { 1 } else { [b, h, s, d][a] })
+                .map(|a| {
+                    if axes >> a & 1 == 1 {
+                        1
+                    } else {
+                        [b, h, s, d][a]
+                    }
+                })
                 .collect(),
         }
     }
@@ -269,11 +279,7 @@ fn generate(seed: u64) -> Case {
         }
         _ => DType::F32,
     };
-    let mut dims = [
-        [b, h_q, n_q, d_k],
-        [b, h_kv, n_k, d_k],
-        [b, h_kv, n_k, d_v],
-    ];
+    let mut dims = [[b, h_q, n_q, d_k], [b, h_kv, n_k, d_k], [b, h_kv, n_k, d_v]];
     if rng.chance(5) {
         dims[1][3] += 1; // d_k differs
         valid = false;
@@ -408,8 +414,16 @@ impl Case {
         let (out, lse) = attn_reference::attention_batched_with_lse(qv, kv, vv, &opts).unwrap();
         let grads = w.map(|w| {
             let wv = Tensor4Ref::from_layout(w, out.dims(), attn_core::Layout::Bhsd).unwrap();
-            let g = attn_reference::attention_backward_batched(wv, qv, kv, vv, out.as_ref(), &lse, &opts)
-                .unwrap();
+            let g = attn_reference::attention_backward_batched(
+                wv,
+                qv,
+                kv,
+                vv,
+                out.as_ref(),
+                &lse,
+                &opts,
+            )
+            .unwrap();
             [g.dq.into_vec(), g.dk.into_vec(), g.dv.into_vec()]
         });
         (out.into_vec(), grads)
@@ -438,14 +452,27 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-fn compare(what: &str, seed: u64, got: &[f64], want: &[f64], tol: f64) -> std::result::Result<(), String> {
+fn compare(
+    what: &str,
+    seed: u64,
+    got: &[f64],
+    want: &[f64],
+    tol: f64,
+) -> std::result::Result<(), String> {
     if got.len() != want.len() {
-        return Err(format!("seed {seed}: {what} has {} values, the reference {}", got.len(), want.len()));
+        return Err(format!(
+            "seed {seed}: {what} has {} values, the reference {}",
+            got.len(),
+            want.len()
+        ));
     }
     let scale = want.iter().fold(1.0f64, |m, x| m.max(x.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         if (g - w).is_nan() || (g - w).abs() > tol * scale {
-            return Err(format!("seed {seed}: {what}[{i}] = {g}, the reference {w} (tolerance {})", tol * scale));
+            return Err(format!(
+                "seed {seed}: {what}[{i}] = {g}, the reference {w} (tolerance {})",
+                tol * scale
+            ));
         }
     }
     Ok(())
@@ -474,7 +501,13 @@ fn run(seed: u64) -> std::result::Result<Checked, String> {
         (Ok(out), true) => out,
     };
     let (want, _) = c.reference(None);
-    compare("output", seed, &logical(&out, c.out_layout), &want, tolerance(c.dtype))?;
+    compare(
+        "output",
+        seed,
+        &logical(&out, c.out_layout),
+        &want,
+        tolerance(c.dtype),
+    )?;
     // (candle's own reductions panic on some views of empty tensors, which the pull-back
     // below would take: the gradients are checked where no axis is empty.)
     let empty = c.bases.iter().any(|(_, _, d)| d.contains(&0)) || out.elem_count() == 0;
@@ -483,7 +516,11 @@ fn run(seed: u64) -> std::result::Result<Checked, String> {
     }
     // Gradients of Σ O ∘ W with respect to the bases, through the op, against the
     // reference's gradients pulled back through the same views in f64.
-    let vars: Vec<Var> = c.bases.iter().map(|(t, _, _)| Var::from_tensor(t).unwrap()).collect();
+    let vars: Vec<Var> = c
+        .bases
+        .iter()
+        .map(|(t, _, _)| Var::from_tensor(t).unwrap())
+        .collect();
     let views: Vec<Tensor> = c
         .bases
         .iter()
@@ -499,7 +536,12 @@ fn run(seed: u64) -> std::result::Result<Checked, String> {
     let mut rng = Rng(seed ^ 0xABCD);
     let n = out.elem_count();
     let w: Vec<f64> = (0..n).map(|_| f64::from(rng.value(1.0))).collect();
-    let wt = Tensor::from_vec(w.iter().map(|&x| x as f32).collect::<Vec<_>>(), out.dims(), &CPU).unwrap();
+    let wt = Tensor::from_vec(
+        w.iter().map(|&x| x as f32).collect::<Vec<_>>(),
+        out.dims(),
+        &CPU,
+    )
+    .unwrap();
     let grads = (out * wt).unwrap().sum_all().unwrap().backward().unwrap();
     let (_, ref_grads) = c.reference(Some(&w));
     let ref_grads = ref_grads.unwrap();
@@ -507,7 +549,14 @@ fn run(seed: u64) -> std::result::Result<Checked, String> {
         let (base, form, dims) = &c.bases[i];
         let got = grads
             .get(vars[i].as_tensor())
-            .map(|g| g.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap())
+            .map(|g| {
+                g.to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+            })
             .unwrap_or_else(|| vec![0.0; base.elem_count()]);
         // The pull-back: ∂/∂base of Σ view(base) ∘ G, by candle's autograd in f64.
         let base64 = Var::from_tensor(&base.to_dtype(DType::F64).unwrap()).unwrap();
@@ -529,7 +578,10 @@ fn generated_hostile_layouts_hold_the_contract() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
-    let seeds: Vec<u64> = match std::env::var("ATTN_CANDLE_SEED").ok().and_then(|s| s.parse().ok()) {
+    let seeds: Vec<u64> = match std::env::var("ATTN_CANDLE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         Some(seed) => vec![seed],
         None => (0..cases).collect(),
     };
@@ -541,12 +593,22 @@ fn generated_hostile_layouts_hold_the_contract() {
             Err(e) => failures.push(e),
         }
     }
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
     // The generator must mostly make calls that succeed, and check gradients too.
     let [rejected, output, gradients] = count;
-    println!("{n} cases: {rejected} rejected, {output} outputs, {gradients} outputs and gradients compared");
+    println!(
+        "{n} cases: {rejected} rejected, {output} outputs, {gradients} outputs and gradients compared"
+    );
     if n >= 100 {
-        assert!(output + gradients >= n / 2 && gradients >= n / 20, "{count:?}");
+        assert!(
+            output + gradients >= n / 2 && gradients >= n / 20,
+            "{count:?}"
+        );
     }
 }
 
@@ -575,7 +637,10 @@ fn a_mask_broadcast_to_2_pow_22_squared_is_an_error_not_an_abort() {
             MaskKind::Additive(_) => AttentionOptions::default().with_additive_mask(m),
         };
         let err = scaled_dot_product_attention(&q, &k, &k, &opts).unwrap_err();
-        assert!(err.to_string().contains("do not broadcast"), "{kind:?}: {err}");
+        assert!(
+            err.to_string().contains("do not broadcast"),
+            "{kind:?}: {err}"
+        );
     }
 }
 
@@ -587,10 +652,20 @@ fn a_broadcast_mask_is_used_without_materialising_it() {
     let k = common::tensor(&[1, 2, 5, 8], 2, 1.0);
     let row = Tensor::new(&[[0.0f32, f32::NEG_INFINITY, 0.5, 0.0, -1.0]], &CPU).unwrap();
     let m = row.broadcast_as((4, 5)).unwrap();
-    let got = scaled_dot_product_attention(&q, &k, &k, &AttentionOptions::default().with_additive_mask(m.to_dtype(DType::BF16).unwrap()))
-        .unwrap();
-    let want = scaled_dot_product_attention(&q, &k, &k, &AttentionOptions::default().with_additive_mask(m.contiguous().unwrap()))
-        .unwrap();
+    let got = scaled_dot_product_attention(
+        &q,
+        &k,
+        &k,
+        &AttentionOptions::default().with_additive_mask(m.to_dtype(DType::BF16).unwrap()),
+    )
+    .unwrap();
+    let want = scaled_dot_product_attention(
+        &q,
+        &k,
+        &k,
+        &AttentionOptions::default().with_additive_mask(m.contiguous().unwrap()),
+    )
+    .unwrap();
     assert_eq!(
         got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
         want.flatten_all().unwrap().to_vec1::<f32>().unwrap()
@@ -617,8 +692,14 @@ fn a_mask_per_head_is_honoured() -> Result<()> {
     let q = common::tensor(&[2, 2, 3, 4], 5, 1.0);
     let k = common::tensor(&[2, 2, 4, 4], 6, 1.0);
     // Head 0 sees key 0 only, head 1 key 3 only: their outputs are those values.
-    let bits = Tensor::new(&[[[[1u8, 0, 0, 0]], [[0, 0, 0, 1]]]], &CPU)?.broadcast_as((2, 2, 3, 4))?;
-    let out = scaled_dot_product_attention(&q, &k, &k, &AttentionOptions::default().with_allow_mask(bits))?;
+    let bits =
+        Tensor::new(&[[[[1u8, 0, 0, 0]], [[0, 0, 0, 1]]]], &CPU)?.broadcast_as((2, 2, 3, 4))?;
+    let out = scaled_dot_product_attention(
+        &q,
+        &k,
+        &k,
+        &AttentionOptions::default().with_allow_mask(bits),
+    )?;
     for b in 0..2 {
         for (h, key) in [(0, 0), (1, 3)] {
             let want = k.get(b)?.get(h)?.get(key)?.to_vec1::<f32>()?;

@@ -266,7 +266,14 @@ impl<T: Element> BackwardGroup<'_, '_, T> {
             .sum();
         let ds = p * (dp - self.d[h][i]);
         // As the streaming pass's chain rule: 0 stays 0 whatever the derivative.
-        Some((p, if ds == 0.0 { 0.0 } else { ds * self.derivative(h, i, j) }))
+        Some((
+            p,
+            if ds == 0.0 {
+                0.0
+            } else {
+                ds * self.derivative(h, i, j)
+            },
+        ))
     }
 
     /// `∂modified/∂raw` of the score of row `i` of head `h` and key `j` (1 without

@@ -135,7 +135,10 @@ fn a_modifier_that_returns_minus_infinity_everywhere_has_the_uniform_gradients()
             let want: f64 = (0..n_q).map(|i| f64::from(x.d_out[(i, c)])).sum::<f64>() / n_k as f64;
             for j in 0..n_k {
                 let got = f64::from(g.dv[(j, c)]);
-                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "dV ({j}, {c}): {got} vs {want}");
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "dV ({j}, {c}): {got} vs {want}"
+                );
             }
             for i in 0..n_q {
                 assert_eq!(g.dq[(i, c)], 0.0);
@@ -220,7 +223,9 @@ fn an_infinite_derivative_saturates_in_both_engines() {
     .unwrap();
     for (name, g) in [("dQ", &want.dq), ("dK", &want.dk), ("dV", &want.dv)] {
         assert!(
-            g.col_iter().flat_map(|c| c.iter().copied()).all(f64::is_finite),
+            g.col_iter()
+                .flat_map(|c| c.iter().copied())
+                .all(f64::is_finite),
             "reference {name} is not finite"
         );
     }
@@ -242,8 +247,16 @@ fn a_row_biased_by_f32_min_has_the_uniform_gradients() {
             (j as f32) * 0.1
         }
     });
-    against_reference(&x, &Options::default().with_additive_mask(bias.as_ref()), 1e-5);
+    against_reference(
+        &x,
+        &Options::default().with_additive_mask(bias.as_ref()),
+        1e-5,
+    );
     // And +inf on every key of a row: all of them at +L.
     let bias = Mat::from_fn(n_q, n_k, |i, _| if i == 1 { f32::INFINITY } else { 0.0 });
-    against_reference(&x, &Options::default().with_additive_mask(bias.as_ref()), 1e-5);
+    against_reference(
+        &x,
+        &Options::default().with_additive_mask(bias.as_ref()),
+        1e-5,
+    );
 }

@@ -105,7 +105,11 @@ fn filled(what: &'static str, len: usize, x: f32) -> attn_core::Result<Vec<f32>>
 
 /// A zeroed `rows × cols` matrix, allocation failure as an error (faer's `Mat::zeros`
 /// aborts the process when the allocator refuses).
-pub(crate) fn zero_mat(what: &'static str, rows: usize, cols: usize) -> attn_core::Result<Mat<f32>> {
+pub(crate) fn zero_mat(
+    what: &'static str,
+    rows: usize,
+    cols: usize,
+) -> attn_core::Result<Mat<f32>> {
     let mut m = Mat::new();
     m.try_reserve(rows, cols)
         .map_err(|_| Error::allocation_of::<f32>(what, rows.checked_mul(cols)))?;
@@ -202,7 +206,10 @@ impl ForwardAcc {
             for c in &chunks {
                 let rows = c.global.len();
                 let lse = filled("ring states", rows, f32::NEG_INFINITY)?;
-                states.push(PartialState::new(zero_mat("ring states", rows, s.d_v)?, lse)?);
+                states.push(PartialState::new(
+                    zero_mat("ring states", rows, s.d_v)?,
+                    lse,
+                )?);
             }
         }
         Ok(Self {
@@ -215,7 +222,10 @@ impl ForwardAcc {
     fn take_scratch(&mut self, rows: usize, d_v: usize) -> attn_core::Result<(Mat<f32>, Vec<f32>)> {
         match self.scratch.take() {
             Some((o, l)) if o.nrows() == rows => Ok((o, l)),
-            _ => Ok((zero_mat("ring scratch", rows, d_v)?, zeros_f32("ring scratch", rows)?)),
+            _ => Ok((
+                zero_mat("ring scratch", rows, d_v)?,
+                zeros_f32("ring scratch", rows)?,
+            )),
         }
     }
 

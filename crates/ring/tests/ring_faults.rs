@@ -75,7 +75,12 @@ fn faults(p: usize) -> Vec<Fault> {
 }
 
 /// What this rank returned for `fault`, checked: `Err` says what is wrong.
-fn check(ring: &Ring, x: &Inputs, fwd: (Tensor4Ref<'_, f32>, &[f32]), f: Fault) -> Result<(), String> {
+fn check(
+    ring: &Ring,
+    x: &Inputs,
+    fwd: (Tensor4Ref<'_, f32>, &[f32]),
+    f: Fault,
+) -> Result<(), String> {
     let opts = options();
     plant(Some(f));
     let start = Instant::now();

@@ -171,9 +171,9 @@ fn broadcast_heads(ring: &Ring, heads: usize) -> Result<String, String> {
     let f = ring.forward(q, kv, kv, &opts);
     let b = ring.backward(q, q, kv, kv, q, &[0.0; 8], &opts);
     match (f, b) {
-        (Err(RingError::Input(attn_core::Error::Allocation { what, .. })), Err(eb)) => {
-            Ok(format!("forward: {what} cannot be allocated; backward: {eb}"))
-        }
+        (Err(RingError::Input(attn_core::Error::Allocation { what, .. })), Err(eb)) => Ok(format!(
+            "forward: {what} cannot be allocated; backward: {eb}"
+        )),
         (Err(e), _) => Err(format!("wrong forward error: {e}")),
         (Ok(_), _) => Err("no error from the forward".into()),
     }

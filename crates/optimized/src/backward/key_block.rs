@@ -46,7 +46,12 @@ struct RowTerms {
 
 impl RowTerms {
     /// `D`, the LSE in the log2 domain and the finiteness of each row of `head`.
-    fn compute<T: Element>(&mut self, head: &QueryHead<'_, T>, inputs: &HeadInputs<'_, T>, d_v: usize) {
+    fn compute<T: Element>(
+        &mut self,
+        head: &QueryHead<'_, T>,
+        inputs: &HeadInputs<'_, T>,
+        d_v: usize,
+    ) {
         let finite = |m: MatRef<'_, T>, i: usize| row_is_finite(m.row(i));
         for i in 0..head.q.nrows() {
             self.d[i] = (0..d_v)
