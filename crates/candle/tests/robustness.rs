@@ -286,7 +286,7 @@ fn generate(seed: u64) -> Case {
     }
     if rng.chance(4) {
         dims[0][1] = h_kv * 2 + 1; // not a multiple of h_kv
-        valid = valid && (h_kv * 2 + 1) % h_kv == 0;
+        valid = valid && (h_kv * 2 + 1).is_multiple_of(h_kv);
     }
     let bases: Vec<(Tensor, Form, [usize; 4])> = dims
         .iter()
@@ -386,9 +386,11 @@ impl Case {
         let [b, h_q, n_q, _] = dims(&self.q);
         let n_k = self.k.dims()[2];
         let call = [b, h_q, n_q, n_k];
-        let mut opts = Options::default();
-        opts.scale = self.scale;
-        opts.causal = self.causal;
+        let mut opts = Options {
+            scale: self.scale,
+            causal: self.causal,
+            ..Options::default()
+        };
         if let Some(l) = self.key_len {
             opts = opts.with_key_length(l);
         }
@@ -511,7 +513,7 @@ fn run(seed: u64) -> std::result::Result<Checked, String> {
     // (candle's own reductions panic on some views of empty tensors, which the pull-back
     // below would take: the gradients are checked where no axis is empty.)
     let empty = c.bases.iter().any(|(_, _, d)| d.contains(&0)) || out.elem_count() == 0;
-    if c.dtype != DType::F32 || seed % 3 != 0 || empty {
+    if c.dtype != DType::F32 || !seed.is_multiple_of(3) || empty {
         return Ok(Checked::Output);
     }
     // Gradients of Σ O ∘ W with respect to the bases, through the op, against the
