@@ -30,7 +30,10 @@
 //!    and runs it under `mpirun -np P` for P = 1, 2, 3 and 4 (`--oversubscribe`: more
 //!    ranks than cores; `--allow-run-as-root` as root; `--bind-to none`, so that a rank's
 //!    threads are not pinned to one core). Every rank checks every case; any failure on
-//!    any rank fails the step.
+//!    any rank fails the step. Then it builds `ring_faults` with attn-ring's test-only
+//!    `fault-injection` feature and runs it for P = 2, 3 and 4: a chosen rank fails at a
+//!    chosen step, and every rank must return an error in time (the binary's watchdog,
+//!    and mpirun's `--timeout` behind it, turn a hang into a failure).
 //!
 //! A step is a [`Step`] variant with a name, a line of help and a function that first
 //! installs what it needs and then runs its tests (the `python` step's virtualenv is the
@@ -213,7 +216,45 @@ fn mpi_tests(ctx: &Context<'_>) -> Result<(), String> {
             &format!("the ring's MPI tests with {ranks} ranks"),
         )?;
     }
+    let faults = build_fault_tests(ctx)?;
+    for ranks in FAULT_RANKS {
+        println!("xtask test: mpirun -np {ranks} {}", faults.display());
+        checked(
+            Command::new("mpirun")
+                .current_dir(&ctx.root)
+                .args(mpirun_args(ranks, root))
+                .arg(&faults),
+            &format!("the ring's fault tests with {ranks} ranks"),
+        )?;
+    }
     Ok(())
+}
+
+/// The ranks the fault tests run with: a failure matters when another rank waits for it.
+const FAULT_RANKS: [usize; 3] = [2, 3, 4];
+
+/// Builds `attn-ring`'s `ring_faults` test with the test-only `fault-injection` feature and
+/// returns its executable. Selected from the whole workspace, so that every dependency keeps
+/// the features of the `cargo` step's build: attn-ring alone is compiled again.
+fn build_fault_tests(ctx: &Context<'_>) -> Result<PathBuf, String> {
+    let output = Command::new(cargo())
+        .current_dir(&ctx.root)
+        .args([
+            "test",
+            "--workspace",
+            "--features",
+            "attn-ring/fault-injection",
+        ])
+        .args(["--test", "ring_faults", "--no-run"])
+        .args(["--message-format", "json-render-diagnostics"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !output.status.success() {
+        return Err("building the attn-ring test `ring_faults` failed".into());
+    }
+    test_executable(&String::from_utf8_lossy(&output.stdout), "ring_faults")
+        .ok_or_else(|| "cargo built no executable for the attn-ring test `ring_faults`".into())
 }
 
 /// `mpirun`'s arguments before the program: on one machine, any number of ranks, threads

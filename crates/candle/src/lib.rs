@@ -36,24 +36,39 @@
 //! The op reads candle's storage in place, through the tensors' [`Layout`](candle_core::Layout)
 //! (strides and start offset): `[B, S, H, D].transpose(1, 2)`, `narrow` slices of a packed
 //! QKV projection and broadcast (`expand`ed) batch or head axes are all viewed without a
-//! copy. The one layout that is copied first (with `Tensor::contiguous`, which keeps the
-//! autograd graph) is a feature axis whose stride is not 1, such as
+//! copy. The one layout that is copied is a feature axis whose stride is not 1, such as
 //! `[B, H, D, S].transpose(2, 3)`: attn's kernels read each row of Q, K and V as a
-//! contiguous slice. Half-precision tensors are viewed in place too: candle and attn use the
-//! same `half` 2.x crate (one `half` in the workspace's `Cargo.lock`).
+//! contiguous slice. The op copies such an operand itself, for the call, into a buffer it
+//! allocates fallibly (a broadcast batch, head or sequence axis stays broadcast in the copy),
+//! so an operand of any size is an error when it cannot be held, never an abort; the
+//! autograd graph is the original tensors'. Half-precision tensors are viewed in place too:
+//! candle and attn use the same `half` 2.x crate (one `half` in the workspace's
+//! `Cargo.lock`).
 //!
 //! # Masks
 //!
 //! Causal alignment, sliding windows and key lengths are options (no tensor); an element-wise
-//! mask is an `[n_q, n_k]` tensor shared by every batch entry and head (or `[1, 1, n_q, n_k]`):
-//! a boolean mask as `u8` (candle has no bool dtype; nonzero is `true`) with its polarity
-//! in its setter ([`AttentionOptions::with_allow_mask`],
-//! [`AttentionOptions::with_block_mask`]), an additive mask as f32, f16 or bf16
-//! ([`AttentionOptions::with_additive_mask`], widened to f32 once; `-inf` hides a key).
-//! Per-batch or per-head element-wise masks are not supported yet: per-batch padding goes
-//! through [`AttentionOptions::with_key_lengths`]. A row that sees no key has output 0 (and
+//! mask is a tensor broadcast against `[batch, h_q, n_q, n_k]` as PyTorch broadcasts
+//! `attn_mask`: `[n_q, n_k]`, `[h_q, n_q, n_k]` or `[batch, h_q, n_q, n_k]`, any axis of
+//! length 1 or stride 0 (`expand`, `broadcast_as`) standing for the call's. A boolean mask is
+//! `u8` (candle has no bool dtype; nonzero is `true`) with its polarity in its setter
+//! ([`AttentionOptions::with_allow_mask`], [`AttentionOptions::with_block_mask`]); an
+//! additive mask is f32, f16 or bf16 ([`AttentionOptions::with_additive_mask`]; `-inf` hides
+//! a key). A broadcast mask is never materialised: an f32 mask is read in place, and the
+//! others are copied once per op (as `bool` or f32), their distinct entries only — a
+//! `[1, n_k]` mask `expand`ed to `[2^22, 2^22]` costs `n_k` entries, and a shape that does
+//! not broadcast to the call's is attn's error. A row that sees no key has output 0 (and
 //! gradients 0), never NaN. The gradient of the additive mask is not computed (the mask is
 //! a constant of the op).
+//!
+//! # Foreign memory
+//!
+//! The op reads candle's storage only through its `Layout`, checked before the first read:
+//! every view (operands, masks, the output gradient) must fit its storage from its start
+//! offset, or the call is an error naming it. Sizes are computed with checked arithmetic
+//! and every buffer the op allocates (copies, output, LSE, gradients) is allocated fallibly:
+//! shapes made huge by zero strides are errors, not aborts. Storage is read under candle's
+//! lock for the call.
 //!
 //! # The backward pass and the LSE
 //!
@@ -91,12 +106,12 @@
 use std::sync::OnceLock;
 
 use attn_optimized::{
-    BoolMask, Element, KeyPadding, Options, Tensor4Mut, Tensor4Ref, attention_backward_batched,
-    attention_batched, attention_batched_into, attention_batched_with_lse,
+    BoolMask4, Element, KeyPadding, Mask4Ref, Options, Tensor4Mut, Tensor4Ref,
+    attention_backward_batched, attention_batched, attention_batched_into,
+    attention_batched_with_lse,
 };
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout as CandleLayout, Shape, Storage, Tensor};
-use faer::MatRef;
 use half::{bf16, f16};
 
 /// The engine itself, re-exported for calls on raw buffers (`attention_batched` on
@@ -184,7 +199,8 @@ impl AttentionOptions {
         self
     }
 
-    /// A `u8` mask `[n_q, n_k]` (or `[1, 1, n_q, n_k]`) where nonzero means "may attend"
+    /// A `u8` mask broadcast against `[batch, h_q, n_q, n_k]` (`[n_q, n_k]`,
+    /// `[h_q, n_q, n_k]` or 4-D; see the crate docs) where nonzero means "may attend"
     /// (PyTorch `scaled_dot_product_attention`'s boolean `attn_mask`). Replaces any boolean
     /// mask set before.
     pub fn with_allow_mask(mut self, mask: Tensor) -> Self {
@@ -192,7 +208,8 @@ impl AttentionOptions {
         self
     }
 
-    /// A `u8` mask `[n_q, n_k]` (or `[1, 1, n_q, n_k]`) where nonzero means "masked out"
+    /// A `u8` mask broadcast against `[batch, h_q, n_q, n_k]` (as
+    /// [`AttentionOptions::with_allow_mask`]) where nonzero means "masked out"
     /// (`nn.MultiheadAttention`'s `key_padding_mask`, burn). Replaces any boolean mask set
     /// before.
     pub fn with_block_mask(mut self, mask: Tensor) -> Self {
@@ -200,9 +217,10 @@ impl AttentionOptions {
         self
     }
 
-    /// An additive mask `[n_q, n_k]` (or `[1, 1, n_q, n_k]`) in f32, f16 or bf16, added to
-    /// the scaled scores (`-inf` hides a key). Half masks are widened to f32 once per call;
-    /// an f32 mask is read in place (a broadcast `expand`ed one too).
+    /// An additive mask broadcast against `[batch, h_q, n_q, n_k]` (as
+    /// [`AttentionOptions::with_allow_mask`]) in f32, f16 or bf16, added to the scaled
+    /// scores (`-inf` hides a key). Half masks are widened to f32 once per op, their
+    /// distinct entries only; an f32 mask is read in place (a broadcast `expand`ed one too).
     pub fn with_additive_mask(mut self, mask: Tensor) -> Self {
         self.additive_mask = Some(mask);
         self
@@ -260,14 +278,14 @@ pub fn scaled_dot_product_attention(
             )));
         }
     }
-    let q = feature_contiguous(q)?;
-    let k = feature_contiguous(k)?;
-    let v = feature_contiguous(v)?;
+    // A feature axis whose stride is not 1 is copied inside the op (`operand`), fallibly:
+    // candle's own `contiguous` would materialise a broadcast axis of any size, aborting
+    // the process when the allocator refuses.
     let op = Sdpa::new(options)?;
     if q.track_op() || k.track_op() || v.track_op() {
-        q.apply_op3(&k, &v, op)
+        q.apply_op3(k, v, op)
     } else {
-        q.apply_op3_no_bwd(&k, &v, &op.without_lse())
+        q.apply_op3_no_bwd(k, v, &op.without_lse())
     }
 }
 
@@ -296,17 +314,6 @@ fn check_operand(name: &str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// The tensor itself, or a copy with a contiguous feature axis when its last stride is not 1
-/// (and the axis is longer than 1): attn's kernels read each row as a slice.
-fn feature_contiguous(t: &Tensor) -> Result<Tensor> {
-    let last = t.rank() - 1;
-    if t.dims()[last] > 1 && t.stride()[last] != 1 {
-        t.contiguous()
-    } else {
-        Ok(t.clone())
-    }
-}
-
 /// The op: the options, the element-wise masks ready to be viewed, and the LSE the
 /// forward leaves for the backward.
 struct Sdpa {
@@ -314,14 +321,36 @@ struct Sdpa {
     causal: Option<Causal>,
     window: Option<SlidingWindow>,
     key_lengths: Option<KeyLengths>,
-    /// `[n_q, n_k]` row-major, with its polarity.
-    bool_mask: Option<(Polarity, Vec<bool>, usize, usize)>,
-    /// f32, `[n_q, n_k]` with a unit column stride (rows may be broadcast).
-    additive_mask: Option<Tensor>,
+    /// The boolean mask's distinct entries as `bool`, with its polarity.
+    bool_mask: Option<(Polarity, Compact<bool>)>,
+    additive_mask: Option<Additive>,
     output_layout: Layout,
     /// Whether the forward computes and keeps the LSE.
     keep_lse: bool,
     lse: OnceLock<Vec<f32>>,
+}
+
+/// The additive mask: an f32 tensor read in place (broadcast axes included), or the
+/// distinct entries of any other widened to f32 (or of an f32 one whose matrix axes are
+/// both strided).
+enum Additive {
+    InPlace(Tensor),
+    Copied(Compact<f32>),
+}
+
+/// A `[B, H, n_q, n_k]` mask as attn views it: `data` holds only its distinct entries, a
+/// broadcast axis (stride 0 in `strides`) is never repeated.
+struct Compact<T> {
+    data: Vec<T>,
+    dims: [usize; 4],
+    strides: [usize; 4],
+}
+
+impl<T> Compact<T> {
+    fn view(&self, name: &str) -> Result<Mask4Ref<'_, T>> {
+        Mask4Ref::new(&self.data, self.dims, self.strides)
+            .map_err(|e| Error::Msg(format!("attn-candle: the {name}: {e}")))
+    }
 }
 
 impl Sdpa {
@@ -329,43 +358,49 @@ impl Sdpa {
         let bool_mask = match &options.bool_mask {
             None => None,
             Some((polarity, mask)) => {
-                let mask = mask_matrix("boolean mask", mask)?;
+                let name = "boolean mask";
+                check_mask(name, mask)?;
                 if mask.dtype() != DType::U8 {
                     return Err(Error::Msg(format!(
                         "attn-candle: the boolean mask has dtype {}; it must be u8 (nonzero = true)",
                         mask.dtype().as_str()
                     )));
                 }
-                let (rows, cols) = mask.dims2()?;
-                let bits = mask
-                    .flatten_all()?
-                    .to_vec1::<u8>()?
-                    .into_iter()
-                    .map(|b| b != 0)
-                    .collect();
-                Some((*polarity, bits, rows, cols))
+                let (storage, layout) = mask.storage_and_layout();
+                let data = cpu_slice::<u8>(name, &storage)?;
+                Some((*polarity, compact(name, data, layout, |b| b != 0)?))
             }
         };
         let additive_mask = match &options.additive_mask {
             None => None,
             Some(mask) => {
-                let mask = mask_matrix("additive mask", mask)?;
-                let mask = match mask.dtype() {
-                    DType::F32 => mask,
-                    DType::F16 | DType::BF16 => mask.to_dtype(DType::F32)?,
+                let name = "additive mask";
+                check_mask(name, mask)?;
+                let (storage, layout) = mask.storage_and_layout();
+                Some(match mask.dtype() {
+                    DType::F32 => {
+                        let data = cpu_slice::<f32>(name, &storage)?;
+                        if in_place(data, layout)?.is_some() {
+                            Additive::InPlace(mask.detach())
+                        } else {
+                            Additive::Copied(compact(name, data, layout, |x| x)?)
+                        }
+                    }
+                    DType::F16 => {
+                        let data = cpu_slice::<f16>(name, &storage)?;
+                        Additive::Copied(compact(name, data, layout, f16::to_f32)?)
+                    }
+                    DType::BF16 => {
+                        let data = cpu_slice::<bf16>(name, &storage)?;
+                        Additive::Copied(compact(name, data, layout, bf16::to_f32)?)
+                    }
                     other => {
                         return Err(Error::Msg(format!(
                             "attn-candle: the additive mask has dtype {}; it must be f32, f16 or bf16",
                             other.as_str()
                         )));
                     }
-                };
-                let mask = if mask.dims()[1] > 1 && mask.stride()[1] != 1 {
-                    mask.contiguous()?
-                } else {
-                    mask
-                };
-                Some(mask.detach())
+                })
             }
         };
         Ok(Self {
@@ -386,10 +421,34 @@ impl Sdpa {
         self
     }
 
-    /// attn's options over the op's masks (`additive` is the additive mask's storage,
-    /// locked by the caller for the call).
-    fn options<'a>(&'a self, additive: Option<MatRef<'a, f32>>) -> Options<'a> {
-        Options {
+    /// Runs `f` with attn's options over the op's masks, an in-place additive mask's
+    /// storage locked for the call.
+    fn with_options<R>(&self, f: impl FnOnce(&Options<'_>) -> Result<R>) -> Result<R> {
+        let locked;
+        let additive = match &self.additive_mask {
+            None => None,
+            Some(Additive::Copied(m)) => Some(m.view("additive mask")?),
+            Some(Additive::InPlace(mask)) => {
+                locked = mask.storage_and_layout();
+                let data = cpu_slice::<f32>("additive mask", &locked.0)?;
+                // Viewable when the op was made, and candle's tensors do not change.
+                let view = in_place(data, locked.1)?;
+                Some(view.ok_or_else(|| {
+                    Error::Msg("attn-candle: the additive mask cannot be viewed in place".into())
+                })?)
+            }
+        };
+        let bool_mask = match &self.bool_mask {
+            None => None,
+            Some((polarity, m)) => {
+                let m = m.view("boolean mask")?;
+                Some(match polarity {
+                    Polarity::Allow => BoolMask4::allow(m),
+                    Polarity::Block => BoolMask4::block(m),
+                })
+            }
+        };
+        let opts = Options {
             scale: self.scale,
             causal: self.causal,
             window: self.window,
@@ -397,29 +456,11 @@ impl Sdpa {
                 KeyLengths::Uniform(len) => KeyPadding::Uniform(*len),
                 KeyLengths::PerBatch(lens) => KeyPadding::PerBatch(lens),
             }),
-            bool_mask: self.bool_mask.as_ref().map(|(polarity, bits, rows, cols)| {
-                let m = MatRef::from_row_major_slice(bits, *rows, *cols);
-                match polarity {
-                    Polarity::Allow => BoolMask::allow(m),
-                    Polarity::Block => BoolMask::block(m),
-                }
-            }),
-            additive_mask: additive,
+            bool_mask_4d: bool_mask,
+            additive_mask_4d: additive,
             ..Options::default()
-        }
-    }
-
-    /// Runs `f` with attn's options, the additive mask's storage read in place.
-    fn with_options<R>(&self, f: impl FnOnce(&Options<'_>) -> Result<R>) -> Result<R> {
-        match &self.additive_mask {
-            None => f(&self.options(None)),
-            Some(mask) => {
-                let (storage, layout) = mask.storage_and_layout();
-                let data = cpu_slice::<f32>("additive mask", &storage)?;
-                let m = additive_view(data, layout)?;
-                f(&self.options(Some(m)))
-            }
-        }
+        };
+        f(&opts)
     }
 
     fn forward<T: Element + candle_core::WithDType>(
@@ -428,9 +469,10 @@ impl Sdpa {
         k: (&CpuStorage, &CandleLayout),
         v: (&CpuStorage, &CandleLayout),
     ) -> Result<(Vec<T>, Shape)> {
-        let q = view::<T>("q", q.0, q.1, Layout::Bhsd)?;
-        let k = view::<T>("k", k.0, k.1, Layout::Bhsd)?;
-        let v = view::<T>("v", v.0, v.1, Layout::Bhsd)?;
+        let (mut qb, mut kb, mut vb) = (Vec::new(), Vec::new(), Vec::new());
+        let q = operand::<T>("q", q.0, q.1, Layout::Bhsd, &mut qb)?;
+        let k = operand::<T>("k", k.0, k.1, Layout::Bhsd, &mut kb)?;
+        let v = operand::<T>("v", v.0, v.1, Layout::Bhsd, &mut vb)?;
         let [b, h, n, _] = q.dims();
         let d_v = v.dims()[3];
         let shape = match self.output_layout {
@@ -489,21 +531,23 @@ impl Sdpa {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let grad_out = feature_contiguous(grad_out)?;
         let (qs, ql) = q.storage_and_layout();
         let (ks, kl) = k.storage_and_layout();
         let (vs, vl) = v.storage_and_layout();
         let (os, ol) = out.storage_and_layout();
         let (gs, gl) = grad_out.storage_and_layout();
-        let qv = view::<T>("q", cpu(&qs, "q")?, ql, Layout::Bhsd)?;
-        let kv = view::<T>("k", cpu(&ks, "k")?, kl, Layout::Bhsd)?;
-        let vv = view::<T>("v", cpu(&vs, "v")?, vl, Layout::Bhsd)?;
-        let ov = view::<T>("output", cpu(&os, "output")?, ol, self.output_layout)?;
-        let gv = view::<T>(
+        let mut bufs: [Vec<T>; 5] = Default::default();
+        let [qb, kb, vb, ob, gb] = &mut bufs;
+        let qv = operand::<T>("q", cpu(&qs, "q")?, ql, Layout::Bhsd, qb)?;
+        let kv = operand::<T>("k", cpu(&ks, "k")?, kl, Layout::Bhsd, kb)?;
+        let vv = operand::<T>("v", cpu(&vs, "v")?, vl, Layout::Bhsd, vb)?;
+        let ov = operand::<T>("output", cpu(&os, "output")?, ol, self.output_layout, ob)?;
+        let gv = operand::<T>(
             "output gradient",
             cpu(&gs, "output gradient")?,
             gl,
             self.output_layout,
+            gb,
         )?;
         let g = self.with_options(|opts| {
             let recomputed;
@@ -616,13 +660,16 @@ fn zeroed<T: Element>(n: usize) -> Result<Vec<T>> {
     Ok(v)
 }
 
-/// A zero-copy attn view of a 4-D candle tensor whose logical dims are in `order`
-/// (`Bhsd`: `[b, h, s, d]`; `Bshd`: `[b, s, h, d]`, viewed as `[b, h, s, d]`).
-fn view<'a, T: candle_core::WithDType>(
+/// An attn view of a 4-D candle tensor whose logical dims are in `order` (`Bhsd`:
+/// `[b, h, s, d]`; `Bshd`: `[b, s, h, d]`, viewed as `[b, h, s, d]`): candle's storage in
+/// place, or — when the feature axis is not contiguous — a copy into `buf` of the rows the
+/// view holds, allocated fallibly, a broadcast batch, head or sequence axis kept broadcast.
+fn operand<'a, T: candle_core::WithDType>(
     name: &str,
     storage: &'a CpuStorage,
     layout: &CandleLayout,
     order: Layout,
+    buf: &'a mut Vec<T>,
 ) -> Result<Tensor4Ref<'a, T>> {
     let data = storage.as_slice::<T>()?;
     let (dims, stride) = (layout.dims(), layout.stride());
@@ -631,77 +678,173 @@ fn view<'a, T: candle_core::WithDType>(
             "attn-candle: {name} has shape {dims:?}; attn takes 4-D [batch, heads, seq, dim] tensors"
         )));
     }
-    if dims[3] > 1 && stride[3] != 1 {
-        return Err(Error::Msg(format!(
-            "attn-candle: {name} has strides {stride:?}: its feature axis must be contiguous"
-        )));
-    }
     let (dims, strides) = match order {
         Layout::Bhsd => (
             [dims[0], dims[1], dims[2], dims[3]],
-            [stride[0], stride[1], stride[2]],
+            [stride[0], stride[1], stride[2], stride[3]],
         ),
         Layout::Bshd => (
             [dims[0], dims[2], dims[1], dims[3]],
-            [stride[0], stride[2], stride[1]],
+            [stride[0], stride[2], stride[1], stride[3]],
         ),
     };
-    let data = if dims.contains(&0) {
-        &data[..0]
-    } else {
-        data.get(layout.start_offset()..).unwrap_or(&[])
-    };
-    Tensor4Ref::new(data, dims, strides)
-        .map_err(|e| Error::Msg(format!("attn-candle: {name}: {e}")))
+    let fail = |e: attn_optimized::Error| Error::Msg(format!("attn-candle: {name}: {e}"));
+    if dims[3] <= 1 || strides[3] == 1 {
+        let data = if dims.contains(&0) {
+            &data[..0]
+        } else {
+            data.get(layout.start_offset()..).unwrap_or(&[])
+        };
+        return Tensor4Ref::new(data, dims, [strides[0], strides[1], strides[2]]).map_err(fail);
+    }
+    let (copy, s) = gather(
+        name,
+        data,
+        layout.start_offset(),
+        (dims, strides),
+        [false, false, false, true],
+        |x| x,
+    )?;
+    *buf = copy;
+    let buf: &'a Vec<T> = buf;
+    Tensor4Ref::new(buf, dims, [s[0], s[1], s[2]]).map_err(fail)
 }
 
-/// An `[n_q, n_k]` mask tensor: rank 2, or rank 3 or 4 with leading dims of 1, on the CPU.
-fn mask_matrix(name: &str, mask: &Tensor) -> Result<Tensor> {
+/// Checks that a mask tensor is on the CPU with 2 to 4 dims.
+fn check_mask(name: &str, mask: &Tensor) -> Result<()> {
     if !mask.device().is_cpu() {
         return Err(Error::Msg(format!(
             "attn-candle: the {name} is on {:?}; attn computes on the CPU only",
             mask.device().location()
         )));
     }
-    let dims = mask.dims();
-    match dims.len() {
-        2 => Ok(mask.clone()),
-        3 | 4 if dims[..dims.len() - 2].iter().all(|&d| d == 1) => {
-            mask.reshape((dims[dims.len() - 2], dims[dims.len() - 1]))
-        }
-        _ => Err(Error::Msg(format!(
-            "attn-candle: the {name} has shape {dims:?}; it must be [n_q, n_k] (or [1, 1, n_q, n_k]), \
-             shared by every batch entry and head (per-batch padding: key lengths)"
-        ))),
+    if !(2..=4).contains(&mask.rank()) {
+        return Err(Error::Msg(format!(
+            "attn-candle: the {name} has shape {:?}; it must be [n_q, n_k], [h_q, n_q, n_k] or \
+             [batch, h_q, n_q, n_k] (an axis of 1, or of stride 0, broadcasts)",
+            mask.dims()
+        )));
     }
+    Ok(())
 }
 
-/// The f32 additive mask `[rows, cols]` in place: unit column stride (or one column), any
-/// row stride, broadcast rows (stride 0) included.
-fn additive_view<'a>(data: &'a [f32], layout: &CandleLayout) -> Result<MatRef<'a, f32>> {
+/// A mask's layout as `[B, H, n_q, n_k]` dims and strides, its missing leading axes of
+/// length 1 (PyTorch's broadcasting: aligned on the right).
+fn mask_dims(layout: &CandleLayout) -> ([usize; 4], [usize; 4]) {
     let (dims, stride) = (layout.dims(), layout.stride());
-    let (rows, cols) = (dims[0], dims[1]);
-    if rows == 0 || cols == 0 {
-        return Ok(MatRef::from_row_major_slice(&data[..0], rows, cols));
+    let pad = 4 - dims.len().min(4);
+    let mut d = [1; 4];
+    let mut s = [0; 4];
+    for (a, (&x, &y)) in dims.iter().zip(stride).enumerate().take(4) {
+        d[pad + a] = x;
+        s[pad + a] = y;
     }
-    let last = (rows - 1)
-        .checked_mul(stride[0])
-        .and_then(|l| l.checked_add(cols - 1))
-        .and_then(|l| l.checked_add(layout.start_offset()));
-    match last {
-        Some(last) if last < data.len() && (cols == 1 || stride[1] == 1) => {
-            Ok(MatRef::from_row_major_slice_with_stride(
-                &data[layout.start_offset()..],
-                rows,
-                cols,
-                stride[0],
-            ))
+    (d, s)
+}
+
+/// An f32 mask read in place, when attn can view its layout as it is (`None` when neither
+/// matrix axis is contiguous or broadcast); an error when the view does not fit its
+/// storage.
+fn in_place<'a>(data: &'a [f32], layout: &CandleLayout) -> Result<Option<Mask4Ref<'a, f32>>> {
+    let (dims, strides) = mask_dims(layout);
+    let data = if dims.contains(&0) {
+        &data[..0]
+    } else {
+        data.get(layout.start_offset()..).unwrap_or(&[])
+    };
+    let (rs, cs) = (
+        if dims[2] <= 1 { 0 } else { strides[2] },
+        if dims[3] <= 1 { 0 } else { strides[3] },
+    );
+    if rs > 1 && cs > 1 {
+        return Ok(None);
+    }
+    Mask4Ref::new(data, dims, strides)
+        .map(Some)
+        .map_err(|e| Error::Msg(format!("attn-candle: the additive mask: {e}")))
+}
+
+/// The distinct entries of a mask tensor, converted by `conv`, as attn views them: a
+/// broadcast axis (stride 0 or length 1) is not repeated, so a mask broadcast to any size
+/// costs what its storage holds.
+fn compact<S: Copy, D>(
+    name: &str,
+    data: &[S],
+    layout: &CandleLayout,
+    conv: impl Fn(S) -> D,
+) -> Result<Compact<D>> {
+    let (dims, strides) = mask_dims(layout);
+    let (data, strides) = gather(
+        name,
+        data,
+        layout.start_offset(),
+        (dims, strides),
+        [false; 4],
+        conv,
+    )?;
+    Ok(Compact {
+        data,
+        dims,
+        strides,
+    })
+}
+
+/// Copies the elements of the strided 4-D view `(dims, strides)` of `data` from `start`,
+/// converted by `conv`, row-major, every axis that broadcasts (length 1 or stride 0) read
+/// once unless `force`d; returns the copy and its strides (0 on the axes not repeated).
+/// Sizes are checked and the copy is allocated fallibly: a view of any size is an error,
+/// never an abort.
+fn gather<S: Copy, D>(
+    name: &str,
+    data: &[S],
+    start: usize,
+    (dims, strides): ([usize; 4], [usize; 4]),
+    force: [bool; 4],
+    conv: impl Fn(S) -> D,
+) -> Result<(Vec<D>, [usize; 4])> {
+    let keep: [bool; 4] = std::array::from_fn(|a| dims[a] > 1 && (strides[a] != 0 || force[a]));
+    let len: [usize; 4] = std::array::from_fn(|a| if keep[a] { dims[a] } else { 1 });
+    let mut copy_strides = [0; 4];
+    let mut count = Some(1usize);
+    for a in (0..4).rev() {
+        if keep[a] {
+            copy_strides[a] = count.unwrap_or(0);
+            count = count.and_then(|c| c.checked_mul(len[a]));
         }
-        _ => Err(Error::Msg(format!(
-            "attn-candle: the additive mask's layout {:?} (strides {stride:?}) does not fit its storage",
-            dims
-        ))),
     }
+    if dims.contains(&0) {
+        return Ok((Vec::new(), copy_strides));
+    }
+    let count = count.ok_or_else(|| {
+        Error::Msg(format!(
+            "attn-candle: a copy of the {name} ({dims:?}, strides {strides:?}) overflows usize"
+        ))
+    })?;
+    let last = (0..4).try_fold(start, |at, a| {
+        at.checked_add((len[a] - 1).checked_mul(strides[a])?)
+    });
+    if last.is_none_or(|l| l >= data.len()) {
+        return Err(Error::Msg(format!(
+            "attn-candle: the {name}'s layout {dims:?} (strides {strides:?}, offset {start}) does not fit its storage of {} elements",
+            data.len()
+        )));
+    }
+    let mut out = Vec::new();
+    out.try_reserve_exact(count).map_err(|_| {
+        Error::Msg(format!(
+            "attn-candle: cannot allocate a copy of the {name} ({count} elements)"
+        ))
+    })?;
+    // In range: the last element read is `last`, checked above.
+    for i0 in 0..len[0] {
+        for i1 in 0..len[1] {
+            for i2 in 0..len[2] {
+                let base = start + i0 * strides[0] + i1 * strides[1] + i2 * strides[2];
+                out.extend((0..len[3]).map(|i3| conv(data[base + i3 * strides[3]])));
+            }
+        }
+    }
+    Ok((out, copy_strides))
 }
 
 #[cfg(test)]

@@ -369,15 +369,30 @@ fn unsupported_inputs_are_errors_that_name_them() {
     let bad = Tensor::zeros((4, 4), DType::F64, &CPU).unwrap();
     let e = err(&x, &x, &x, &opts.clone().with_additive_mask(bad));
     assert!(e.contains("additive mask has dtype f64"), "{e}");
+    // A mask per head broadcasts; one for 3 heads of a 2-head call does not.
     let per_head = Tensor::zeros((1, 2, 4, 4), DType::F32, &CPU).unwrap();
-    let e = err(&x, &x, &x, &opts.clone().with_additive_mask(per_head));
-    assert!(e.contains("[1, 2, 4, 4]"), "{e}");
+    assert!(
+        scaled_dot_product_attention(&x, &x, &x, &opts.clone().with_additive_mask(per_head))
+            .is_ok()
+    );
+    let three = Tensor::zeros((1, 3, 4, 4), DType::F32, &CPU).unwrap();
+    let e = err(&x, &x, &x, &opts.clone().with_additive_mask(three));
+    assert!(e.contains("[1, 3, 4, 4] do not broadcast"), "{e}");
     let wrong = Tensor::zeros((4, 5), DType::U8, &CPU).unwrap();
     let e = err(&x, &x, &x, &opts.clone().with_block_mask(wrong));
     assert!(
-        e.contains("boolean mask has shape 4×5 but must be 4×4"),
+        e.contains("boolean mask (4-D): dims [1, 1, 4, 5] do not broadcast to [batch, h_q, n_q, n_k] = [1, 2, 4, 4]"),
         "{e}"
     );
+    let e = err(
+        &x,
+        &x,
+        &x,
+        &opts
+            .clone()
+            .with_allow_mask(Tensor::zeros(4, DType::U8, &CPU).unwrap()),
+    );
+    assert!(e.contains("boolean mask has shape [4]"), "{e}");
 }
 
 #[test]

@@ -76,6 +76,31 @@ fn visible_score<T: Element, K: KeySource<T>>(
     })
 }
 
+/// The top visible score of row `row` of `head` (log2 domain, modified, biased and
+/// saturated, as the tiles hold it) and how many keys reach it; `None` for a row that sees
+/// no key or a NaN score. For the backward pass's rows whose LSE saturated, where f32 cannot
+/// carry `top + log2(count)`: their weights are `1/count` at the top, 0 elsewhere.
+pub(crate) fn row_top<T: Element, K: KeySource<T>>(
+    head: &HeadInputs<'_, T, K>,
+    row: usize,
+) -> Option<(f64, usize)> {
+    let (mut top, mut count) = (f64::NEG_INFINITY, 0usize);
+    for j in head.key_range(row) {
+        let Some(s) = visible_score(head, row, j) else {
+            continue;
+        };
+        if s.is_nan() {
+            return None;
+        }
+        if s > top {
+            (top, count) = (s, 1);
+        } else if s == top {
+            count += 1;
+        }
+    }
+    (count > 0).then_some((top, count))
+}
+
 /// Recomputes, exactly, the raw log2-domain scores of a tile that f32 could not carry:
 /// query rows `q` against key rows `k`, entry `(i, j)` at `s[i·rs + j·cs]`. An entry is
 /// recomputed when its query and key rows are finite and it is not finite, or its query row
@@ -251,7 +276,16 @@ impl<T: Element, K: KeySource<T>> BackwardGroup<'_, '_, T, K> {
         let dp: f64 = (0..self.v.width())
             .map(|t| f64::from(d_out[t].to_f32()) * f64::from(self.v.at(j, t)))
             .sum();
-        Some((p, p * (dp - self.d[h][i]) * self.derivative(h, i, j)))
+        let ds = p * (dp - self.d[h][i]);
+        // As the streaming pass's chain rule: 0 stays 0 whatever the derivative.
+        Some((
+            p,
+            if ds == 0.0 {
+                0.0
+            } else {
+                ds * self.derivative(h, i, j)
+            },
+        ))
     }
 
     /// `∂modified/∂raw` of the score of row `i` of head `h` and key `j` (1 without
@@ -263,7 +297,9 @@ impl<T: Element, K: KeySource<T>> BackwardGroup<'_, '_, T, K> {
             return 1.0;
         }
         let raw = exact_score(x.q.row(i), &x.k, j - x.key_base, x.scale_log2);
-        x.mods.derivative(raw * core::f64::consts::LN_2, i, j)
+        // Saturated at ±f32::MAX, as the streaming pass saturates it.
+        let d = x.mods.derivative(raw * core::f64::consts::LN_2, i, j);
+        d.clamp(-f64::from(f32::MAX), f64::from(f32::MAX))
     }
 
     /// Whether row `i` of head `h` and every key it sees are finite.

@@ -11,12 +11,21 @@ use core::ops::Range;
 
 use attn_core::ScoreTile;
 
+use crate::kernel::online_softmax::saturate;
 use crate::problem::HeadInputs;
 
 /// Applies `head`'s score modifiers to the base-2 scores of query rows `rows` (the job's
 /// rows) and keys `cols` (global indices), entry `(i, j)` at `s[i·rs + j·cs]`; with
 /// `derivative` (laid out alike, filled with 1 by the caller) multiplies it by
 /// `∂modified/∂raw`. Does nothing without score modifiers.
+///
+/// The contract's rule for modified scores (`docs/conventions.md`, "Score modifiers"): an
+/// output beyond f32 — `±inf` included — saturates at `±L` like any visible score. The
+/// forward pass applies it where it applies it to every score (its masks, and the overflow
+/// test of its softmax, which sees every row's maximum); the backward pass recomputes `P`
+/// from the scores without that test, so here, with `derivative`, the modified scores
+/// saturate before the masks hide anything: a row whose modifier returned `-inf` everywhere
+/// gets the forward's uniform weights back, not weights 0.
 pub(crate) fn modify_scores<T, K>(
     s: &mut [f32],
     strides: (usize, usize),
@@ -36,6 +45,7 @@ pub(crate) fn modify_scores<T, K>(
     } else {
         queries
     };
+    let (nr, nc) = (rows.len(), cols.len());
     let Ok(tile) = ScoreTile::new(s, strides, queries, cols, b, h) else {
         debug_assert!(false, "score tile outside its scratch");
         return;
@@ -45,6 +55,29 @@ pub(crate) fn modify_scores<T, K>(
         None => head.mods.modify(&mut tile),
         Some(d) => {
             let _ = head.mods.modify_chained(&mut tile, d);
+            saturate_tile(s, strides, (nr, nc));
+        }
+    }
+}
+
+/// Saturates (`±inf` and beyond to `±f32::MAX`, the limit of the base-2 domain) the
+/// `rows × cols` entries at `s[i·rs + j·cs]`, along the contiguous axis so that it
+/// vectorises: one pass over a tile that its GEMMs have just written.
+fn saturate_tile(s: &mut [f32], (rs, cs): (usize, usize), (rows, cols): (usize, usize)) {
+    let (outer, inner, os, is) = if rs == 1 {
+        (cols, rows, cs, rs)
+    } else {
+        (rows, cols, rs, cs)
+    };
+    if inner == 0 {
+        return;
+    }
+    for o in 0..outer {
+        let line = &mut s[o * os..];
+        if is == 1 {
+            line[..inner].iter_mut().for_each(|x| *x = saturate(*x));
+        } else {
+            (0..inner).for_each(|n| line[n * is] = saturate(line[n * is]));
         }
     }
 }

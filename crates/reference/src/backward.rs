@@ -95,12 +95,16 @@ pub(crate) fn attend_backward(
         }
     });
     // The chain rule through the modifiers, at the raw score (recomputed: the forward keeps
-    // only the modified one).
+    // only the modified one). The modifiers' outputs saturate (`docs/conventions.md`): the
+    // modified score in the forward, the derivative at ±f32::MAX here (NaN stays NaN), and a
+    // gradient 0 stays 0 whatever the derivative — not 0·∞ = NaN.
     let ds = if mods.modifies_scores() {
         Mat::from_fn(n_q, n_k, |i, j| {
-            if visible(i, j) {
+            let g = ds_modified[(i, j)];
+            if visible(i, j) && g != 0.0 {
                 let raw: f64 = scale * (0..d_k).map(|c| q[(i, c)] * k[(j, c)]).sum::<f64>();
-                ds_modified[(i, j)] * mods.derivative(raw, i, j)
+                let limit = f64::from(f32::MAX);
+                g * mods.derivative(raw, i, j).clamp(-limit, limit)
             } else {
                 0.0
             }

@@ -91,11 +91,30 @@ pub(crate) fn pack_kv<T: Copy + Default>(
 
 /// A zeroed f32 buffer of `len` elements, allocation failure as an error.
 pub(crate) fn zeros_f32(what: &'static str, len: usize) -> attn_core::Result<Vec<f32>> {
+    filled(what, len, 0.0)
+}
+
+/// A buffer of `len` copies of `x`, allocation failure as an error.
+fn filled(what: &'static str, len: usize, x: f32) -> attn_core::Result<Vec<f32>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len)
         .map_err(|_| Error::allocation_of::<f32>(what, Some(len)))?;
-    v.resize(len, 0.0);
+    v.resize(len, x);
     Ok(v)
+}
+
+/// A zeroed `rows × cols` matrix, allocation failure as an error (faer's `Mat::zeros`
+/// aborts the process when the allocator refuses).
+pub(crate) fn zero_mat(
+    what: &'static str,
+    rows: usize,
+    cols: usize,
+) -> attn_core::Result<Mat<f32>> {
+    let mut m = Mat::new();
+    m.try_reserve(rows, cols)
+        .map_err(|_| Error::allocation_of::<f32>(what, rows.checked_mul(cols)))?;
+    m.resize_with(rows, cols, |_, _| 0.0);
+    Ok(m)
 }
 
 /// How a run of queries sees a run of keys under the ring's mask.
@@ -154,7 +173,9 @@ pub(crate) struct ForwardAcc {
 }
 
 impl ForwardAcc {
-    pub fn new(plan: &Plan, rank: usize) -> Self {
+    /// Every state of the rank's rows, allocated fallibly: a rank that cannot hold them
+    /// says so before the ring turns.
+    pub fn new(plan: &Plan, rank: usize) -> attn_core::Result<Self> {
         let mut chunks = vec![];
         let longest = plan.segments[rank]
             .iter()
@@ -175,24 +196,36 @@ impl ForwardAcc {
             }
         }
         let s = plan.shape;
-        let states = (0..s.batch * s.h_q)
-            .flat_map(|_| {
-                chunks
-                    .iter()
-                    .map(|c| PartialState::empty(c.global.len(), s.d_v))
-            })
-            .collect();
-        Self {
+        // The plan checked that the states' total size fits (`Shape::check_sizes`).
+        let count = s.batch * s.h_q * chunks.len();
+        let mut states = Vec::new();
+        states
+            .try_reserve_exact(count)
+            .map_err(|_| Error::allocation_of::<PartialState>("ring states", Some(count)))?;
+        for _ in 0..s.batch * s.h_q {
+            for c in &chunks {
+                let rows = c.global.len();
+                let lse = filled("ring states", rows, f32::NEG_INFINITY)?;
+                states.push(PartialState::new(
+                    zero_mat("ring states", rows, s.d_v)?,
+                    lse,
+                )?);
+            }
+        }
+        Ok(Self {
             chunks,
             states,
             scratch: None,
-        }
+        })
     }
 
-    fn take_scratch(&mut self, rows: usize, d_v: usize) -> (Mat<f32>, Vec<f32>) {
+    fn take_scratch(&mut self, rows: usize, d_v: usize) -> attn_core::Result<(Mat<f32>, Vec<f32>)> {
         match self.scratch.take() {
-            Some((o, l)) if o.nrows() == rows => (o, l),
-            _ => (Mat::zeros(rows, d_v), vec![0.0; rows]),
+            Some((o, l)) if o.nrows() == rows => Ok((o, l)),
+            _ => Ok((
+                zero_mat("ring scratch", rows, d_v)?,
+                zeros_f32("ring scratch", rows)?,
+            )),
         }
     }
 
@@ -259,7 +292,7 @@ pub(crate) fn fold_forward<T: Element>(
                         }
                     };
                     let m = chunk.global.len();
-                    let (mut o, mut l) = acc.take_scratch(m, s.d_v);
+                    let (mut o, mut l) = acc.take_scratch(m, s.d_v)?;
                     let (qc, kc, vc) = (
                         qh.subrows(chunk.local, m),
                         kh.subrows(kseg.local, keys),
@@ -309,10 +342,11 @@ impl BackwardAcc {
             .max()
             .unwrap_or(0);
         Ok(Self {
+            // The plan checked that this product fits (`Shape::check_sizes`).
             dq: zeros_f32("dQ", s.batch * s.h_q * rows * s.d_k)?,
-            dq_part: Mat::zeros(longest, s.d_k),
-            dk_part: Mat::zeros(KEY_CHUNK, s.d_k),
-            dv_part: Mat::zeros(KEY_CHUNK, s.d_v),
+            dq_part: zero_mat("ring scratch", longest, s.d_k)?,
+            dk_part: zero_mat("ring scratch", KEY_CHUNK, s.d_k)?,
+            dv_part: zero_mat("ring scratch", KEY_CHUNK, s.d_v)?,
         })
     }
 }

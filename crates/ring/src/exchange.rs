@@ -28,6 +28,28 @@ impl Shape {
     pub fn group(&self) -> usize {
         self.h_q / self.h_kv.max(1)
     }
+
+    /// Checks that every buffer a rank of `rows` positions holds, or receives from another,
+    /// has a size that fits: [`Shape::kv_len`] and the other products are unchecked after
+    /// this. Counted in f32s (the widest element a ring stores: the states, the gradients),
+    /// so that the bytes fit an allocation too (at most `isize::MAX`). A broadcast (stride 0)
+    /// axis makes huge shapes from small buffers: 2^62 query heads must be this error, on
+    /// every rank alike, not an overflow inside the ring.
+    pub fn check_sizes(&self, rows: usize) -> attn_core::Result<()> {
+        let fits = |what: &'static str, factors: &[usize]| {
+            let n = factors.iter().try_fold(1usize, |a, &f| a.checked_mul(f));
+            match n.and_then(|n| n.checked_mul(size_of::<f32>())) {
+                Some(bytes) if bytes <= isize::MAX as usize => Ok(()),
+                _ => Err(Error::allocation_of::<f32>(what, n)),
+            }
+        };
+        let kv_width = self.d_k.checked_add(self.d_v);
+        let kv_width = kv_width.ok_or_else(|| Error::allocation_of::<f32>("K/V block", None))?;
+        fits("K/V block", &[self.batch, self.h_kv, rows, kv_width])?;
+        fits("output", &[self.batch, self.h_q, rows, self.d_v])?;
+        fits("dQ", &[self.batch, self.h_q, rows, self.d_k])?;
+        fits("LSE", &[self.batch, self.h_q, rows])
+    }
 }
 
 /// Which pass a descriptor was made for (ranks calling different passes disagree).
@@ -192,6 +214,9 @@ pub(crate) fn agree(
         d_v: first[6] as usize,
     };
     let _same_on_every_rank = rank;
+    for &r in &rows {
+        shape.check_sizes(r)?;
+    }
     Ok(Plan {
         shape,
         scale: options.options().scale_for(shape.d_k)?,
@@ -247,6 +272,43 @@ mod tests {
         let own = Error::head_grouping(3, 2);
         let e = agree(&all, 1, Some(own.clone()), &RingOptions::default()).unwrap_err();
         assert_eq!(e.to_string(), own.to_string());
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_the_same_error_on_every_rank() {
+        let s = Shape {
+            batch: 1,
+            h_q: 1 << 62,
+            h_kv: 1,
+            d_k: 4,
+            d_v: 4,
+        };
+        let opts = RingOptions::default();
+        let all = [
+            describe::<f32>(Some((s, 3)), Pass::Forward, &opts),
+            describe::<f32>(Some((s, 4)), Pass::Forward, &opts),
+        ];
+        for rank in 0..2 {
+            let e = agree(&all, rank, None, &opts).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    RingError::Input(Error::Allocation {
+                        what: "output",
+                        bytes: usize::MAX
+                    })
+                ),
+                "{e}"
+            );
+        }
+        // A width that overflows with the other's.
+        let wide = Shape {
+            h_q: 1,
+            d_k: usize::MAX,
+            ..s
+        };
+        let all = [describe::<f32>(Some((wide, 1)), Pass::Forward, &opts)];
+        assert!(agree(&all, 0, None, &opts).is_err());
     }
 
     #[test]

@@ -45,6 +45,19 @@
 //! around the ring again and each block's dK and dV travel with it, one step behind,
 //! every rank adding its share; after the last step they reach the block's owner.
 //!
+//! # Failures
+//!
+//! A pass that fails on one rank fails on every rank, with an error, never a hang.
+//! Shapes, options, split counts and the sizes of every buffer any rank will hold (checked
+//! products: heads broadcast to 2^62 by a zero stride are an error) are agreed in one
+//! allgather before any block moves. After that a rank may still fail alone (an allocation
+//! its allocator refuses, a failed or panicking engine call, whose transfers it completes
+//! first): at the set-up, before each step's blocks move and after the last step the ranks
+//! agree, with one `MPI_Allreduce` of a word, whether every rank can go on — the failed rank
+//! returns its own error and the others [`RingError::Failed`] naming it, and the
+//! communicator has no message left in flight. The test-only `fault-injection` feature
+//! plants such failures (`tests/ring_faults.rs`).
+//!
 //! # Set-up
 //!
 //! The crate links the system MPI through `mpi` (rsmpi): on Debian,
@@ -82,6 +95,7 @@
 
 mod block;
 mod exchange;
+mod fault;
 mod ring;
 mod split;
 
@@ -96,6 +110,12 @@ use block::{
 };
 use exchange::{Desc, Pass, Plan, Shape, agree, check_forward, describe};
 
+/// Failures planted by tests (the test-only `fault-injection` feature): a chosen rank fails
+/// at a chosen point of a chosen step of a pass.
+#[cfg(feature = "fault-injection")]
+pub mod faults {
+    pub use crate::fault::{Fault, FaultPass, FaultPoint, plant};
+}
 pub use mpi;
 pub use ring::Ring;
 pub use split::{Split, contiguous_rows, shard, zigzag_chunk, zigzag_rows};
@@ -149,18 +169,28 @@ impl RingOptions {
     }
 }
 
-/// Why a ring pass failed. Every variant but [`RingError::Input`] and
-/// [`RingError::Pool`] is reported identically by every rank.
+/// Why a ring pass failed. A pass that fails on one rank fails on every rank: every
+/// variant but [`RingError::Input`], [`RingError::Peer`], [`RingError::Failed`] and
+/// [`RingError::Pool`] is reported identically by every rank; the rank whose inputs or
+/// computation failed reports [`RingError::Input`] and the others name it
+/// ([`RingError::Peer`] before any block moved, [`RingError::Failed`] after).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RingError {
-    /// This rank's inputs were rejected (or a computation on them failed).
+    /// This rank's inputs were rejected (or a computation or an allocation on them failed).
     #[error(transparent)]
     Input(#[from] attn_core::Error),
     /// Another rank's inputs were rejected: its own error says why.
     #[error("rank {rank} rejected its inputs (its error says why)")]
     Peer {
         /// The first rank that rejected its inputs.
+        rank: usize,
+    },
+    /// Another rank failed once the ring was turning (a buffer its allocator refused, a
+    /// computation that failed): every rank stopped at the same step, none waits for it.
+    #[error("rank {rank} failed during the ring pass (its error says why); every rank stopped")]
+    Failed {
+        /// The first rank that failed.
         rank: usize,
     },
     /// Ranks disagree on a shape or an option.
@@ -371,7 +401,7 @@ pub fn simulate_forward<T: RingElement>(
     let exec = Exec { pool: None };
     let mut results = Vec::with_capacity(p);
     for (r, &q) in q.iter().enumerate() {
-        let mut acc = ForwardAcc::new(&plan, r);
+        let mut acc = ForwardAcc::new(&plan, r)?;
         let mut stats = RingStats::new(p, rayon::current_num_threads());
         for step in 0..p {
             let owner = (r + p - step) % p;

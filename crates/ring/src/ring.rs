@@ -1,9 +1,11 @@
 //! The ring over MPI: [`Ring`], its forward and backward passes, and the messages.
 
+use std::panic::AssertUnwindSafe;
 use std::time::Instant;
 
 use attn_core::Tensor4Ref;
 use mpi::Rank;
+use mpi::collective::SystemOperation;
 use mpi::request::{LocalScope, Request};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
@@ -14,6 +16,7 @@ use crate::block::{
     pack_kv, zeros_f32,
 };
 use crate::exchange::{DESC_LEN, Desc, Pass, Plan, agree, check_forward, describe};
+use crate::fault::{Point, strike};
 use crate::{RingBackward, RingElement, RingError, RingForward, RingOptions, RingStats};
 
 /// The largest piece of a block sent as one message (MPI counts are `int`).
@@ -96,6 +99,28 @@ impl Ring {
         agree(&all, self.rank, own, options)
     }
 
+    /// Whether every rank can go on: a cheap collective (one `MPI_Allreduce` of a word)
+    /// at the points where a rank may have failed alone — after allocating, before a step
+    /// whose block it must receive, after computing. A rank that failed returns its own
+    /// error; every other rank returns [`RingError::Failed`] naming the first rank that
+    /// failed, instead of waiting for blocks that rank will never send.
+    fn together<R>(&self, local: attn_core::Result<R>) -> Result<R, RingError> {
+        let mine = match &local {
+            Ok(_) => u64::MAX,
+            Err(_) => self.rank as u64,
+        };
+        let mut first = u64::MAX;
+        self.comm
+            .all_reduce_into(&mine, &mut first, SystemOperation::min());
+        match local {
+            Err(e) => Err(RingError::Input(e)),
+            Ok(_) if first != u64::MAX => Err(RingError::Failed {
+                rank: first as usize,
+            }),
+            Ok(x) => Ok(x),
+        }
+    }
+
     /// The ring forward pass: this rank's rows of `softmax(scale·QKᵀ + M) V` over the whole
     /// sequence, and their LSE.
     ///
@@ -110,10 +135,12 @@ impl Ring {
     ///
     /// # Errors
     ///
-    /// Input errors (shapes, options, split counts, on any rank) are found before any block
-    /// moves and returned by every rank. An allocation failure after that point ends the
-    /// pass on its rank alone, and the others would wait for its blocks: the buffers are
-    /// allocated before the first step to make that unlikely, not impossible.
+    /// Every failure is an error on every rank. Input errors (shapes, options, split
+    /// counts, sizes that do not fit, on any rank) are found before any block moves and
+    /// returned by every rank. A failure on one rank after that (a buffer the allocator
+    /// refuses, a computation that fails) is its own error there and
+    /// [`RingError::Failed`] on every other rank: the ranks agree at each step, before any
+    /// block of that step moves, whether every rank can go on.
     pub fn forward<T: RingElement>(
         &self,
         q: Tensor4Ref<'_, T>,
@@ -128,22 +155,33 @@ impl Ring {
         let (p, r) = (self.size, self.rank);
         let s = plan.shape;
         let mut stats = RingStats::new(p, self.threads());
-        let mut acc = ForwardAcc::new(&plan, r);
         let mut cur = Vec::new();
-        pack_kv(&s, k, v, plan.rows[r], &mut cur)?;
         let mut next: Vec<T> = Vec::new();
+        let set_up = ForwardAcc::new(&plan, r).and_then(|acc| {
+            pack_kv(&s, k, v, plan.rows[r], &mut cur)?;
+            strike(r, false, 0, Point::SetUp)?;
+            Ok(acc)
+        });
+        let mut acc = self.together(set_up)?;
         let exec = Exec {
             pool: Some(&self.pool),
         };
         let (to, from) = (((r + 1) % p) as Rank, ((r + p - 1) % p) as Rank);
+        // A failure of a step's computation, reported when the ranks next agree.
+        let mut failed = None;
         for step in 0..p {
             let owner = (r + p - step) % p;
             let incoming = (r + 2 * p - step - 1) % p;
             let more = step + 1 < p;
-            if more {
-                let (kl, vl) = s.kv_len(plan.rows[incoming]);
-                resize(&mut next, kl + vl)?;
-            }
+            let ready = match failed.take() {
+                Some(e) => Err(e),
+                None if more => {
+                    let (kl, vl) = s.kv_len(plan.rows[incoming]);
+                    resize(&mut next, kl + vl).and_then(|()| strike(r, false, step, Point::Grow))
+                }
+                None => Ok(()),
+            };
+            self.together(ready)?;
             let block = KvBlock {
                 data: &cur,
                 rows: plan.rows[owner],
@@ -165,20 +203,33 @@ impl Ring {
                         &mut stats.bytes_sent,
                     );
                 }
-                let calls = fold_forward(&plan, q, &mut acc, &block, &exec, &mut || pending.poll());
+                let calls = guarded(|| {
+                    fold_forward(&plan, q, &mut acc, &block, &exec, &mut || pending.poll())
+                });
                 let t1 = Instant::now();
+                // Completed whatever the computation did: no request outlives the scope.
                 pending.wait();
                 (calls, t1)
             });
             let (calls, t1) = result;
             stats.compute += t1 - t0;
             stats.wait += t1.elapsed();
-            let calls = calls?;
-            stats.calls += calls;
-            stats.steps_computed += usize::from(calls > 0);
+            match calls.and_then(|c| strike(r, false, step, Point::Compute).map(|()| c)) {
+                Ok(calls) => {
+                    stats.calls += calls;
+                    stats.steps_computed += usize::from(calls > 0);
+                }
+                Err(e) => failed = Some(e),
+            }
             std::mem::swap(&mut cur, &mut next);
         }
-        let (out, lse) = acc.finish::<T>(&s, plan.rows[r])?;
+        let finished = match failed {
+            Some(e) => Err(e),
+            None => acc
+                .finish::<T>(&s, plan.rows[r])
+                .and_then(|x| strike(r, false, p, Point::Finish).map(|()| x)),
+        };
+        let (out, lse) = self.together(finished)?;
         stats.total = start.elapsed();
         Ok(RingForward { out, lse, stats })
     }
@@ -191,6 +242,10 @@ impl Ring {
     /// block travel with it, each rank adding its share: a block's gradients are the sum
     /// of the ranks' shares in ring order starting at its owner, which they reach after the
     /// last step. Accumulation is in f32, rounded to `T` once.
+    ///
+    /// # Errors
+    ///
+    /// As [`Ring::forward`]'s: every failure, on any rank, is an error on every rank.
     #[allow(clippy::too_many_arguments)]
     pub fn backward<T: RingElement>(
         &self,
@@ -215,31 +270,50 @@ impl Ring {
             out,
             lse,
         };
-        let mut acc = BackwardAcc::new(&plan, r)?;
-        let mut cur = Vec::new();
-        pack_kv(&s, k, v, plan.rows[r], &mut cur)?;
-        let mut next: Vec<T> = Vec::new();
         let grad_len = |rank: usize| {
             let (a, b) = s.kv_len(plan.rows[rank]);
             a + b
         };
+        let mut cur = Vec::new();
+        let mut next: Vec<T> = Vec::new();
+        // This rank's own block's gradients, received after the last step.
+        let mut own = Vec::new();
+        let set_up = BackwardAcc::new(&plan, r).and_then(|acc| {
+            pack_kv(&s, k, v, plan.rows[r], &mut cur)?;
+            if p > 1 {
+                resize(&mut own, grad_len(r))?;
+            }
+            strike(r, true, 0, Point::SetUp)?;
+            Ok(acc)
+        });
+        let mut acc = self.together(set_up)?;
         // This step's share, the sum arriving for this step's block, the sum leaving.
         let (mut arriving, mut leaving): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
         let exec = Exec {
             pool: Some(&self.pool),
         };
         let (to, from) = (((r + 1) % p) as Rank, ((r + p - 1) % p) as Rank);
+        let mut failed = None;
         for step in 0..p {
             let owner = (r + p - step) % p;
             let incoming = (r + 2 * p - step - 1) % p;
             let more = step + 1 < p;
-            if more {
-                resize(&mut next, grad_len(incoming))?;
-            }
-            let mut share = zeros_f32("dK/dV share", grad_len(owner))?;
-            if step > 0 {
-                resize(&mut arriving, grad_len(owner))?;
-            }
+            let mut share = Vec::new();
+            let ready = match failed.take() {
+                Some(e) => Err(e),
+                None => (|| {
+                    if more {
+                        resize(&mut next, grad_len(incoming))?;
+                        strike(r, true, step, Point::Grow)?;
+                    }
+                    share = zeros_f32("dK/dV share", grad_len(owner))?;
+                    if step > 0 {
+                        resize(&mut arriving, grad_len(owner))?;
+                    }
+                    Ok(())
+                })(),
+            };
+            self.together(ready)?;
             let block = KvBlock {
                 data: &cur,
                 rows: plan.rows[owner],
@@ -274,33 +348,39 @@ impl Ring {
                         bytemuck::cast_slice_mut(&mut arriving[..]),
                     );
                 }
-                let calls = fold_backward(
-                    &plan,
-                    r,
-                    x,
-                    &mut acc,
-                    &block,
-                    &mut share,
-                    &exec,
-                    &mut || pending.poll(),
-                );
+                let calls = guarded(|| {
+                    fold_backward(
+                        &plan,
+                        r,
+                        x,
+                        &mut acc,
+                        &block,
+                        &mut share,
+                        &exec,
+                        &mut || pending.poll(),
+                    )
+                });
                 let t1 = Instant::now();
                 pending.wait();
                 (calls, t1)
             });
             stats.compute += t1 - t0;
             stats.wait += t1.elapsed();
-            let calls = calls?;
-            stats.calls += calls;
-            stats.steps_computed += usize::from(calls > 0);
+            match calls.and_then(|c| strike(r, true, step, Point::Compute).map(|()| c)) {
+                Ok(calls) => {
+                    stats.calls += calls;
+                    stats.steps_computed += usize::from(calls > 0);
+                }
+                Err(e) => failed = Some(e),
+            }
             combine((step > 0).then_some(&arriving[..]), &mut share);
             std::mem::swap(&mut leaving, &mut share);
             std::mem::swap(&mut cur, &mut next);
         }
+        // Every rank computed every step, or none sends the last sums.
+        self.together(failed.map_or(Ok(()), Err))?;
         // The last block's sum goes to its owner, the next rank; ours comes from the last.
-        let mut own = Vec::new();
         if p > 1 {
-            resize(&mut own, grad_len(r))?;
             let t1 = Instant::now();
             mpi::request::scope(|scope| {
                 let mut pending = Pending::default();
@@ -320,10 +400,25 @@ impl Ring {
         } else {
             own = leaving;
         }
-        let result = crate::finish_backward::<T>(&plan, r, &acc, &own)?;
+        let finished = crate::finish_backward::<T>(&plan, r, &acc, &own)
+            .and_then(|x| strike(r, true, p, Point::Finish).map(|()| x));
+        let result = self.together(finished)?;
         stats.total = start.elapsed();
         Ok(RingBackward { stats, ..result })
     }
+}
+
+/// Runs a step's computation, a panic caught as an error: inside a request scope a panic
+/// would drop the outstanding requests, and rsmpi aborts the whole job then. Caught, the
+/// rank completes its transfers and the others learn of the failure at the next agreement.
+/// The library does not panic on input; this guards against its own bugs.
+fn guarded<R>(f: impl FnOnce() -> attn_core::Result<R>) -> attn_core::Result<R> {
+    std::panic::catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(attn_core::Error::unsupported(
+            "ring step",
+            "the engine panicked (a bug: its message was printed above)",
+        ))
+    })
 }
 
 /// Resizes a buffer, allocation failure as an error.

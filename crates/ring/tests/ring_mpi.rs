@@ -13,7 +13,8 @@ use std::process::ExitCode;
 use attn_core::{Tensor4, Tensor4Ref};
 use attn_ring::mpi::traits::*;
 use attn_ring::{
-    Ring, RingElement, RingError, RingOptions, Split, shard, simulate_backward, simulate_forward,
+    Ring, RingElement, RingError, RingOptions, Split, contiguous_rows, shard, simulate_backward,
+    simulate_forward,
 };
 use half::f16;
 
@@ -155,6 +156,29 @@ fn rejected_input(ring: &Ring) -> Result<String, String> {
     }
 }
 
+/// Query heads broadcast by a zero head stride to `heads` (from a buffer of one head):
+/// sizes that do not fit (2^62 heads) or that no allocator grants (2^40) are an error on
+/// every rank, forward and backward — not an overflow, an abort or a hang.
+fn broadcast_heads(ring: &Ring, heads: usize) -> Result<String, String> {
+    let (p, r) = (ring.size(), ring.rank());
+    let (n, d) = (7, 4);
+    let rows = contiguous_rows(n, p, r).len();
+    let data = tensor::<f32>(9, [1, 1, rows, d], 1.0);
+    let q = Tensor4Ref::new(data.as_slice(), [1, heads, rows, d], [0, 0, d])
+        .map_err(|e| format!("view: {e}"))?;
+    let kv = data.as_ref();
+    let opts = RingOptions::default();
+    let f = ring.forward(q, kv, kv, &opts);
+    let b = ring.backward(q, q, kv, kv, q, &[0.0; 8], &opts);
+    match (f, b) {
+        (Err(RingError::Input(attn_core::Error::Allocation { what, .. })), Err(eb)) => Ok(format!(
+            "forward: {what} cannot be allocated; backward: {eb}"
+        )),
+        (Err(e), _) => Err(format!("wrong forward error: {e}")),
+        (Ok(_), _) => Err("no error from the forward".into()),
+    }
+}
+
 fn zigzag_with_wrong_rows(ring: &Ring) -> Result<String, String> {
     let (p, r) = (ring.size(), ring.rank());
     // Every rank passes 3 rows: right only when 3·P splits evenly into 2P chunks' pairs.
@@ -248,6 +272,14 @@ fn main() -> ExitCode {
     results.push((
         "a rejected input is an error on every rank".into(),
         rejected_input(&ring),
+    ));
+    results.push((
+        "2^62 query heads (stride 0) are an error on every rank".into(),
+        broadcast_heads(&ring, 1 << 62),
+    ));
+    results.push((
+        "2^40 query heads (stride 0) are an error on every rank".into(),
+        broadcast_heads(&ring, 1 << 40),
     ));
     results.push((
         "zigzag rows not the split's are an error on every rank".into(),

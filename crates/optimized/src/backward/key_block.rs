@@ -10,7 +10,7 @@ use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par, RowMut};
 
 use super::{Group, QueryHead};
-use crate::exact::rescore;
+use crate::exact::{rescore, row_top};
 use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
@@ -37,11 +37,22 @@ struct RowTerms {
     /// every time cost half precision several per cent.
     q: Vec<f32>,
     d_out: Vec<f32>,
+    /// The rows whose LSE is at `±L` (every score they see saturated, as when a
+    /// score modifier returns `±inf` for each): `(row, top, −log2(count))`, their top
+    /// score and how many keys reach it. f32 cannot carry `top + log2(count)`, so `P` is
+    /// not recovered from their LSE (it would be 1 for every top key): their top keys get
+    /// `1/count`, the forward's weights, and their `lse2` is 0. Empty on ordinary input.
+    saturated: Vec<(usize, f32, f32)>,
 }
 
 impl RowTerms {
     /// `D`, the LSE in the log2 domain and the finiteness of each row of `head`.
-    fn compute<T: Element>(&mut self, head: &QueryHead<'_, T>, d_v: usize) {
+    fn compute<T: Element, K: KeySource<T>>(
+        &mut self,
+        head: &QueryHead<'_, T>,
+        inputs: &HeadInputs<'_, T, K>,
+        d_v: usize,
+    ) {
         let finite = |m: MatRef<'_, T>, i: usize| row_is_finite(m.row(i));
         for i in 0..head.q.nrows() {
             self.d[i] = (0..d_v)
@@ -57,6 +68,30 @@ impl RowTerms {
             };
             self.q_finite[i] = finite(head.q, i);
             self.d_out_finite[i] = finite(head.d_out, i);
+            // An LSE at `±L` comes back from natural units a little inside `±f32::MAX`
+            // (the limit rounded twice), hence the forward's threshold of overflow. Only rows
+            // whose top score saturated: a sink near f32::MAX also makes a huge LSE, and
+            // then the keys' weights are the 0 that `P` gives.
+            if self.lse2[i].abs() >= f32::MAX / 2.0
+                && let Some((top, count)) = row_top(inputs, i)
+                && top.abs() == f64::from(f32::MAX)
+            {
+                self.saturated
+                    .push((i, top as f32, -(count as f64).log2() as f32));
+                self.lse2[i] = 0.0;
+            }
+        }
+    }
+
+    /// Rewrites the scores of this tile's saturated rows (`rows`, column-major, `ld`
+    /// apart) so that `P = 2^(s − lse2)` gives them their forward weights: `−log2(count)`
+    /// at the top, `-inf` (weight 0) elsewhere.
+    fn saturated_rows(&self, s: &mut [f32], ld: usize, rows: &Range<usize>, cols: usize) {
+        for &(row, top, shift) in self.saturated.iter().filter(|r| rows.contains(&r.0)) {
+            let i = row - rows.start;
+            for x in s.chunks_mut(ld).take(cols).map(|c| &mut c[i]) {
+                *x = if *x == top { shift } else { f32::NEG_INFINITY };
+            }
         }
     }
 }
@@ -89,10 +124,11 @@ pub(super) struct Scratch {
 impl Scratch {
     /// Scratch for tiles of `plan` and one group of `heads` query heads of `shape`, with
     /// each head's [`RowTerms`] computed; every buffer is allocated fallibly.
-    pub fn new<T: Element, K>(
+    pub fn new<T: Element, K: KeySource<T>>(
         plan: TilePlan,
         shape: &HeadShape,
         group: &Group<'_, T, K>,
+        inputs: &[HeadInputs<'_, T, K>],
     ) -> Result<Self> {
         let TilePlan { br, bc } = plan;
         let HeadShape { n_q, d_k, d_v, .. } = *shape;
@@ -101,7 +137,7 @@ impl Scratch {
         rows.try_reserve_exact(group.heads.len()).map_err(|_| {
             Error::allocation_of::<RowTerms>("backward row terms", Some(group.heads.len()))
         })?;
-        for head in &group.heads {
+        for (head, inputs) in group.heads.iter().zip(inputs) {
             let mut terms = RowTerms {
                 d: filled("backward row terms", Some(n_q), 0.0)?,
                 lse2: filled("backward row terms", Some(n_q), 0.0)?,
@@ -109,6 +145,7 @@ impl Scratch {
                 d_out_finite: filled("backward row terms", Some(n_q), true)?,
                 q: Vec::new(),
                 d_out: Vec::new(),
+                saturated: Vec::new(),
             };
             if T::WIDENS {
                 terms.q = zeros("backward widened Q", n_q, d_k)?;
@@ -116,7 +153,7 @@ impl Scratch {
                 widen_rows(head.q, 0..n_q, &mut terms.q);
                 widen_rows(head.d_out, 0..n_q, &mut terms.d_out);
             }
-            terms.compute(head, d_v);
+            terms.compute(head, inputs, d_v);
             rows.push(terms);
         }
         let dmod = if group.heads.iter().any(|h| chains(&h.mods)) {
@@ -214,6 +251,9 @@ impl Scratch {
                 };
                 modify_scores(p, (1, br), head, (rows.clone(), cols.clone()), derivative);
                 mask_tile(p, br, head, (rows.clone(), cols.clone()), coverage);
+                if !terms.saturated.is_empty() {
+                    terms.saturated_rows(p, br, &rows, nc);
+                }
                 probabilities(p, br, nr, nc, &terms.lse2[rows.clone()]);
 
                 // dP = dO Vᵀ, then dS = P ∘ (dP − D).
@@ -321,11 +361,14 @@ fn chains(mods: &attn_core::HeadModifiers<'_>) -> bool {
 
 /// `dS ← dS ∘ f'` over a `rows × cols` column-major tile (`ld` apart), the gradient of the
 /// raw scores from that of the modified ones. A zero stays zero: a hidden key's derivative
-/// (taken at a score that was never visible) must not turn its 0 into NaN.
+/// (taken at a score that was never visible), or an infinite one, must not turn its 0 into
+/// NaN. The derivative saturates at `±f32::MAX` as the modified score does (the contract's
+/// rule for a modifier's outputs; NaN stays NaN): a product that then overflows is an
+/// overflow of finite values, which the exact repair of the gradients recomputes.
 fn chain_rule(ds: &mut [f32], derivative: &[f32], ld: usize, rows: usize, cols: usize) {
     for (col, dcol) in ds.chunks_mut(ld).zip(derivative.chunks(ld)).take(cols) {
         for (x, &d) in col[..rows].iter_mut().zip(&dcol[..rows]) {
-            *x = if *x == 0.0 { 0.0 } else { *x * d };
+            *x = if *x == 0.0 { 0.0 } else { *x * saturate(d) };
         }
     }
 }

@@ -538,10 +538,10 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         if task.blocks.is_empty() {
             return Ok(()); // no key: the partial dQ stays 0
         }
-        let mut scratch = key_block::Scratch::new(self.plan, &shape, group)?;
+        let heads = self.head_inputs(group);
+        let mut scratch = key_block::Scratch::new(self.plan, &shape, group, &heads)?;
         let HeadShape { n_q, d_k, .. } = shape;
         let bc = self.plan.bc;
-        let heads = self.head_inputs(group);
         for BlockRows { block, dk, dv } in task.blocks {
             let cols = block * bc..block * bc + dk.len();
             scratch.key_block(group, &heads, cols, task.dq, n_q * d_k);
