@@ -143,6 +143,9 @@ fn main() {
         group.finish();
     }
     c.final_summary();
+    if common::criterion_only() {
+        return;
+    }
 
     // Interleaved ratios. Warm everything once so first-touch costs stay out of round one.
     pool.install(|| {

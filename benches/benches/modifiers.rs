@@ -220,6 +220,9 @@ fn main() {
         group.finish();
     }
     c.final_summary();
+    if common::criterion_only() {
+        return;
+    }
 
     // Interleaved ratios, everything warmed once first.
     (0..kernels.len()).for_each(run);

@@ -107,6 +107,9 @@ fn main() {
         group.finish();
     }
     c.final_summary();
+    if common::criterion_only() {
+        return;
+    }
 
     // Interleaved ratios, everything warmed once first.
     masked(&shared);

@@ -55,3 +55,10 @@ pub fn range(xs: &[f64]) -> (f64, f64) {
     let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     (lo, hi)
 }
+
+/// Whether only criterion's timings are wanted (`ATTN_BENCH_CRITERION_ONLY=1`): the benches
+/// with interleaved ratio rounds skip them, so that two builds' bench binaries can be run in
+/// alternation and their criterion figures compared within a reasonable time.
+pub fn criterion_only() -> bool {
+    std::env::var_os("ATTN_BENCH_CRITERION_ONLY").is_some_and(|v| v == "1")
+}
