@@ -18,7 +18,7 @@ use attn_benches::catalog::Dtype;
 use attn_benches::protocol::median;
 use attn_benches::roof::{ReadBuffer, pool};
 use attn_benches::runner::Buffers;
-use attn_optimized::{Options, SplitKv, attention_batched_with};
+use attn_optimized::{Attention, Options, Par, SplitKv};
 use criterion::{Criterion, Throughput};
 
 /// The shapes of the targets, or toy ones in test mode.
@@ -60,9 +60,18 @@ impl Setup {
 fn step(inputs: &Buffers, split: SplitKv) {
     let options = Options::default();
     let out = match inputs {
-        Buffers::F32(x) => attention_batched_with(x.q(), x.k(), x.v(), &options, split).map(drop),
-        Buffers::F16(x) => attention_batched_with(x.q(), x.k(), x.v(), &options, split).map(drop),
-        Buffers::Bf16(x) => attention_batched_with(x.q(), x.k(), x.v(), &options, split).map(drop),
+        Buffers::F32(x) => Attention::batched(x.q(), x.k(), x.v(), &options)
+            .and_then(|call| call.split_kv(split).forward(Par::rayon(0)))
+            .map(|f| f.into_output())
+            .map(drop),
+        Buffers::F16(x) => Attention::batched(x.q(), x.k(), x.v(), &options)
+            .and_then(|call| call.split_kv(split).forward(Par::rayon(0)))
+            .map(|f| f.into_output())
+            .map(drop),
+        Buffers::Bf16(x) => Attention::batched(x.q(), x.k(), x.v(), &options)
+            .and_then(|call| call.split_kv(split).forward(Par::rayon(0)))
+            .map(|f| f.into_output())
+            .map(drop),
     };
     out.expect("a valid decoding step");
 }

@@ -24,7 +24,7 @@ use std::time::Duration;
 use attn_benches::protocol::median;
 use attn_benches::roof::pool;
 use attn_core::{Alibi, MaskMod, ScoreMod, ScoreTile, SoftCap, TileCoverage};
-use attn_optimized::{Causal, Layout, Options, Tensor4Ref, attention_batched};
+use attn_optimized::{Attention, Causal, Layout, Options, Par, Tensor4Ref};
 use criterion::Criterion;
 
 fn values(n: usize, seed: usize) -> Vec<f32> {
@@ -209,7 +209,12 @@ fn main() {
         pair("causal sink ÷ causal", "causal_sink", "causal", 1.02),
     ];
     let run = |k: usize| {
-        pool.install(|| attention_batched(x, x, x, &kernels[k].1).expect("runs"));
+        pool.install(|| {
+            Attention::batched(x, x, x, &kernels[k].1)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_output())
+                .expect("runs")
+        });
     };
 
     {

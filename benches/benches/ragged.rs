@@ -18,8 +18,7 @@ use std::time::Duration;
 use attn_benches::protocol::median;
 use attn_benches::roof::pool;
 use attn_optimized::{
-    BoolMask, BoolMask4, CuSeqlens, Layout, Mask4Ref, Options, Tensor4Ref, attention_batched,
-    attention_packed,
+    Attention, BoolMask, BoolMask4, CuSeqlens, Layout, Mask4Ref, Options, Par, Tensor4Ref,
 };
 use criterion::Criterion;
 use faer::MatRef;
@@ -68,7 +67,14 @@ fn main() {
     )));
     let per_head_view = Mask4Ref::contiguous(&per_head_bits, [1, heads, n, n]).expect("fits");
     let per_head = Options::default().with_bool_mask_4d(BoolMask4::allow(per_head_view));
-    let masked = |o: &Options<'_>| pool.install(|| attention_batched(x, x, x, o).expect("runs"));
+    let masked = |o: &Options<'_>| {
+        pool.install(|| {
+            Attention::batched(x, x, x, o)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_output())
+                .expect("runs")
+        })
+    };
 
     // Packed against separate calls, over one [total, heads, d] buffer.
     let total: usize = lens.iter().sum();
@@ -88,12 +94,21 @@ fn main() {
         })
         .collect();
     let opts = Options::default();
-    let run_packed =
-        || pool.install(|| attention_packed(packed, packed, packed, &seqs, &opts).expect("runs"));
+    let run_packed = || {
+        pool.install(|| {
+            Attention::packed(packed, packed, packed, &seqs, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_output())
+                .expect("runs")
+        })
+    };
     let run_separate = || {
         pool.install(|| {
             for t in &pieces {
-                attention_batched(*t, *t, *t, &opts).expect("runs");
+                Attention::batched(*t, *t, *t, &opts)
+                    .and_then(|call| call.forward(Par::rayon(0)))
+                    .map(|f| f.into_output())
+                    .expect("runs");
             }
         })
     };

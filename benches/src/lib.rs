@@ -19,7 +19,7 @@
 //! use attn_core::Options;
 //! let x = Qkv::random(2, 16, 16, 8, 42);
 //! let ours = baseline::attention_batched(x.q(), x.k(), x.v(), &Options::default()).unwrap();
-//! let truth = attn_reference::attention_batched(x.q(), x.k(), x.v(), &Options::default()).unwrap();
+//! let truth = attn_reference::Attention::batched(x.q(), x.k(), x.v(), &Options::default()).and_then(|call| call.forward()).map(|f| f.into_output()).unwrap();
 //! let worst = ours.as_slice().iter().zip(truth.as_slice())
 //!     .map(|(a, b)| (a - b).abs())
 //!     .fold(0.0f32, f32::max);

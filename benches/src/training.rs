@@ -22,7 +22,9 @@ pub struct Step<T> {
 
 impl<T: Element> Step<T> {
     fn new(x: Qkv<T>, d_out: Vec<T>, options: &Options<'_>) -> Result<Self, Error> {
-        let (out, lse) = attn_optimized::attention_batched_with_lse(x.q(), x.k(), x.v(), options)?;
+        let (out, lse) = attn_optimized::Attention::batched(x.q(), x.k(), x.v(), options)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())?;
         Ok(Self { x, d_out, out, lse })
     }
 
@@ -34,15 +36,14 @@ impl<T: Element> Step<T> {
     /// The backward pass; the gradients are dropped.
     pub fn backward(&self, options: &Options<'_>) -> Result<(), Error> {
         let x = &self.x;
-        let g = attn_optimized::attention_backward_batched(
-            self.d_out(),
-            x.q(),
-            x.k(),
-            x.v(),
-            self.out.as_ref(),
-            &self.lse,
-            options,
-        )?;
+        let g =
+            attn_optimized::Attention::batched(x.q(), x.k(), x.v(), options).and_then(|call| {
+                call.backward(
+                    attn_optimized::ForwardRef::batch(self.out.as_ref(), &self.lse)?,
+                    self.d_out(),
+                    attn_optimized::Par::rayon(0),
+                )
+            })?;
         std::hint::black_box(g);
         Ok(())
     }
@@ -56,15 +57,13 @@ impl<T: Element> Step<T> {
         T: attn_reference::Element + Default,
     {
         let x = &self.x;
-        let g = attn_reference::attention_backward_batched(
-            self.d_out(),
-            x.q(),
-            x.k(),
-            x.v(),
-            self.out.as_ref(),
-            &self.lse,
-            options,
-        )?;
+        let g =
+            attn_reference::Attention::batched(x.q(), x.k(), x.v(), options).and_then(|call| {
+                call.backward(
+                    attn_reference::ForwardRef::batch(self.out.as_ref(), &self.lse)?,
+                    self.d_out(),
+                )
+            })?;
         std::hint::black_box(g);
         Ok(())
     }
@@ -73,16 +72,17 @@ impl<T: Element> Step<T> {
     /// training step of the attention.
     pub fn forward_backward(&self, options: &Options<'_>) -> Result<(), Error> {
         let x = &self.x;
-        let (out, lse) = attn_optimized::attention_batched_with_lse(x.q(), x.k(), x.v(), options)?;
-        let g = attn_optimized::attention_backward_batched(
-            self.d_out(),
-            x.q(),
-            x.k(),
-            x.v(),
-            out.as_ref(),
-            &lse,
-            options,
-        )?;
+        let (out, lse) = attn_optimized::Attention::batched(x.q(), x.k(), x.v(), options)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())?;
+        let g =
+            attn_optimized::Attention::batched(x.q(), x.k(), x.v(), options).and_then(|call| {
+                call.backward(
+                    attn_optimized::ForwardRef::batch(out.as_ref(), &lse)?,
+                    self.d_out(),
+                    attn_optimized::Par::rayon(0),
+                )
+            })?;
         std::hint::black_box(g);
         Ok(())
     }

@@ -17,9 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use attn_candle::attn_optimized::{
-    self, Options, Tensor4Ref, attention_batched, attention_batched_with_lse,
-};
+use attn_candle::attn_optimized::{self, Options, Tensor4Ref};
 use attn_candle::candle_core::{D, Device, Result, Tensor, Var};
 use attn_candle::{AttentionOptions, Causal, Layout, scaled_dot_product_attention};
 
@@ -280,12 +278,14 @@ fn main() -> Result<()> {
         };
         let direct = || -> Result<attn_optimized::Tensor4<f32>> {
             let e = |e: attn_optimized::Error| attn_candle::Error::Msg(e.to_string());
-            attention_batched(
+            attn_optimized::Attention::batched(
                 view(&qd, dims)?,
                 view(&kd, dims)?,
                 view(&vd, dims)?,
                 &direct_opts,
             )
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_output())
             .map_err(e)
         };
         let (mut tn, mut to, mut td) = (Vec::new(), Vec::new(), Vec::new());
@@ -374,12 +374,13 @@ fn main() -> Result<()> {
             // What `bwd` would spend first if it recomputed the LSE: one more forward.
             let t = Instant::now();
             let e = |e: attn_optimized::Error| attn_candle::Error::Msg(e.to_string());
-            let _ = attention_batched_with_lse(
+            let _ = attn_optimized::Attention::batched(
                 view(&qd, dims)?,
                 view(&kd, dims)?,
                 view(&vd, dims)?,
                 &direct_opts,
             )
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
             .map_err(e)?;
             tl.push(t.elapsed());
         }

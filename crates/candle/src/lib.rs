@@ -106,15 +106,14 @@
 use std::sync::OnceLock;
 
 use attn_optimized::{
-    BoolMask4, Element, KeyPadding, Mask4Ref, Options, Tensor4Mut, Tensor4Ref,
-    attention_backward_batched, attention_batched, attention_batched_into,
-    attention_batched_with_lse,
+    Attention, BoolMask4, Element, ForwardRef, KeyPadding, Mask4Ref, Options, Par, Tensor4Mut,
+    Tensor4Ref,
 };
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout as CandleLayout, Shape, Storage, Tensor};
 use half::{bf16, f16};
 
-/// The engine itself, re-exported for calls on raw buffers (`attention_batched` on
+/// The engine itself, re-exported for calls on raw buffers (`Attention::batched` on
 /// `Tensor4Ref` views, `exp::isa`, ...), at the version the op uses.
 pub use attn_optimized;
 pub use attn_optimized::{Causal, Layout, SlidingWindow};
@@ -481,7 +480,7 @@ impl Sdpa {
         };
         self.with_options(|opts| {
             let out = match (self.keep_lse, self.output_layout) {
-                (false, Layout::Bhsd) => attention_batched(q, k, v, opts).map_err(attn)?,
+                (false, Layout::Bhsd) => Attention::batched(q, k, v, opts).and_then(|call| call.forward(Par::rayon(0))).map(|f| f.into_output()).map_err(attn)?,
                 (false, Layout::Bshd) => {
                     // Counted with checks: attn has not validated the shapes yet.
                     let count = [b, h, n, d_v]
@@ -495,11 +494,11 @@ impl Sdpa {
                     let mut out = zeroed::<T>(count)?;
                     let view = Tensor4Mut::from_layout(&mut out, [b, h, n, d_v], Layout::Bshd)
                         .map_err(attn)?;
-                    attention_batched_into(view, q, k, v, opts).map_err(attn)?;
+                    Attention::batched(q, k, v, opts).and_then(|call| call.forward_into(view, None, Par::rayon(0))).map_err(attn)?;
                     return Ok(out);
                 }
                 (true, _) => {
-                    let (out, lse) = attention_batched_with_lse(q, k, v, opts).map_err(attn)?;
+                    let (out, lse) = Attention::batched(q, k, v, opts).and_then(|call| call.forward(Par::rayon(0))).map(|f| f.into_parts()).map_err(attn)?;
                     // A fresh op runs its forward once; a second value would be the same.
                     let _ = self.lse.set(lse);
                     out
@@ -554,13 +553,17 @@ impl Sdpa {
             let lse = match self.lse.get() {
                 Some(lse) => lse,
                 None => {
-                    recomputed = attention_batched_with_lse(qv, kv, vv, opts)
+                    recomputed = Attention::batched(qv, kv, vv, opts)
+                        .and_then(|call| call.forward(Par::rayon(0)))
+                        .map(|f| f.into_parts())
                         .map_err(attn)?
                         .1;
                     &recomputed
                 }
             };
-            attention_backward_batched(gv, qv, kv, vv, ov, lse, opts).map_err(attn)
+            Attention::batched(qv, kv, vv, opts)
+                .and_then(|call| call.backward(ForwardRef::batch(ov, lse)?, gv, Par::rayon(0)))
+                .map_err(attn)
         })?;
         let dev = q.device();
         Ok((
@@ -875,7 +878,10 @@ mod tests {
         let qv = Tensor4Ref::from_layout(&qd, [2, 4, 5, 8], Layout::Bhsd).unwrap();
         let kv = Tensor4Ref::from_layout(&kd, [2, 2, 7, 8], Layout::Bhsd).unwrap();
         let attn_opts = Options::default().with_causal(Causal::BottomRight);
-        let (want, lse) = attention_batched_with_lse(qv, kv, kv, &attn_opts).unwrap();
+        let (want, lse) = Attention::batched(qv, kv, kv, &attn_opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .unwrap();
         assert_eq!(op.lse.get(), Some(&lse));
         let got = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(got, want.as_slice());

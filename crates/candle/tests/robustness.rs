@@ -413,19 +413,17 @@ impl Case {
                 }
             }
         }
-        let (out, lse) = attn_reference::attention_batched_with_lse(qv, kv, vv, &opts).unwrap();
+        let (out, lse) = attn_reference::Attention::batched(qv, kv, vv, &opts)
+            .and_then(|call| call.forward())
+            .map(|f| f.into_parts())
+            .unwrap();
         let grads = w.map(|w| {
             let wv = Tensor4Ref::from_layout(w, out.dims(), attn_core::Layout::Bhsd).unwrap();
-            let g = attn_reference::attention_backward_batched(
-                wv,
-                qv,
-                kv,
-                vv,
-                out.as_ref(),
-                &lse,
-                &opts,
-            )
-            .unwrap();
+            let g = attn_reference::Attention::batched(qv, kv, vv, &opts)
+                .and_then(|call| {
+                    call.backward(attn_reference::ForwardRef::batch(out.as_ref(), &lse)?, wv)
+                })
+                .unwrap();
             [g.dq.into_vec(), g.dk.into_vec(), g.dv.into_vec()]
         });
         (out.into_vec(), grads)

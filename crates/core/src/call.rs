@@ -44,13 +44,7 @@ impl<T> Forward<Mat<T>> {
 impl<T> Forward<Tensor4<T>> {
     /// A batched output `[batch, h_q, n_q, d_v]` and its `batch · h_q · n_q` LSE entries.
     pub fn batch(output: Tensor4<T>, lse: Vec<f32>) -> Result<Self> {
-        let [b, h, n, _] = output.dims();
-        // No rows when any axis is empty, however large the others.
-        let rows = if b == 0 || h == 0 || n == 0 {
-            Some(0)
-        } else {
-            b.checked_mul(h).and_then(|x| x.checked_mul(n))
-        };
+        let rows = lse_rows(output.dims());
         if rows != Some(lse.len()) {
             return Err(Error::lse_length(lse.len(), rows.unwrap_or(usize::MAX)));
         }
@@ -116,6 +110,67 @@ impl<V, L> ForwardRef<V, L> {
     /// The views of an output and its LSE.
     pub fn new(output: V, lse: L) -> Self {
         Self { output, lse }
+    }
+}
+
+impl<'f, T> ForwardRef<MatRef<'f, T>, ColRef<'f, f32>> {
+    /// One head's output and its LSE kept as a slice (what [`Forward::into_parts`]
+    /// returns); the backward checks the LSE's length against its call.
+    ///
+    /// ```
+    /// use attn_core::ForwardRef;
+    /// use faer::Mat;
+    /// let out = Mat::<f32>::zeros(2, 4);
+    /// let lse = vec![0.5, 0.25];
+    /// assert_eq!(ForwardRef::head(out.as_ref(), &lse).lse[1], 0.25);
+    /// ```
+    pub fn head(output: MatRef<'f, T>, lse: &'f [f32]) -> Self {
+        Self::new(output, ColRef::from_slice(lse))
+    }
+}
+
+impl<'f, T> ForwardRef<Tensor4Ref<'f, T>, Tensor4Ref<'f, f32>> {
+    /// A batch's output `[batch, h_q, n_q, d_v]` and its LSE kept as a compact
+    /// `[batch][h_q][n_q]` slice (what [`Forward::into_parts`] returns), viewed as the
+    /// `[batch, h_q, n_q, 1]` tensor the backward reads. An LSE whose length is not
+    /// `batch · h_q · n_q` is an error.
+    ///
+    /// ```
+    /// use attn_core::{ForwardRef, Tensor4Ref};
+    /// let out = vec![0.0f32; 2 * 3 * 4];
+    /// let out = Tensor4Ref::new(&out, [1, 2, 3, 4], [24, 12, 4])?;
+    /// let lse: Vec<f32> = (0..6).map(|i| i as f32).collect();
+    /// let fwd = ForwardRef::batch(out, &lse)?;
+    /// assert_eq!(fwd.lse.dims(), [1, 2, 3, 1]);
+    /// assert!(ForwardRef::batch(out, &lse[1..]).is_err());
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn batch(output: Tensor4Ref<'f, T>, lse: &'f [f32]) -> Result<Self> {
+        let [b, h, n, _] = output.dims();
+        let rows = lse_rows(output.dims());
+        if rows != Some(lse.len()) {
+            // Either may be the wrong one: the message names both.
+            return Err(Error::mismatch(
+                "LSE",
+                "entries",
+                lse.len(),
+                "the output",
+                rows.unwrap_or(usize::MAX),
+                "one LSE per output row",
+            ));
+        }
+        let lse = Tensor4Ref::new(lse, [b, h, n, 1], [h.saturating_mul(n), n, 1])?;
+        Ok(Self::new(output, lse))
+    }
+}
+
+/// The LSE rows of a `[batch, h_q, n_q, _]` output: none when any axis is empty, however
+/// large the others; `None` when the product overflows.
+fn lse_rows([b, h, n, _]: [usize; 4]) -> Option<usize> {
+    if b == 0 || h == 0 || n == 0 {
+        Some(0)
+    } else {
+        b.checked_mul(h).and_then(|x| x.checked_mul(n))
     }
 }
 

@@ -5,9 +5,7 @@
 
 use std::time::Instant;
 
-use attn_optimized::{
-    Element, Layout, Options, SplitKv, Tensor4Ref, attention_batched, attention_batched_with,
-};
+use attn_optimized::{Attention, Element, Layout, Options, Par, SplitKv, Tensor4Ref};
 use half::f16;
 use rayon::prelude::*;
 
@@ -18,7 +16,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn time<T: Element>(q: Tensor4Ref<'_, T>, (k, v): (Tensor4Ref<'_, T>, Tensor4Ref<'_, T>)) -> f64 {
     let s = Instant::now();
-    attention_batched(q, k, v, &Options::default()).unwrap();
+    Attention::batched(q, k, v, &Options::default())
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
     s.elapsed().as_secs_f64()
 }
 
@@ -119,7 +120,10 @@ fn main() {
         let run = |split| {
             let s = Instant::now();
             for _ in 0..20 {
-                attention_batched_with(qv, kvv, kvv, &Options::default(), split).unwrap();
+                Attention::batched(qv, kvv, kvv, &Options::default())
+                    .and_then(|call| call.split_kv(split).forward(Par::rayon(0)))
+                    .map(|f| f.into_output())
+                    .unwrap();
             }
             s.elapsed().as_secs_f64()
         };

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use attn_optimized::{Causal, Element, Layout, Options, Tensor4Ref, attention_batched};
+use attn_optimized::{Attention, Causal, Element, Layout, Options, Tensor4Ref};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, Par};
 use half::{bf16, f16};
@@ -56,7 +56,10 @@ fn main() {
         };
         let attn = || {
             let t = Instant::now();
-            attention_batched(t4, t4, t4, &opts).unwrap();
+            Attention::batched(t4, t4, t4, &opts)
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_output())
+                .unwrap();
             let f = if causal { flops / 2.0 } else { flops };
             f / t.elapsed().as_secs_f64() / 1e9
         };
@@ -83,7 +86,10 @@ fn main() {
         let tb16 = Tensor4Ref::from_layout(&hb16, [1, heads, n, d], Layout::Bhsd).unwrap();
         fn time<T: Element>(t: Tensor4Ref<'_, T>, opts: &Options<'_>) -> f64 {
             let s = Instant::now();
-            attention_batched(t, t, t, opts).unwrap();
+            Attention::batched(t, t, t, opts)
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_output())
+                .unwrap();
             s.elapsed().as_secs_f64()
         }
         let (mut r16, mut rb16) = (vec![], vec![]);

@@ -45,7 +45,6 @@ mod forward;
 mod kernel;
 mod keys;
 mod kv_cache;
-mod legacy;
 mod mask;
 // `with_sink` is the forward's, unused on this branch until the forward computes sinks.
 mod modifiers;
@@ -59,19 +58,14 @@ pub use attn_core::{
     ScoreMod, ScoreTile, SlidingWindow, SoftCap, Tensor4, Tensor4Mut, Tensor4Ref,
 };
 pub use call::{Attention, Batch, Heads, OneHead};
+
+use backward::Backward;
 pub use faer::{self, ColMut, ColRef, Mat, MatMut, MatRef, Par};
 pub use half::{self, bf16, f16};
 pub use kernel::Isa;
 pub use kernel::element::Element;
 pub use kernel::online_softmax::LAZY_RESCALE_LOG2;
 pub use kv_cache::{Growth, KvCache};
-pub use legacy::{
-    attention_backward, attention_backward_batched, attention_backward_batched_into,
-    attention_backward_into, attention_backward_packed, attention_backward_packed_into,
-    attention_batched, attention_batched_into, attention_batched_with, attention_batched_with_lse,
-    attention_into, attention_packed, attention_packed_into, attention_packed_with_lse,
-    attention_with_lse, partial_attention,
-};
 pub use multi_head::{
     MultiHeadActivations, MultiHeadAttention, MultiHeadGradients, MultiHeadWeights,
 };
@@ -114,6 +108,56 @@ pub fn attention<T: Element>(
 ) -> Result<Mat<T>> {
     let call = Attention::head(q, k, v, options)?;
     Ok(call.forward(Par::rayon(0))?.into_output())
+}
+
+/// The backward pass of one head: the gradients of a loss with respect to Q, K and V,
+/// given the upstream gradient `grad_out` (dO, `[n_q, d_v]`) and what
+/// the forward ([`Attention::forward`]) returned for the same operands and options: the output `out`
+/// (`[n_q, d_v]`) and the natural-log `lse` (`n_q` entries).
+///
+/// With `P = exp(scale·QKᵀ + M − LSE)` recomputed tile by tile (never stored) and
+/// `D_i = Σ_t dO_it · O_it`: `dV = Pᵀ dO`, `dS = P ∘ (dO Vᵀ − D)`, `dQ = scale · dS K`,
+/// `dK = scale · dSᵀ Q`. A hidden key contributes nothing to any gradient; a row that sees
+/// no key has `dQ = 0` and adds nothing to dK and dV. With score modifiers the scores are
+/// modified as the forward modifies them and `dS` is multiplied by their derivative
+/// (soft-cap `1 − tanh²`, a user modifier's [`attn_core::ScoreMod::derivative`]); a sink
+/// logit's gradient `dσ = −Σ_i exp(σ − LSE_i)·D_i` is returned in [`Gradients::dsinks`].
+/// Accumulation is in f32, and each gradient is rounded to `T` once. Memory is
+/// `O((n_q + n_k)·d)`; the bits do not depend on the thread count. (The call value's
+/// [`Attention::backward`] is the same pass, with the thread pool and the forward's
+/// pairing explicit.)
+///
+/// ```
+/// use attn_optimized::{Attention, Causal, Mat, Options, Par, attention_backward};
+/// let (n, d) = (200, 16);
+/// let x = Mat::<f32>::from_fn(n, d, |i, j| ((i * 5 + j * 3) % 11) as f32 / 11.0);
+/// let opts = Options::default().with_causal(Causal::TopLeft);
+/// let fwd = Attention::head(x.as_ref(), x.as_ref(), x.as_ref(), &opts)?.forward(Par::Seq)?;
+/// let (out, lse) = fwd.into_parts();
+/// let d_out = Mat::<f32>::from_fn(n, d, |i, j| if (i + j) % 7 == 0 { 1.0 } else { 0.0 });
+/// let g = attention_backward(d_out.as_ref(), x.as_ref(), x.as_ref(), x.as_ref(), out.as_ref(), &lse, &opts)?;
+/// // The first query sees only the first key: its dQ is 0 (its softmax is constant 1) ...
+/// assert!(g.dq.row(0).iter().all(|&x| x == 0.0));
+/// // ... and the last key is seen only by the last query, so dV's last row is that row's dO
+/// // times its weight P = exp(scale·q·k − LSE), recomputed from the LSE.
+/// let dot: f32 = (0..d).map(|c| x[(n - 1, c)] * x[(n - 1, c)]).sum();
+/// let p = (dot / (d as f32).sqrt() - lse[n - 1]).exp();
+/// assert!((0..d).all(|c| (g.dv[(n - 1, c)] - p * d_out[(n - 1, c)]).abs() < 1e-6));
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+pub fn attention_backward<T: Element>(
+    grad_out: MatRef<'_, T>,
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    out: MatRef<'_, T>,
+    lse: &[f32],
+    options: &Options<'_>,
+) -> Result<Gradients<T>> {
+    // The backward's own checks first, in the order this function always made them.
+    Backward::head(grad_out, q, k, v, out, lse, options)?;
+    let fwd = ForwardRef::new(out, ColRef::from_slice(lse));
+    Attention::head(q, k, v, options)?.backward(fwd, grad_out, Par::rayon(0))
 }
 
 /// The README's library example, compiled and run as a doctest.

@@ -5,10 +5,7 @@
 use attn_core::{
     BoolMask, Causal, Layout, Options, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
 };
-use attn_optimized::{
-    attention_backward, attention_backward_batched, attention_backward_batched_into,
-    attention_backward_into, attention_batched_with_lse, attention_with_lse,
-};
+use attn_optimized::attention_backward;
 use faer::{Mat, MatRef};
 use half::{bf16, f16};
 
@@ -40,7 +37,10 @@ fn check_head(n_q: usize, n_k: usize, d_k: usize, d_v: usize, options: &Options<
         pseudo(n_k, d_v, 3),
     );
     let d_out = pseudo(n_q, d_v, 4);
-    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), options).unwrap();
+    let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), options)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     let got = attention_backward(
         d_out.as_ref(),
         q.as_ref(),
@@ -154,19 +154,27 @@ fn batched_gqa_matches_the_reference_in_both_layouts() {
             let opts = Options::default()
                 .with_causal(Causal::BottomRight)
                 .with_key_lengths(&lens);
-            let (out, lse) = attention_batched_with_lse(q, k, v, &opts).unwrap();
-            let got =
-                attention_backward_batched(d_out, q, k, v, out.as_ref(), &lse, &opts).unwrap();
-            let want = attn_reference::attention_backward_batched(
-                d_out,
-                q,
-                k,
-                v,
-                out.as_ref(),
-                &lse,
-                &opts,
-            )
-            .unwrap();
+            let (out, lse) = attn_optimized::Attention::batched(q, k, v, &opts)
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_parts())
+                .unwrap();
+            let got = attn_optimized::Attention::batched(q, k, v, &opts)
+                .and_then(|call| {
+                    call.backward(
+                        attn_optimized::ForwardRef::batch(out.as_ref(), &lse)?,
+                        d_out,
+                        attn_optimized::Par::rayon(0),
+                    )
+                })
+                .unwrap();
+            let want = attn_reference::Attention::batched(q, k, v, &opts)
+                .and_then(|call| {
+                    call.backward(
+                        attn_reference::ForwardRef::batch(out.as_ref(), &lse)?,
+                        d_out,
+                    )
+                })
+                .unwrap();
             for (name, g, w) in [
                 ("dq", &got.dq, &want.dq),
                 ("dk", &got.dk, &want.dk),
@@ -200,9 +208,21 @@ fn bits_do_not_depend_on_the_thread_count() {
     let q = Tensor4Ref::from_layout(&qd, [b, h_q, n, d], Layout::Bhsd).unwrap();
     let k = Tensor4Ref::from_layout(&kd, [b, h_kv, n, d], Layout::Bhsd).unwrap();
     let opts = Options::default().with_causal(Causal::TopLeft);
-    let (out, lse) = attention_batched_with_lse(q, k, k, &opts).unwrap();
-    let run =
-        || attention_backward_batched(out.as_ref(), q, k, k, out.as_ref(), &lse, &opts).unwrap();
+    let (out, lse) = attn_optimized::Attention::batched(q, k, k, &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
+    let run = || {
+        attn_optimized::Attention::batched(q, k, k, &opts)
+            .and_then(|call| {
+                call.backward(
+                    attn_optimized::ForwardRef::batch(out.as_ref(), &lse)?,
+                    out.as_ref(),
+                    attn_optimized::Par::rayon(0),
+                )
+            })
+            .unwrap()
+    };
     let one = in_pool(1, run);
     for threads in [2, 3] {
         let other = in_pool(threads, run);
@@ -248,7 +268,10 @@ fn half_storage_and_mixed_precision_gradients() {
             round::<T>(v),
             round::<T>(d_out),
         );
-        let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
+        let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .unwrap();
         let w = |m: &Mat<T>| wide(m);
         let want = attn_reference::attention_backward(
             w(&d_out).as_ref(),
@@ -266,19 +289,20 @@ fn half_storage_and_mixed_precision_gradients() {
             Mat::<f32>::zeros(k.nrows(), k.ncols()),
             Mat::<f32>::zeros(v.nrows(), v.ncols()),
         );
-        attention_backward_into(
-            dq.as_mut(),
-            dk.as_mut(),
-            dv.as_mut(),
-            d_out.as_ref(),
-            q.as_ref(),
-            k.as_ref(),
-            v.as_ref(),
-            out.as_ref(),
-            &lse,
-            opts,
-        )
-        .unwrap();
+        attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
+            .and_then(|call| {
+                call.backward_into(
+                    attn_optimized::ForwardRef::head(out.as_ref(), &lse),
+                    d_out.as_ref(),
+                    attn_optimized::GradientsMut {
+                        dq: dq.as_mut(),
+                        dk: dk.as_mut(),
+                        dv: dv.as_mut(),
+                    },
+                    attn_optimized::Par::rayon(0),
+                )
+            })
+            .unwrap();
         // ... and half gradients, which are the f32 ones rounded once.
         let g = attention_backward(
             d_out.as_ref(),
@@ -321,7 +345,10 @@ fn non_finite_rows_reach_only_the_keys_they_see() {
         pseudo(n, d, 44),
     );
     let opts = Options::default().with_causal(Causal::TopLeft);
-    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     q[(0, 3)] = f32::NAN;
     d_out[(0, 1)] = f32::NAN;
     k[(5, 2)] = f32::INFINITY;
@@ -362,7 +389,10 @@ fn empty_and_fully_masked_shapes_are_defined() {
             pseudo(n_k, d_v, 3),
             pseudo(n_q, d_v, 4),
         );
-        let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+        let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .unwrap();
         let g = attention_backward(
             d_out.as_ref(),
             q.as_ref(),
@@ -385,7 +415,10 @@ fn empty_and_fully_masked_shapes_are_defined() {
         .with_causal(Causal::BottomRight)
         .with_key_length(3);
     let (q, k, d_out) = (pseudo(9, 8, 5), pseudo(6, 8, 6), pseudo(9, 8, 7));
-    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), k.as_ref(), &opts).unwrap();
+    let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), k.as_ref(), &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     let g = attention_backward(
         d_out.as_ref(),
         q.as_ref(),
@@ -410,7 +443,10 @@ fn empty_and_fully_masked_shapes_are_defined() {
 fn every_operand_is_checked() {
     let opts = Options::default();
     let (q, k, v) = (pseudo(4, 8, 1), pseudo(5, 8, 2), pseudo(5, 6, 3));
-    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     let bad = pseudo(4, 5, 4);
     let err = |r: attn_core::Result<attn_core::Gradients<f32>>| r.unwrap_err().to_string();
     assert_eq!(
@@ -451,17 +487,19 @@ fn every_operand_is_checked() {
     );
     let mut dq = Mat::<f32>::zeros(4, 7);
     let (mut dk, mut dv) = (Mat::<f32>::zeros(5, 8), Mat::<f32>::zeros(5, 6));
-    let e = attention_backward_into(
-        dq.as_mut(),
-        dk.as_mut(),
-        dv.as_mut(),
-        out.as_ref(),
-        q.as_ref(),
-        k.as_ref(),
-        v.as_ref(),
-        out.as_ref(),
-        &lse,
-        &opts,
+    let e = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts).and_then(
+        |call| {
+            call.backward_into(
+                attn_optimized::ForwardRef::head(out.as_ref(), &lse),
+                out.as_ref(),
+                attn_optimized::GradientsMut {
+                    dq: dq.as_mut(),
+                    dk: dk.as_mut(),
+                    dv: dv.as_mut(),
+                },
+                attn_optimized::Par::rayon(0),
+            )
+        },
     );
     assert_eq!(
         e.unwrap_err().to_string(),
@@ -473,34 +511,35 @@ fn every_operand_is_checked() {
     let mut wrong = vec![0.0f32; 2 * 3 * 4];
     let mut ok1 = vec![0.0f32; 12];
     let mut ok2 = vec![0.0f32; 12];
-    let e = attention_backward_batched_into(
-        Tensor4Mut::from_layout(&mut wrong, [1, 1, 6, 4], Layout::Bhsd).unwrap(),
-        Tensor4Mut::from_layout(&mut ok1, [1, 1, 3, 4], Layout::Bhsd).unwrap(),
-        Tensor4Mut::from_layout(&mut ok2, [1, 1, 3, 4], Layout::Bhsd).unwrap(),
-        t.as_ref(),
-        t.as_ref(),
-        kv.as_ref(),
-        kv.as_ref(),
-        t.as_ref(),
-        &[0.0; 6],
-        &opts,
-    );
+    let e = attn_optimized::Attention::batched(t.as_ref(), kv.as_ref(), kv.as_ref(), &opts)
+        .and_then(|call| {
+            call.backward_into(
+                attn_optimized::ForwardRef::batch(t.as_ref(), &[0.0; 6])?,
+                t.as_ref(),
+                attn_optimized::GradientsMut {
+                    dq: Tensor4Mut::from_layout(&mut wrong, [1, 1, 6, 4], Layout::Bhsd).unwrap(),
+                    dk: Tensor4Mut::from_layout(&mut ok1, [1, 1, 3, 4], Layout::Bhsd).unwrap(),
+                    dv: Tensor4Mut::from_layout(&mut ok2, [1, 1, 3, 4], Layout::Bhsd).unwrap(),
+                },
+                attn_optimized::Par::rayon(0),
+            )
+        });
     assert_eq!(
         e.unwrap_err().to_string(),
         "dQ tensor: dims [1, 1, 6, 4] but its operand is [1, 2, 3, 4]"
     );
-    let e = attention_backward_batched(
-        t.as_ref(),
-        t.as_ref(),
-        kv.as_ref(),
-        kv.as_ref(),
-        t.as_ref(),
-        &[0.0; 5],
-        &opts,
-    );
+    let e = attn_optimized::Attention::batched(t.as_ref(), kv.as_ref(), kv.as_ref(), &opts)
+        .and_then(|call| {
+            call.backward(
+                attn_optimized::ForwardRef::batch(t.as_ref(), &[0.0; 5])?,
+                t.as_ref(),
+                attn_optimized::Par::rayon(0),
+            )
+        });
+    // Refused where the compact LSE is viewed against the output's rows.
     assert_eq!(
         e.unwrap_err().to_string(),
-        "LSE has 5 entries but Q has 6 (one LSE per query row)"
+        "LSE has 5 entries but the output has 6 (one LSE per output row)"
     );
 }
 
@@ -512,16 +551,15 @@ fn widths_that_no_row_backs_are_not_allocated() {
     let empty: [f32; 0] = [];
     let view = |dims| Tensor4Ref::new(&empty, dims, [0, 0, 0]).unwrap();
     let (q, kv) = (view([1, 2, 0, huge]), view([1, 1, 0, huge]));
-    let g = attention_backward_batched(
-        view([1, 2, 0, huge]),
-        q,
-        kv,
-        kv,
-        view([1, 2, 0, huge]),
-        &[],
-        &opts,
-    )
-    .unwrap();
+    let g = attn_optimized::Attention::batched(q, kv, kv, &opts)
+        .and_then(|call| {
+            call.backward(
+                attn_optimized::ForwardRef::batch(view([1, 2, 0, huge]), &[])?,
+                view([1, 2, 0, huge]),
+                attn_optimized::Par::rayon(0),
+            )
+        })
+        .unwrap();
     assert_eq!(
         (g.dq.dims(), g.dk.dims()),
         ([1, 2, 0, huge], [1, 1, 0, huge])

@@ -3,8 +3,7 @@
 
 use attn_optimized::{
     BoolMask, Causal, Layout, MultiHeadAttention, Options, PartialState, SlidingWindow, Tensor4,
-    Tensor4Mut, Tensor4Ref, attention, attention_batched, attention_batched_into,
-    attention_with_lse, partial_attention,
+    Tensor4Mut, Tensor4Ref, attention,
 };
 use faer::Mat;
 
@@ -16,9 +15,13 @@ fn mat(rows: usize, cols: usize, seed: u64, amp: f32) -> Mat<f32> {
 }
 
 fn check(q: &Mat<f32>, k: &Mat<f32>, v: &Mat<f32>, opts: &Options<'_>, what: &str) {
-    let (o, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
-    let r =
-        attn_reference::attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
+    let (o, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
+    let r = attn_reference::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
+        .and_then(|call| call.materialized())
+        .unwrap();
     let scale = opts.scale_for(q.ncols()).unwrap();
     let tol = bound(q.as_ref(), k.as_ref(), v.as_ref(), scale);
     for i in 0..q.nrows() {
@@ -181,7 +184,10 @@ fn fully_masked_rows_are_zero_with_lse_minus_inf() {
         mat(150, 8, 3, 1.0),
     );
     let opts = Options::default().with_causal(Causal::BottomRight);
-    let (o, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let (o, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     for i in 0..450 {
         assert_eq!(lse[i], f32::NEG_INFINITY);
         assert!((0..8).all(|c| o[(i, c)] == 0.0));
@@ -189,12 +195,14 @@ fn fully_masked_rows_are_zero_with_lse_minus_inf() {
     assert!(lse[450..].iter().all(|l| l.is_finite()));
     check(&q, &k, &v, &opts, "bottom-right n_q > n_k");
     // No keys at all.
-    let (o, lse) = attention_with_lse(
+    let (o, lse) = attn_optimized::Attention::head(
         q.as_ref(),
         k.subrows(0, 0),
         v.subrows(0, 0),
         &Options::default(),
     )
+    .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+    .map(|f| f.into_parts())
     .unwrap();
     assert!(lse.iter().all(|&l| l == f32::NEG_INFINITY));
     assert_eq!(max_abs(o.as_ref()), 0.0);
@@ -236,14 +244,22 @@ fn bits_do_not_depend_on_thread_count() {
     let opts = Options::default().with_causal(Causal::BottomRight);
     let run = || {
         (
-            attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap(),
-            attention_with_lse(dec.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap(),
-            attention_with_lse(
+            attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_parts())
+                .unwrap(),
+            attn_optimized::Attention::head(dec.as_ref(), k.as_ref(), v.as_ref(), &opts)
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_parts())
+                .unwrap(),
+            attn_optimized::Attention::head(
                 dec.as_ref(),
                 mat(5000, 64, 5, 1.0).as_ref(),
                 mat(5000, 64, 6, 1.0).as_ref(),
                 &opts,
             )
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
             .unwrap(),
         )
     };
@@ -292,13 +308,16 @@ fn sharded_keys_merged_in_ring_order_equal_one_pass() {
             ..Options::default()
         };
         let (full, full_lse) =
-            attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+            attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_parts())
+                .unwrap();
         for ranks in 1..=5 {
             let bounds: Vec<usize> = (0..=ranks).map(|r| r * n_k / ranks).collect();
             let mut state = PartialState::empty(n_q, 8);
             for r in 0..ranks {
                 let keys = bounds[r]..bounds[r + 1];
-                let shard = partial_attention(
+                let shard = attn_optimized::Attention::keys_of(
                     q.as_ref(),
                     k.subrows(keys.start, keys.len()),
                     v.subrows(keys.start, keys.len()),
@@ -306,6 +325,7 @@ fn sharded_keys_merged_in_ring_order_equal_one_pass() {
                     n_k,
                     &opts,
                 )
+                .and_then(|call| call.partial_state(attn_optimized::Par::rayon(0)))
                 .unwrap();
                 state.merge_in_place(&shard).unwrap();
             }
@@ -326,7 +346,7 @@ fn sharded_keys_merged_in_ring_order_equal_one_pass() {
 #[test]
 fn merge_with_empty_is_identity_bit_for_bit() {
     let (q, k, v) = (mat(9, 8, 1, 3.0), mat(20, 8, 2, 3.0), mat(20, 4, 3, 3.0));
-    let s = partial_attention(
+    let s = attn_optimized::Attention::keys_of(
         q.as_ref(),
         k.as_ref(),
         v.as_ref(),
@@ -334,6 +354,7 @@ fn merge_with_empty_is_identity_bit_for_bit() {
         20,
         &Options::default(),
     )
+    .and_then(|call| call.partial_state(attn_optimized::Par::rayon(0)))
     .unwrap();
     let e = PartialState::empty(9, 4);
     assert_eq!(s.merge(&e).unwrap(), s);
@@ -368,25 +389,35 @@ fn batched_layouts_gqa_and_ragged_lengths_match_reference() {
         let q = Tensor4Ref::from_layout(&qd, [b, hq, n_q, d], layout).unwrap();
         let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], layout).unwrap();
         let v = Tensor4Ref::from_layout(&vd, [b, hkv, n_k, dv], layout).unwrap();
-        let got = attention_batched(q, k, v, &opts).unwrap();
-        let want = attn_reference::attention_batched(q, k, v, &opts).unwrap();
+        let got = attn_optimized::Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_output())
+            .unwrap();
+        let want = attn_reference::Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward())
+            .map(|f| f.into_output())
+            .unwrap();
         for (g, w) in got.as_slice().iter().zip(want.as_slice()) {
             assert!((g - w).abs() < 2e-5, "{layout:?}: {g} vs {w}");
         }
         let mut buf = vec![0.0f32; b * hq * n_q * dv];
         let out = Tensor4Mut::from_layout(&mut buf, [b, hq, n_q, dv], Layout::Bshd).unwrap();
-        attention_batched_into(out, q, k, v, &opts).unwrap();
+        attn_optimized::Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward_into(out, None, attn_optimized::Par::rayon(0)))
+            .unwrap();
         let back = Tensor4Ref::from_layout(&buf, [b, hq, n_q, dv], Layout::Bshd).unwrap();
         assert_eq!(back.head(1, 5).unwrap(), got.as_ref().head(1, 5).unwrap());
     }
     let bad = Tensor4::<f32>::zeros([b, 5, n_q, d]);
     assert!(
-        attention_batched(
+        attn_optimized::Attention::batched(
             bad.as_ref(),
             Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], Layout::Bhsd).unwrap(),
             Tensor4Ref::from_layout(&vd, [b, hkv, n_k, dv], Layout::Bhsd).unwrap(),
             &Options::default()
         )
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_output())
         .is_err()
     );
 }
@@ -464,15 +495,9 @@ fn malformed_input_is_the_same_typed_error_as_the_reference() {
     }
     let mut small = Mat::<f32>::zeros(2, 2);
     assert!(
-        attn_optimized::attention_into(
-            small.as_mut(),
-            None,
-            q.as_ref(),
-            k.as_ref(),
-            v.as_ref(),
-            &Options::default()
-        )
-        .is_err()
+        attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &Options::default())
+            .and_then(|call| call.forward_into(small.as_mut(), None, attn_optimized::Par::rayon(0)))
+            .is_err()
     );
 }
 
@@ -581,11 +606,23 @@ fn stacked_gqa_decoding_equals_one_head_at_a_time() {
             for (name, opts) in &masks {
                 let what = format!("h_q={hq} h_kv={hkv} {layout:?} {name}");
                 let never = attn_optimized::SplitKv::Never;
-                let stacked = attn_optimized::attention_batched_with(q, k, v, opts, never).unwrap();
-                let alone = attn_optimized::attention_batched_with(q, k1, v1, opts, never).unwrap();
+                let stacked = attn_optimized::Attention::batched(q, k, v, opts)
+                    .and_then(|call| call.split_kv(never).forward(attn_optimized::Par::rayon(0)))
+                    .map(|f| f.into_output())
+                    .unwrap();
+                let alone = attn_optimized::Attention::batched(q, k1, v1, opts)
+                    .and_then(|call| call.split_kv(never).forward(attn_optimized::Par::rayon(0)))
+                    .map(|f| f.into_output())
+                    .unwrap();
                 assert_eq!(stacked.as_slice(), alone.as_slice(), "{what}");
-                let got = attention_batched(q, k, v, opts).unwrap();
-                let want = attn_reference::attention_batched(q, k, v, opts).unwrap();
+                let got = attn_optimized::Attention::batched(q, k, v, opts)
+                    .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                    .map(|f| f.into_output())
+                    .unwrap();
+                let want = attn_reference::Attention::batched(q, k, v, opts)
+                    .and_then(|call| call.forward())
+                    .map(|f| f.into_output())
+                    .unwrap();
                 for (g, w) in got.as_slice().iter().zip(want.as_slice()) {
                     assert!((g - w).abs() < 2e-5, "{what}: {g} vs {w}");
                 }
@@ -622,11 +659,23 @@ fn stacked_gqa_decoding_in_half_precision_and_with_lse() {
     let v1 = Tensor4Ref::from_layout(&ve, [b, hq, n_k, d], Layout::Bhsd).unwrap();
     let opts = Options::default().with_causal(Causal::BottomRight);
     let never = attn_optimized::SplitKv::Never;
-    let stacked = attn_optimized::attention_batched_with(q, k, v, &opts, never).unwrap();
-    let alone = attn_optimized::attention_batched_with(q, k1, v1, &opts, never).unwrap();
+    let stacked = attn_optimized::Attention::batched(q, k, v, &opts)
+        .and_then(|call| call.split_kv(never).forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
+    let alone = attn_optimized::Attention::batched(q, k1, v1, &opts)
+        .and_then(|call| call.split_kv(never).forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
     assert_eq!(stacked.as_slice(), alone.as_slice());
-    let (o, lse) = attn_optimized::attention_batched_with_lse(q, k, v, &opts).unwrap();
-    let (o1, lse1) = attn_optimized::attention_batched_with_lse(q, k1, v1, &opts).unwrap();
+    let (o, lse) = attn_optimized::Attention::batched(q, k, v, &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
+    let (o1, lse1) = attn_optimized::Attention::batched(q, k1, v1, &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     assert_eq!(lse.len(), b * hq);
     for (x, y) in lse.iter().zip(&lse1) {
         assert!((x - y).abs() < 1e-5 * y.abs().max(1.0), "{x} vs {y}");

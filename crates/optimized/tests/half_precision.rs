@@ -3,7 +3,6 @@
 
 use attn_optimized::{
     BoolMask, Causal, Element, Layout, Options, SlidingWindow, Tensor4Ref, attention,
-    attention_batched, attention_into, attention_with_lse,
 };
 use faer::Mat;
 use half::{bf16, f16};
@@ -23,9 +22,12 @@ fn check<T: Element + attn_reference::Element>(
 ) {
     let o = attention(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
     let mut o32 = Mat::<f32>::zeros(q.nrows(), v.ncols());
-    attention_into(o32.as_mut(), None, q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
-    let r =
-        attn_reference::attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
+    attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
+        .and_then(|call| call.forward_into(o32.as_mut(), None, attn_optimized::Par::rayon(0)))
+        .unwrap();
+    let r = attn_reference::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
+        .and_then(|call| call.materialized())
+        .unwrap();
     let scale = opts.scale_for(q.ncols()).unwrap();
     let f32_tol = f64::from(f32_bound(q.as_ref(), k.as_ref(), v.as_ref(), scale));
     for i in 0..q.nrows() {
@@ -119,8 +121,15 @@ fn f16_near_its_range_does_not_overflow_inside() {
             mat::<f16>(200, 64, 2, 6.0e4),
             mat::<f16>(200, 32, 3, 6.0e4),
         );
-        let (o, lse) =
-            attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &Options::default()).unwrap();
+        let (o, lse) = attn_optimized::Attention::head(
+            q.as_ref(),
+            k.as_ref(),
+            v.as_ref(),
+            &Options::default(),
+        )
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
         assert!(lse.iter().all(|l| l.is_finite()));
         assert!((0..n_q).all(|i| (0..32).all(|c| o[(i, c)].is_finite())));
         let what = format!("f16 near range, {n_q} queries");
@@ -168,8 +177,14 @@ fn half_batched_gqa_both_layouts() {
         let q = Tensor4Ref::from_layout(&qd, [b, hq, n_q, d], layout).unwrap();
         let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], layout).unwrap();
         let v = Tensor4Ref::from_layout(&vd, [b, hkv, n_k, d], layout).unwrap();
-        let got = attention_batched(q, k, v, &opts).unwrap();
-        let want = attn_reference::attention_batched(q, k, v, &opts).unwrap();
+        let got = attn_optimized::Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_output())
+            .unwrap();
+        let want = attn_reference::Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward())
+            .map(|f| f.into_output())
+            .unwrap();
         for (g, w) in got.as_slice().iter().zip(want.as_slice()) {
             // Both sides are rounded to bf16: they may differ by one bf16 ulp (2^-7 relative).
             assert!(

@@ -2,10 +2,7 @@
 //! no buffer can hold: every entry point returns an error before any work, never a panic or
 //! an abort; and `Element`'s widening on mismatched lengths.
 
-use attn_optimized::{
-    Element, Error, Options, Tensor4Mut, Tensor4Ref, attention, attention_batched,
-    attention_batched_into, attention_batched_with_lse, attention_with_lse, partial_attention,
-};
+use attn_optimized::{Attention, Element, Error, Options, Par, Tensor4Mut, Tensor4Ref, attention};
 use faer::{Mat, MatRef};
 use half::{bf16, f16};
 
@@ -34,8 +31,17 @@ fn single_head_outputs_that_cannot_be_allocated_are_errors() {
     let (q, kv) = (repeated(&row, 1 << 44), repeated(&row, 3));
     let opts = Options::default();
     is_allocation(attention(q, kv, kv, &opts), "attention output");
-    is_allocation(attention_with_lse(q, kv, kv, &opts), "attention output");
-    is_allocation(partial_attention(q, kv, kv, 0..3, 3, &opts), "output");
+    is_allocation(
+        Attention::head(q, kv, kv, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_parts()),
+        "attention output",
+    );
+    is_allocation(
+        Attention::keys_of(q, kv, kv, 0..3, 3, &opts)
+            .and_then(|call| call.partial_state(Par::rayon(0))),
+        "output",
+    );
     let half: Vec<f16> = row.iter().map(|&x| f16::from_f32(x)).collect();
     let (q, kv) = (repeated(&half, 1 << 44), repeated(&half, 3));
     is_allocation(attention(q, kv, kv, &opts), "attention output");
@@ -52,8 +58,17 @@ fn single_head_lse_that_cannot_be_allocated_is_an_error() {
     let (q, k) = (repeated(&row, 1 << 50), repeated(&row, 3));
     let v = repeated(&row[..0], 3);
     let opts = Options::default();
-    is_allocation(attention_with_lse(q, k, v, &opts), "LSE");
-    is_allocation(partial_attention(q, k, v, 0..3, 3, &opts), "LSE");
+    is_allocation(
+        Attention::head(q, k, v, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_parts()),
+        "LSE",
+    );
+    is_allocation(
+        Attention::keys_of(q, k, v, 0..3, 3, &opts)
+            .and_then(|call| call.partial_state(Par::rayon(0))),
+        "LSE",
+    );
 }
 
 #[test]
@@ -63,14 +78,26 @@ fn batched_outputs_that_cannot_be_allocated_are_errors() {
     let opts = Options::default();
     // 2^62 positions × 4 floats: the output's size overflows usize.
     let q = broadcast(&row, [1, 1, 1 << 62]);
-    is_allocation(attention_batched(q, kv, kv, &opts), "attention output");
     is_allocation(
-        attention_batched_with_lse(q, kv, kv, &opts),
+        Attention::batched(q, kv, kv, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_output()),
+        "attention output",
+    );
+    is_allocation(
+        Attention::batched(q, kv, kv, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_parts()),
         "attention output",
     );
     // 2^42 positions × 4 floats = 2^46 elements, 2^48 bytes: representable, not allocatable.
     let q = broadcast(&row, [1, 1, 1 << 42]);
-    is_allocation(attention_batched(q, kv, kv, &opts), "attention output");
+    is_allocation(
+        Attention::batched(q, kv, kv, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_output()),
+        "attention output",
+    );
 }
 
 #[test]
@@ -81,12 +108,27 @@ fn batched_lse_whose_length_overflows_is_an_error() {
     let k = broadcast(&row, [1 << 32, 1, 1]);
     let v = broadcast(&row[..0], [1 << 32, 1, 1]);
     let opts = Options::default();
-    is_allocation(attention_batched_with_lse(q, k, v, &opts), "rows");
-    is_allocation(attention_batched(q, k, v, &opts), "rows");
+    is_allocation(
+        Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_parts()),
+        "rows",
+    );
+    is_allocation(
+        Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_output()),
+        "rows",
+    );
     // 2^50 rows of LSE: a count that fits, 2^52 bytes that do not.
     let q = broadcast(&row, [1, 1, 1 << 50]);
     let (k, v) = (broadcast(&row, [1, 1, 1]), broadcast(&row[..0], [1, 1, 1]));
-    is_allocation(attention_batched_with_lse(q, k, v, &opts), "LSE");
+    is_allocation(
+        Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_parts()),
+        "LSE",
+    );
 }
 
 #[test]
@@ -96,14 +138,22 @@ fn huge_but_empty_batched_problems_are_fine() {
     let q = broadcast(&row, [1 << 40, 1 << 40, 0]);
     let kv = broadcast(&row, [1 << 40, 1, 3]);
     let opts = Options::default();
-    let o = attention_batched(q, kv, kv, &opts).unwrap();
+    let o = Attention::batched(q, kv, kv, &opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
     assert_eq!(o.dims(), [1 << 40, 1 << 40, 0, 4]);
     assert!(o.as_slice().is_empty());
-    let (o, lse) = attention_batched_with_lse(q, kv, kv, &opts).unwrap();
+    let (o, lse) = Attention::batched(q, kv, kv, &opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     assert_eq!((o.dims()[2], lse.len()), (0, 0));
     let mut none: [f32; 0] = [];
     let out = Tensor4Mut::new(&mut none, [1 << 40, 1 << 40, 0, 4], [0, 0, 4]).unwrap();
-    attention_batched_into(out, q, kv, kv, &opts).unwrap();
+    Attention::batched(q, kv, kv, &opts)
+        .and_then(|call| call.forward_into(out, None, Par::rayon(0)))
+        .unwrap();
 }
 
 /// `widen` converts `min(src.len(), dst.len())` elements, returns how many, and leaves the
@@ -156,8 +206,10 @@ fn widening_bf16_takes_what_fits() {
 #[test]
 fn small_problems_still_allocate_and_compute() {
     let q = Mat::<f32>::from_fn(5, 4, |i, j| (i + j) as f32 * 0.1);
-    let (o, lse) =
-        attention_with_lse(q.as_ref(), q.as_ref(), q.as_ref(), &Options::default()).unwrap();
+    let (o, lse) = Attention::head(q.as_ref(), q.as_ref(), q.as_ref(), &Options::default())
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     assert_eq!((o.nrows(), o.ncols(), lse.len()), (5, 4, 5));
     assert!(lse.iter().all(|l| l.is_finite()));
 }

@@ -27,8 +27,13 @@ fn both(
     v: MatRef<'_, f32>,
     opts: &Options<'_>,
 ) -> Vec<(String, Mat<f32>, Vec<f32>)> {
-    let (o, lse) = attn_optimized::attention_with_lse(q, k, v, opts).expect("optimized f32");
-    let m = attn_reference::attention_materialized(q, k, v, opts).expect("reference");
+    let (o, lse) = attn_optimized::Attention::head(q, k, v, opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .expect("optimized f32");
+    let m = attn_reference::Attention::head(q, k, v, opts)
+        .and_then(|call| call.materialized())
+        .expect("reference");
     let r = Mat::from_fn(m.output.nrows(), m.output.ncols(), |i, j| {
         m.output[(i, j)] as f32
     });
@@ -36,9 +41,10 @@ fn both(
     let h =
         |m: MatRef<'_, f32>| Mat::from_fn(m.nrows(), m.ncols(), |i, j| f16::from_f32(m[(i, j)]));
     let (qh, kh, vh) = (h(q), h(k), h(v));
-    let (oh, lseh) =
-        attn_optimized::attention_with_lse(qh.as_ref(), kh.as_ref(), vh.as_ref(), opts)
-            .expect("optimized f16");
+    let (oh, lseh) = attn_optimized::Attention::head(qh.as_ref(), kh.as_ref(), vh.as_ref(), opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .expect("optimized f16");
     let oh = Mat::from_fn(oh.nrows(), oh.ncols(), |i, j| oh[(i, j)].to_f32());
     vec![
         ("optimized f32".into(), o, lse),
@@ -269,9 +275,10 @@ fn a_score_overflowing_below_in_a_masked_block_saturates_instead_of_hiding() {
         let v = data(n_k, 4, 10);
         let opts = Options::default().with_causal(Causal::BottomRight);
         let off = n_k - n_q;
-        let (o, lse) =
-            attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-                .expect("optimized");
+        let (o, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .expect("optimized");
         let mean = Mat::<f32>::from_fn(n_q, 4, |i, c| {
             let seen = i + off + 1;
             (0..seen).map(|j| v[(j, c)]).sum::<f32>() / seen as f32
@@ -334,16 +341,20 @@ fn batched_lse_with_zero_width_values_is_the_single_head_one() {
     let q = Tensor4Ref::from_layout(&qd, [b, h, n_q, d], Layout::Bhsd).unwrap();
     let k = Tensor4Ref::from_layout(&kd, [b, h, n_k, d], Layout::Bhsd).unwrap();
     let v = Tensor4Ref::from_layout(&[][..], [b, h, n_k, 0], Layout::Bhsd).unwrap();
-    let (_, lse) =
-        attn_optimized::attention_batched_with_lse(q, k, v, &Options::default()).unwrap();
+    let (_, lse) = attn_optimized::Attention::batched(q, k, v, &Options::default())
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     for bi in 0..b {
         for hi in 0..h {
-            let (_, want) = attn_optimized::attention_with_lse(
+            let (_, want) = attn_optimized::Attention::head(
                 q.head(bi, hi).unwrap(),
                 k.head(bi, hi).unwrap(),
                 v.head(bi, hi).unwrap(),
                 &Options::default(),
             )
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
             .unwrap();
             let got = &lse[(bi * h + hi) * n_q..(bi * h + hi + 1) * n_q];
             assert_eq!(got, &want[..], "batch {bi} head {hi}");
@@ -399,9 +410,10 @@ fn dot_products_that_overflow_and_cancel_are_recomputed_exactly() {
         let mean = Mat::<f32>::from_fn(n_q, 3, |_, c| {
             (0..n_k).map(|j| v[(j, c)]).sum::<f32>() / n_k as f32
         });
-        let (o, lse) =
-            attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-                .expect("optimized");
+        let (o, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .expect("optimized");
         assert_close(&format!("{n_q}×{n_k}"), o.as_ref(), mean.as_ref(), 1e-5);
         let uniform = (n_k as f32).ln();
         assert!(lse.iter().all(|l| (l - uniform).abs() < 1e-5), "{lse:?}");
@@ -429,10 +441,12 @@ fn values_near_f32_max_give_their_average() {
                 * if c == 1 { -1.0 } else { 1.0 }
         });
         let opts = Options::default().with_causal(Causal::BottomRight);
-        let (o, lse) =
-            attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-                .expect("optimized");
-        let m = attn_reference::attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        let (o, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .expect("optimized");
+        let m = attn_reference::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.materialized())
             .expect("reference");
         let want = Mat::<f32>::from_fn(n_q, 3, |i, c| m.output[(i, c)] as f32);
         let err = relative_error(o.as_ref(), want.as_ref());
@@ -471,9 +485,10 @@ fn backward_gradients_survive_products_that_overflow_f32() {
             (q, k, data(n_k, 3, 4), data(n_q, 3, 7))
         };
         let opts = Options::default();
-        let (o, lse) =
-            attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-                .expect("forward");
+        let (o, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .expect("forward");
         let args = (
             d_out.as_ref(),
             q.as_ref(),

@@ -1,8 +1,8 @@
 //! Decoding through the KV cache equals one causal pass; bad appends leave it unchanged.
 
 use attn_optimized::{
-    Causal, Element, Error, Growth, KvCache, Layout, Options, SplitKv, Tensor4, Tensor4Ref,
-    attention_batched,
+    Attention, Causal, Element, Error, Growth, KvCache, Layout, Options, Par, SplitKv, Tensor4,
+    Tensor4Ref,
 };
 use half::f16;
 
@@ -35,7 +35,10 @@ fn generate_matches_one_pass<T: Element>(h_q: usize, h_kv: usize, tol: f32) {
     let q = Tensor4Ref::from_layout(&qd, [b, h_q, n, d], Layout::Bshd).unwrap();
     let k = Tensor4Ref::from_layout(&kd, [b, h_kv, n, d], Layout::Bshd).unwrap();
     let v = Tensor4Ref::from_layout(&vd, [b, h_kv, n, d], Layout::Bshd).unwrap();
-    let full = attention_batched(q, k, v, &causal).unwrap();
+    let full = Attention::batched(q, k, v, &causal)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
 
     // Prefill 100 tokens in one chunk, then generate the rest one at a time.
     let mut cache = KvCache::<T>::new(b, h_kv, n, d, d).unwrap();
@@ -44,7 +47,11 @@ fn generate_matches_one_pass<T: Element>(h_q: usize, h_kv: usize, tol: f32) {
     let vp = Tensor4Ref::new(&vd, [b, h_kv, prefill, d], [n * h_kv * d, d, h_kv * d]).unwrap();
     cache.append(kp, vp).unwrap();
     let qp = Tensor4Ref::new(&qd, [b, h_q, prefill, d], [n * h_q * d, d, h_q * d]).unwrap();
-    let first = cache.attend(qp, &causal).unwrap();
+    let first = cache
+        .attention(qp, &causal)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
     let mut rows: Vec<Tensor4<T>> = vec![first];
     for t in prefill..n {
         cache
@@ -55,7 +62,9 @@ fn generate_matches_one_pass<T: Element>(h_q: usize, h_kv: usize, tol: f32) {
             .unwrap();
         rows.push(
             cache
-                .attend(token(&qd, [b, h_q, n, d], t), &causal)
+                .attention(token(&qd, [b, h_q, n, d], t), &causal)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_output())
                 .unwrap(),
         );
     }
@@ -108,11 +117,16 @@ fn ragged_batch_entries_attend_their_own_length() {
     let qd = data::<f32>(2 * h * d, 6);
     let q = Tensor4Ref::from_layout(&qd, [2, h, 1, d], Layout::Bhsd).unwrap();
     let got = cache
-        .attend(q, &Options::default().with_causal(Causal::BottomRight))
+        .attention(q, &Options::default().with_causal(Causal::BottomRight))
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
         .unwrap();
     for (b, n) in [(0, 40), (1, 7)] {
         let qb = Tensor4Ref::new(&qd[b * h * d..], [1, h, 1, d], [0, d, d]).unwrap();
-        let want = attention_batched(qb, k(n), k(n), &Options::default()).unwrap();
+        let want = Attention::batched(qb, k(n), k(n), &Options::default())
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_output())
+            .unwrap();
         for hh in 0..h {
             let (g, w) = (
                 got.as_ref().head(b, hh).unwrap(),
@@ -193,10 +207,13 @@ fn bad_appends_are_typed_errors_and_leave_the_cache_unchanged() {
     );
     let q = data::<f32>(3 * h * d, 3);
     assert!(matches!(
-        cache.attend(
-            Tensor4Ref::from_layout(&q, [1, 3, 1, d], Layout::Bhsd).unwrap(),
-            &Options::default()
-        ),
+        cache
+            .attention(
+                Tensor4Ref::from_layout(&q, [1, 3, 1, d], Layout::Bhsd).unwrap(),
+                &Options::default()
+            )
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_output()),
         Err(Error::HeadGrouping { h_q: 3, h_kv: 2 })
     ));
 }
@@ -253,12 +270,22 @@ fn split_kv_decode_is_deterministic_across_thread_counts() {
             .num_threads(t)
             .build()
             .unwrap()
-            .install(|| cache.attend(q, &opts).unwrap())
+            .install(|| {
+                cache
+                    .attention(q, &opts)
+                    .and_then(|call| call.forward(Par::rayon(0)))
+                    .map(|f| f.into_output())
+                    .unwrap()
+            })
     };
     let one = run(1);
     assert_eq!(run(2), one);
     assert_eq!(run(3), one);
-    let unsplit = cache.attend_with(q, &opts, SplitKv::Never).unwrap();
+    let unsplit = cache
+        .attention(q, &opts)
+        .and_then(|call| call.split_kv(SplitKv::Never).forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
     for (a, b) in one.as_slice().iter().zip(unsplit.as_slice()) {
         assert!((a - b).abs() < 1e-6);
     }
@@ -279,8 +306,16 @@ fn lse_matches_attention_over_the_cached_keys<T: Element>() {
     let qd = data::<T>(b * h_q * d, 7);
     let q = Tensor4Ref::from_layout(&qd, [b, h_q, 1, d], Layout::Bhsd).unwrap();
     let opts = Options::default().with_causal(Causal::BottomRight);
-    let (out, lse) = cache.attend_with_lse(q, &opts).unwrap();
-    let plain = cache.attend(q, &opts).unwrap();
+    let (out, lse) = cache
+        .attention(q, &opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
+    let plain = cache
+        .attention(q, &opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
     let bits = |t: &Tensor4<T>| {
         t.as_slice()
             .iter()
@@ -295,7 +330,10 @@ fn lse_matches_attention_over_the_cached_keys<T: Element>() {
             let k = cache.keys().head(bi, kv).unwrap().subrows(0, len);
             let v = cache.values().head(bi, kv).unwrap().subrows(0, len);
             let qh = q.head(bi, h).unwrap();
-            let (_, want) = attn_optimized::attention_with_lse(qh, k, v, &opts).unwrap();
+            let (_, want) = Attention::head(qh, k, v, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts())
+                .unwrap();
             let got = lse[bi * h_q + h];
             assert!(
                 (got - want[0]).abs() < 1e-5 * want[0].abs().max(1.0),
@@ -426,11 +464,19 @@ fn attending_a_query_whose_output_cannot_be_allocated_is_an_error() {
         .append(broadcast(&row, 1, 2), broadcast(&row, 1, 2))
         .unwrap();
     let q = broadcast(&row, 1, 1 << 62);
-    let err = cache.attend(q, &Options::default()).unwrap_err();
+    let err = cache
+        .attention(q, &Options::default())
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap_err();
     assert!(matches!(err, Error::Allocation { .. }), "{err}");
     // 2^46 positions × 4 floats: 2^50 bytes, a size that fits usize but no address space.
     let q = broadcast(&row, 1, 1 << 46);
-    let err = cache.attend_with_lse(q, &Options::default()).unwrap_err();
+    let err = cache
+        .attention(q, &Options::default())
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -447,7 +493,11 @@ fn attending_a_query_whose_output_cannot_be_allocated_is_an_error() {
     cache.append(broadcast(&row, 1, 2), none).unwrap();
     // 2^50 rows: 2^52 bytes of LSE.
     let q = broadcast(&row, 1, 1 << 50);
-    let err = cache.attend_with_lse(q, &Options::default()).unwrap_err();
+    let err = cache
+        .attention(q, &Options::default())
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap_err();
     assert!(matches!(err, Error::Allocation { .. }), "{err}");
     assert!(err.to_string().contains("LSE"), "{err}");
 }

@@ -67,16 +67,27 @@ fn compare<T: Both>(case: &Case, opts: &Options<'_>, split: SplitKv, tol: f32) {
     let k = Tensor4Ref::from_layout(&kd, [b, hkv, nk, d], case.layout).unwrap();
     let v = Tensor4Ref::from_layout(&vd, [b, hkv, nk, d], case.layout).unwrap();
     let (o, lse) = match split {
-        SplitKv::Auto => attn_optimized::attention_batched_with_lse(q, k, v, opts).unwrap(),
+        SplitKv::Auto => attn_optimized::Attention::batched(q, k, v, opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .unwrap(),
         _ => {
-            let o = attn_optimized::attention_batched_with(q, k, v, opts, split).unwrap();
-            let lse = attn_reference::attention_batched_with_lse(q, k, v, opts)
+            let o = attn_optimized::Attention::batched(q, k, v, opts)
+                .and_then(|call| call.split_kv(split).forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_output())
+                .unwrap();
+            let lse = attn_reference::Attention::batched(q, k, v, opts)
+                .and_then(|call| call.forward())
+                .map(|f| f.into_parts())
                 .unwrap()
                 .1;
             (o, lse)
         }
     };
-    let (r, rlse) = attn_reference::attention_batched_with_lse(q, k, v, opts).unwrap();
+    let (r, rlse) = attn_reference::Attention::batched(q, k, v, opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     for (x, y) in o.as_slice().iter().zip(r.as_slice()) {
         let (x, y) = (x.to_f32(), y.to_f32());
         assert!(
@@ -157,8 +168,14 @@ fn same_bits(what: &str, a: &Options<'_>, b: &Options<'_>, dims: [usize; 6]) {
     let q = Tensor4Ref::from_layout(&qd, [bt, hq, nq, d], Layout::Bhsd).unwrap();
     let k = Tensor4Ref::from_layout(&kd, [bt, hkv, nk, d], Layout::Bhsd).unwrap();
     let v = Tensor4Ref::from_layout(&vd, [bt, hkv, nk, d], Layout::Bhsd).unwrap();
-    let (x, lx) = attn_optimized::attention_batched_with_lse(q, k, v, a).unwrap();
-    let (y, ly) = attn_optimized::attention_batched_with_lse(q, k, v, b).unwrap();
+    let (x, lx) = attn_optimized::Attention::batched(q, k, v, a)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
+    let (y, ly) = attn_optimized::Attention::batched(q, k, v, b)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     let first_difference = |a: &[f32], b: &[f32]| {
         a.iter()
             .zip(b)
@@ -219,7 +236,10 @@ fn a_row_that_sees_nothing_returns_zero_and_the_sink_as_its_lse() {
     let (q, k) = (data::<f32>(8 * 4, 7, 1.0), data::<f32>(3 * 4, 8, 1.0));
     let q = faer::MatRef::from_row_major_slice(&q, 8, 4);
     let k = faer::MatRef::from_row_major_slice(&k, 3, 4);
-    let (o, lse) = attn_optimized::attention_with_lse(q, k, k, &opts).unwrap();
+    let (o, lse) = attn_optimized::Attention::head(q, k, k, &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
     for (i, &l) in lse.iter().enumerate().take(5) {
         assert_eq!(l, 0.75);
         assert!(o.row(i).iter().all(|&x| x == 0.0));
@@ -243,7 +263,10 @@ fn kv_cache_decoding_with_modifiers_matches_one_pass() {
     let q = Tensor4Ref::from_layout(&qd, [b, hq, n, d], Layout::Bshd).unwrap();
     let k = Tensor4Ref::from_layout(&kd, [b, hkv, n, d], Layout::Bshd).unwrap();
     let v = Tensor4Ref::from_layout(&vd, [b, hkv, n, d], Layout::Bshd).unwrap();
-    let full = attn_reference::attention_batched(q, k, v, &opts).unwrap();
+    let full = attn_reference::Attention::batched(q, k, v, &opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_output())
+        .unwrap();
     let mut cache = KvCache::<f32>::new(b, hkv, n, d, d).unwrap();
     // Positions `t` of a `[B, S, H, D]` buffer with `h` heads.
     let step = |buf: &'static [f32], h: usize, t: Range<usize>| {
@@ -259,13 +282,23 @@ fn kv_cache_decoding_with_modifiers_matches_one_pass() {
     cache
         .append(step(kd, hkv, 0..120), step(vd, hkv, 0..120))
         .unwrap();
-    let first = cache.attend(step(qd, hq, 0..120), &opts).unwrap();
+    let first = cache
+        .attention(step(qd, hq, 0..120), &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap();
     let mut outs = vec![first];
     for t in 120..n {
         cache
             .append(step(kd, hkv, t..t + 1), step(vd, hkv, t..t + 1))
             .unwrap();
-        outs.push(cache.attend(step(qd, hq, t..t + 1), &opts).unwrap());
+        outs.push(
+            cache
+                .attention(step(qd, hq, t..t + 1), &opts)
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_output())
+                .unwrap(),
+        );
     }
     for bb in 0..b {
         for h in 0..hq {
@@ -307,8 +340,14 @@ fn packed_sequences_see_their_own_positions() {
     let q = Tensor4Ref::from_layout(&qd, [1, hq, total, d], Layout::Bshd).unwrap();
     let k = Tensor4Ref::from_layout(&kd, [1, hkv, total, d], Layout::Bshd).unwrap();
     let v = Tensor4Ref::from_layout(&vd, [1, hkv, total, d], Layout::Bshd).unwrap();
-    let (o, lse) = attn_optimized::attention_packed_with_lse(q, k, v, &seqs, &opts).unwrap();
-    let (r, rlse) = attn_reference::attention_packed_with_lse(q, k, v, &seqs, &opts).unwrap();
+    let (o, lse) = attn_optimized::Attention::packed(q, k, v, &seqs, &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
+    let (r, rlse) = attn_reference::Attention::packed(q, k, v, &seqs, &opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     for (x, y) in o.as_slice().iter().zip(r.as_slice()) {
         assert!((x - y).abs() < 2e-5, "{x} vs {y}");
     }
@@ -330,7 +369,7 @@ fn a_row_the_user_mask_hides_from_a_whole_block_sees_none_of_it() {
     let v = faer::mat![[1.0f32], [2.0], [4.0]];
     let opts = Options::default().with_mask_mod(&TopLeftMask);
     let shard = |o: &Options<'_>| {
-        attn_optimized::partial_attention(
+        attn_optimized::Attention::keys_of(
             q.as_ref(),
             k.as_ref().subrows(1, 2),
             v.as_ref().subrows(1, 2),
@@ -338,6 +377,7 @@ fn a_row_the_user_mask_hides_from_a_whole_block_sees_none_of_it() {
             3,
             o,
         )
+        .and_then(|call| call.partial_state(attn_optimized::Par::rayon(0)))
         .unwrap()
         .into_parts()
     };
@@ -352,7 +392,8 @@ fn sinks_cannot_be_counted_once_per_shard() {
     let x = faer::Mat::<f32>::from_fn(4, 4, |i, j| (i + j) as f32 * 0.1);
     let sinks = [0.5f32];
     let opts = Options::default().with_sinks(&sinks);
-    let r = attn_optimized::partial_attention(x.as_ref(), x.as_ref(), x.as_ref(), 0..4, 4, &opts);
+    let r = attn_optimized::Attention::keys_of(x.as_ref(), x.as_ref(), x.as_ref(), 0..4, 4, &opts)
+        .and_then(|call| call.partial_state(attn_optimized::Par::rayon(0)));
     assert!(matches!(r, Err(Error::Unsupported { .. })));
 }
 
@@ -395,10 +436,14 @@ fn overflowed_scores_under_alibi_are_recomputed_before_the_bias() {
     let opts = Options::default()
         .with_scale(1.0)
         .with_alibi(Alibi::new(&slopes));
-    let (o, lse) =
-        attn_optimized::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
-    let (r, rlse) =
-        attn_reference::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let (o, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap();
+    let (r, rlse) = attn_reference::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     for i in 0..n {
         for c in 0..d {
             assert!(

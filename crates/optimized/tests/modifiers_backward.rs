@@ -36,10 +36,7 @@ use core::ops::Range;
 use attn_core::{
     Alibi, Causal, CuSeqlens, Layout, MaskMod, Options, SoftCap, Tensor4Mut, Tensor4Ref,
 };
-use attn_optimized::{
-    Element, attention_backward_batched, attention_backward_batched_into, attention_backward_into,
-    attention_backward_packed, attention_backward_packed_into,
-};
+use attn_optimized::Element;
 use attn_reference::MaterializedBackward;
 use faer::{Mat, MatRef};
 use half::{bf16, f16};
@@ -226,27 +223,39 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
         Tensor4Ref::from_layout(&vb, kd, l).unwrap(),
         Tensor4Ref::from_layout(&gb, qd, l).unwrap(),
     );
-    let (out, lse) = attn_reference::attention_batched_with_lse(q, k, v, &c.opts).unwrap();
+    let (out, lse) = attn_reference::Attention::batched(q, k, v, &c.opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     let (mut dq, mut dk, mut dv) = (
         vec![0.0f32; qb.len()],
         vec![0.0f32; kb.len()],
         vec![0.0f32; vb.len()],
     );
-    let dsinks = attention_backward_batched_into(
-        Tensor4Mut::from_layout(&mut dq, qd, Layout::Bhsd).unwrap(),
-        Tensor4Mut::from_layout(&mut dk, kd, Layout::Bhsd).unwrap(),
-        Tensor4Mut::from_layout(&mut dv, kd, Layout::Bhsd).unwrap(),
-        g,
-        q,
-        k,
-        v,
-        out.as_ref(),
-        &lse,
-        &c.opts,
-    )
-    .unwrap();
+    let dsinks = attn_optimized::Attention::batched(q, k, v, &c.opts)
+        .and_then(|call| {
+            call.backward_into(
+                attn_optimized::ForwardRef::batch(out.as_ref(), &lse)?,
+                g,
+                attn_optimized::GradientsMut {
+                    dq: Tensor4Mut::from_layout(&mut dq, qd, Layout::Bhsd).unwrap(),
+                    dk: Tensor4Mut::from_layout(&mut dk, kd, Layout::Bhsd).unwrap(),
+                    dv: Tensor4Mut::from_layout(&mut dv, kd, Layout::Bhsd).unwrap(),
+                },
+                attn_optimized::Par::rayon(0),
+            )
+        })
+        .unwrap();
     // The owned call returns the same bits.
-    let owned = attention_backward_batched(g, q, k, v, out.as_ref(), &lse, &c.opts).unwrap();
+    let owned = attn_optimized::Attention::batched(q, k, v, &c.opts)
+        .and_then(|call| {
+            call.backward(
+                attn_optimized::ForwardRef::batch(out.as_ref(), &lse)?,
+                g,
+                attn_optimized::Par::rayon(0),
+            )
+        })
+        .unwrap();
     assert_eq!(owned.dsinks, dsinks);
     if T::NAME == "f32" {
         let flat = |t: &attn_core::Tensor4<T>| -> Vec<f32> {
@@ -255,8 +264,9 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
         assert_eq!(flat(&owned.dq), dq);
         assert_eq!(flat(&owned.dk), dk);
     }
-    let refs =
-        attn_reference::attention_backward_batched_materialized(q, k, v, g, &c.opts).unwrap();
+    let refs = attn_reference::Attention::batched(q, k, v, &c.opts)
+        .and_then(|call| call.backward_materialized(g))
+        .unwrap();
     let scale = 1.0 / (d as f64).sqrt();
     let group = h_q / h_kv;
     let mut worst = 0.0f64;
@@ -478,8 +488,19 @@ impl Call {
         opts: &Options<'_>,
     ) -> attn_core::BatchGradients<f32> {
         let [q, k, v, g] = self.views();
-        let (out, lse) = attn_reference::attention_batched_with_lse(q, k, v, forward).unwrap();
-        attention_backward_batched(g, q, k, v, out.as_ref(), &lse, opts).unwrap()
+        let (out, lse) = attn_reference::Attention::batched(q, k, v, forward)
+            .and_then(|call| call.forward())
+            .map(|f| f.into_parts())
+            .unwrap();
+        attn_optimized::Attention::batched(q, k, v, opts)
+            .and_then(|call| {
+                call.backward(
+                    attn_optimized::ForwardRef::batch(out.as_ref(), &lse)?,
+                    g,
+                    attn_optimized::Par::rayon(0),
+                )
+            })
+            .unwrap()
     }
 }
 
@@ -546,25 +567,29 @@ fn a_single_head_call_is_the_batched_call_of_one_head() {
         v.head(0, 0).unwrap(),
         g.head(0, 0).unwrap(),
     );
-    let (out, lse) = attn_reference::attention_with_lse(q, k, v, &opts).unwrap();
+    let (out, lse) = attn_reference::Attention::head(q, k, v, &opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     let (mut dq, mut dk, mut dv) = (
         Mat::<f32>::zeros(140, 16),
         Mat::<f32>::zeros(135, 16),
         Mat::<f32>::zeros(135, 16),
     );
-    let dsinks = attention_backward_into(
-        dq.as_mut(),
-        dk.as_mut(),
-        dv.as_mut(),
-        g,
-        q,
-        k,
-        v,
-        out.as_ref(),
-        &lse,
-        &opts,
-    )
-    .unwrap();
+    let dsinks = attn_optimized::Attention::head(q, k, v, &opts)
+        .and_then(|call| {
+            call.backward_into(
+                attn_optimized::ForwardRef::head(out.as_ref(), &lse),
+                g,
+                attn_optimized::GradientsMut {
+                    dq: dq.as_mut(),
+                    dk: dk.as_mut(),
+                    dv: dv.as_mut(),
+                },
+                attn_optimized::Par::rayon(0),
+            )
+        })
+        .unwrap();
     assert_eq!(dsinks, batched.dsinks);
     assert!(dsinks.is_some_and(|d| d[0] != 0.0));
     let head = |t: &attn_core::Tensor4<f32>| widen(t.as_ref().head(0, 0).unwrap());
@@ -602,28 +627,39 @@ fn packed_gradients_are_within_the_bound_of_each_sequence() {
         t(&v, [1, h_kv, tk, d]),
         t(&g, [1, h_q, tq, d]),
     );
-    let (out, lse) = attn_reference::attention_packed_with_lse(qt, kt, vt, &seqs, &all).unwrap();
+    let (out, lse) = attn_reference::Attention::packed(qt, kt, vt, &seqs, &all)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     let (mut dq, mut dk, mut dv) = (
         vec![0.0f32; q.len()],
         vec![0.0f32; k.len()],
         vec![0.0f32; v.len()],
     );
-    let dsinks = attention_backward_packed_into(
-        Tensor4Mut::from_layout(&mut dq, [1, h_q, tq, d], Layout::Bhsd).unwrap(),
-        Tensor4Mut::from_layout(&mut dk, [1, h_kv, tk, d], Layout::Bhsd).unwrap(),
-        Tensor4Mut::from_layout(&mut dv, [1, h_kv, tk, d], Layout::Bhsd).unwrap(),
-        gt,
-        qt,
-        kt,
-        vt,
-        out.as_ref(),
-        &lse,
-        &seqs,
-        &all,
-    )
-    .unwrap()
-    .unwrap();
-    let owned = attention_backward_packed(gt, qt, kt, vt, out.as_ref(), &lse, &seqs, &all).unwrap();
+    let dsinks = attn_optimized::Attention::packed(qt, kt, vt, &seqs, &all)
+        .and_then(|call| {
+            call.backward_into(
+                attn_optimized::ForwardRef::batch(out.as_ref(), &lse)?,
+                gt,
+                attn_optimized::GradientsMut {
+                    dq: Tensor4Mut::from_layout(&mut dq, [1, h_q, tq, d], Layout::Bhsd).unwrap(),
+                    dk: Tensor4Mut::from_layout(&mut dk, [1, h_kv, tk, d], Layout::Bhsd).unwrap(),
+                    dv: Tensor4Mut::from_layout(&mut dv, [1, h_kv, tk, d], Layout::Bhsd).unwrap(),
+                },
+                attn_optimized::Par::rayon(0),
+            )
+        })
+        .unwrap()
+        .unwrap();
+    let owned = attn_optimized::Attention::packed(qt, kt, vt, &seqs, &all)
+        .and_then(|call| {
+            call.backward(
+                attn_optimized::ForwardRef::batch(out.as_ref(), &lse)?,
+                gt,
+                attn_optimized::Par::rayon(0),
+            )
+        })
+        .unwrap();
     assert_eq!(owned.dq.as_slice(), &dq[..]);
     assert_eq!(owned.dsinks.as_deref(), Some(&dsinks[..]));
 
@@ -654,8 +690,9 @@ fn packed_gradients_are_within_the_bound_of_each_sequence() {
             sub(&g, &rows, h_q, d),
         );
         let o = opts(shifted[s]);
-        let refs =
-            attn_reference::attention_backward_batched_materialized(qs, ks, vs, gs, &o).unwrap();
+        let refs = attn_reference::Attention::batched(qs, ks, vs, &o)
+            .and_then(|call| call.backward_materialized(gs))
+            .unwrap();
         for kv in 0..h_kv {
             let z = || Mat::<f64>::zeros(nk, d);
             let mut sums = [z(), z(), z(), z(), z(), z()];
@@ -734,7 +771,9 @@ fn the_bound_catches_a_gradient_without_the_chain_rule() {
     let opts = Options::default().with_softcap(cap(1.0));
     let got = call.gradients(&opts, &opts);
     let [q, k, v, g] = call.views();
-    let refs = attn_reference::attention_backward_batched_materialized(q, k, v, g, &opts).unwrap();
+    let refs = attn_reference::Attention::batched(q, k, v, &opts)
+        .and_then(|call| call.backward_materialized(g))
+        .unwrap();
     let r = &refs[0][0];
     let x = [
         widen(q.head(0, 0).unwrap()),
@@ -858,8 +897,10 @@ fn gradient_rows_repaired_exactly_apply_the_modifiers() {
         let opts = Options::default()
             .with_softcap(cap(0.5))
             .with_alibi(Alibi::new(&slope));
-        let (o, lse) =
-            attn_reference::attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+        let (o, lse) = attn_reference::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.forward())
+            .map(|f| f.into_parts())
+            .unwrap();
         let args = (
             d_out.as_ref(),
             q.as_ref(),

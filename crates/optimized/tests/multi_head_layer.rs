@@ -131,7 +131,7 @@ proptest! {
                 narrow(k.subcols(kv * l.d_k, l.d_k)),
                 narrow(v.subcols(kv * l.d_v, l.d_v)),
             );
-            let r = attn_reference::attention_materialized(qh.as_ref(), kh.as_ref(), vh.as_ref(), &opts).unwrap();
+            let r = attn_reference::Attention::head(qh.as_ref(), kh.as_ref(), vh.as_ref(), &opts).and_then(|call| call.materialized()).unwrap();
             let scale = opts.scale_for_f64(l.d_k).unwrap();
             let b = head_bound(&model, qh.as_ref(), kh.as_ref(), vh.as_ref(), scale, None, &r);
             concat.subcols_mut(head * l.d_v, l.d_v).copy_from(&r.output);

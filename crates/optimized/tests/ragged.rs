@@ -3,9 +3,8 @@
 //! calls in other layouts and types, and packed bits independent of the thread count.
 
 use attn_optimized::{
-    BoolMask, BoolMask4, Causal, CuSeqlens, Error, KvCache, Layout, Mask4Ref, Options, Tensor4,
-    Tensor4Mut, Tensor4Ref, attention, attention_backward_packed, attention_backward_packed_into,
-    attention_batched, attention_packed, attention_packed_into, attention_packed_with_lse,
+    Attention, BoolMask, BoolMask4, Causal, CuSeqlens, Error, ForwardRef, GradientsMut, KvCache,
+    Layout, Mask4Ref, Options, Par, Tensor4, Tensor4Mut, Tensor4Ref, attention,
 };
 use faer::Mat;
 use half::f16;
@@ -35,7 +34,10 @@ fn cache_attend_takes_per_head_masks_over_the_longest_entry() -> attn_optimized:
     let opts = Options::default()
         .with_causal(Causal::BottomRight)
         .with_bool_mask_4d(BoolMask4::allow(mask));
-    let out = cache.attend(q, &opts)?;
+    let out = cache
+        .attention(q, &opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())?;
     for (b, &len) in lens.iter().enumerate() {
         for h in 0..h_q {
             let allow = Mat::from_fn(2, len, |i, j| bits[((b * h_q + h) * 2 + i) * 7 + j]);
@@ -70,7 +72,10 @@ fn four_d_mask_errors_name_the_operand() -> attn_optimized::Result<()> {
     // Three heads do not broadcast to two.
     let wrong = Mask4Ref::contiguous(&bits, [1, 3, 2, 3])?;
     let opts = Options::default().with_bool_mask_4d(BoolMask4::allow(wrong));
-    let err = attention_batched(x, x, x, &opts).unwrap_err();
+    let err = Attention::batched(x, x, x, &opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -87,7 +92,10 @@ fn four_d_mask_errors_name_the_operand() -> attn_optimized::Result<()> {
     let both = Options::default()
         .with_bool_mask(BoolMask::allow(m2.as_ref()))
         .with_bool_mask_4d(BoolMask4::allow(right));
-    let err = attention_batched(x, x, x, &both).unwrap_err();
+    let err = Attention::batched(x, x, x, &both)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -167,7 +175,10 @@ fn packed_errors_are_typed() -> attn_optimized::Result<()> {
     ));
     let short = CuSeqlens::new(&[0, 2, 5], &[0, 2, 4])?;
     layout(
-        attention_packed(x, x, x, &short, &opts).unwrap_err(),
+        Attention::packed(x, x, x, &short, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_output())
+            .unwrap_err(),
         "cu_seqlens_k",
     );
     // Element-wise masks and key padding have no meaning in packed mode.
@@ -178,7 +189,10 @@ fn packed_errors_are_typed() -> attn_optimized::Result<()> {
         opts.with_key_length(2),
         opts.with_additive_mask_4d(Mask4Ref::contiguous(&[0.0f32; 25], [1, 1, 5, 5])?),
     ] {
-        let err = attention_packed(x, x, x, &seqs, &o).unwrap_err();
+        let err = Attention::packed(x, x, x, &seqs, &o)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_output())
+            .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -194,14 +208,19 @@ fn packed_errors_are_typed() -> attn_optimized::Result<()> {
     let two = values(2 * 5 * 4, 2);
     let two = Tensor4Ref::from_layout(&two, [2, 1, 5, 4], Layout::Bshd)?;
     layout(
-        attention_packed(two, two, two, &seqs, &opts).unwrap_err(),
+        Attention::packed(two, two, two, &seqs, &opts)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_output())
+            .unwrap_err(),
         "Q",
     );
     // The caller's views are checked too.
     let mut out = vec![0.0f32; 4 * 4];
     let view = Tensor4Mut::from_layout(&mut out, [1, 1, 4, 4], Layout::Bshd)?;
     layout(
-        attention_packed_into(view, None, x, x, x, &seqs, &opts).unwrap_err(),
+        Attention::packed(x, x, x, &seqs, &opts)
+            .and_then(|call| call.forward_into(view, None, Par::rayon(0)))
+            .unwrap_err(),
         "output tensor",
     );
     Ok(())
@@ -217,35 +236,49 @@ fn packed_into_writes_other_layouts_and_types() -> attn_optimized::Result<()> {
     let x = Tensor4Ref::from_layout(&x, [1, heads, total, d], Layout::Bshd)?;
     let seqs = CuSeqlens::new(&[0, 1, 1, 6, 9], &[0, 2, 2, 6, 9])?;
     let opts = Options::default().with_causal(Causal::BottomRight);
-    let (owned, lse) = attention_packed_with_lse(x, x, x, &seqs, &opts)?;
+    let (owned, lse) = Attention::packed(x, x, x, &seqs, &opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())?;
     // f32 output in [B,H,S,D], written in place: the owned f16 result is it rounded.
     let mut wide = vec![f32::NAN; heads * total * d];
     let mut lse_into = vec![f32::NAN; heads * total];
     let view = Tensor4Mut::from_layout(&mut wide, [1, heads, total, d], Layout::Bhsd)?;
-    attention_packed_into(view, Some(&mut lse_into), x, x, x, &seqs, &opts)?;
+    let lse_view = Tensor4Mut::new(
+        &mut lse_into,
+        [1, heads, total, 1],
+        [heads * total, total, 1],
+    )?;
+    Attention::packed(x, x, x, &seqs, &opts)?.forward_into(view, Some(lse_view), Par::rayon(0))?;
     let rounded: Vec<f16> = wide.iter().map(|&w| f16::from_f32(w)).collect();
     assert_eq!(rounded, owned.into_vec());
     assert_eq!(lse_into, lse);
 
     // The backward pass into f32 views in [B,S,H,D] equals the owned f16 one, rounded.
-    let (out, lse) = attention_packed_with_lse(x, x, x, &seqs, &opts)?;
-    let g = attention_backward_packed(out.as_ref(), x, x, x, out.as_ref(), &lse, &seqs, &opts)?;
+    let (out, lse) = Attention::packed(x, x, x, &seqs, &opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())?;
+    let g = Attention::packed(x, x, x, &seqs, &opts).and_then(|call| {
+        call.backward(
+            ForwardRef::batch(out.as_ref(), &lse)?,
+            out.as_ref(),
+            Par::rayon(0),
+        )
+    })?;
     let n = heads * total * d;
     let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
     let dims = [1, heads, total, d];
-    attention_backward_packed_into(
-        Tensor4Mut::from_layout(&mut dq, dims, Layout::Bshd)?,
-        Tensor4Mut::from_layout(&mut dk, dims, Layout::Bshd)?,
-        Tensor4Mut::from_layout(&mut dv, dims, Layout::Bshd)?,
-        out.as_ref(),
-        x,
-        x,
-        x,
-        out.as_ref(),
-        &lse,
-        &seqs,
-        &opts,
-    )?;
+    Attention::packed(x, x, x, &seqs, &opts).and_then(|call| {
+        call.backward_into(
+            ForwardRef::batch(out.as_ref(), &lse)?,
+            out.as_ref(),
+            GradientsMut {
+                dq: Tensor4Mut::from_layout(&mut dq, dims, Layout::Bshd)?,
+                dk: Tensor4Mut::from_layout(&mut dk, dims, Layout::Bshd)?,
+                dv: Tensor4Mut::from_layout(&mut dv, dims, Layout::Bshd)?,
+            },
+            Par::rayon(0),
+        )
+    })?;
     for (name, into, owned) in [("dQ", &dq, &g.dq), ("dK", &dk, &g.dk), ("dV", &dv, &g.dv)] {
         let into = Tensor4Ref::from_layout(into, dims, Layout::Bshd)?;
         for h in 0..heads {
@@ -279,8 +312,16 @@ fn packed_bits_do_not_depend_on_the_thread_count() -> attn_optimized::Result<()>
             .build()
             .expect("a pool");
         pool.install(|| {
-            let (o, lse) = attention_packed_with_lse(x, x, x, &seqs, &opts)?;
-            let g = attention_backward_packed(o.as_ref(), x, x, x, o.as_ref(), &lse, &seqs, &opts)?;
+            let (o, lse) = Attention::packed(x, x, x, &seqs, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts())?;
+            let g = Attention::packed(x, x, x, &seqs, &opts).and_then(|call| {
+                call.backward(
+                    ForwardRef::batch(o.as_ref(), &lse)?,
+                    o.as_ref(),
+                    Par::rayon(0),
+                )
+            })?;
             let bits = [&g.dq, &g.dk, &g.dv]
                 .iter()
                 .flat_map(|t| t.as_slice().iter().map(|x| x.to_bits()))

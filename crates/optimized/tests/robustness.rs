@@ -69,11 +69,9 @@ use std::time::Duration;
 
 use attn_core::MultiHeadWeights;
 use attn_optimized::{
-    BoolMask, Causal, Element, Growth, KvCache, MultiHeadAttention, Options, PartialState,
-    SPLIT_KEYS, SlidingWindow, SplitKv, Tensor4Mut, Tensor4Ref, attention, attention_backward,
-    attention_backward_batched, attention_backward_batched_into, attention_backward_into,
-    attention_batched, attention_batched_into, attention_batched_with, attention_batched_with_lse,
-    attention_into, attention_with_lse, partial_attention,
+    Attention, BoolMask, Causal, ColMut, Element, ForwardRef, GradientsMut, Growth, KvCache,
+    MultiHeadAttention, Options, Par, PartialState, SPLIT_KEYS, SlidingWindow, SplitKv, Tensor4Mut,
+    Tensor4Ref, attention, attention_backward,
 };
 use attn_oracle::hostile::{
     BatchExpected, Expected, Fill, GradExpected, Hiding, HostileBatch, HostileConfig, HostileHead,
@@ -316,7 +314,11 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
             if matches!(want, Expected::TooMuchWork) {
                 return Ok(());
             }
-            let got = returns("attention_with_lse", || attention_with_lse(q, k, v, &opts))?;
+            let got = returns("attention_with_lse", || {
+                Attention::head(q, k, v, &opts)
+                    .and_then(|call| call.forward(Par::rayon(0)))
+                    .map(|f| f.into_parts())
+            })?;
             let got = got.map(|(o, l)| (widen(o.as_ref()), l));
             check_head(
                 &want,
@@ -359,27 +361,27 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
             let (written, result) = if f32_out {
                 let mut o = StoredOut::new(rows, cols, out, f32::NAN);
                 let r = returns("attention_into", || {
-                    attention_into(
-                        o.view_mut(),
-                        lse.then_some(lse_buf.as_mut_slice()),
-                        q,
-                        k,
-                        v,
-                        &opts,
-                    )
+                    Attention::head(q, k, v, &opts).and_then(|call| {
+                        call.forward_into(
+                            o.view_mut(),
+                            lse.then_some(lse_buf.as_mut_slice())
+                                .map(ColMut::from_slice_mut),
+                            Par::rayon(0),
+                        )
+                    })
                 })?;
                 (o.read(|x| x), r)
             } else {
                 let mut o = StoredOut::new(rows, cols, out, T::from_f32(f32::NAN));
                 let r = returns("attention_into", || {
-                    attention_into(
-                        o.view_mut(),
-                        lse.then_some(lse_buf.as_mut_slice()),
-                        q,
-                        k,
-                        v,
-                        &opts,
-                    )
+                    Attention::head(q, k, v, &opts).and_then(|call| {
+                        call.forward_into(
+                            o.view_mut(),
+                            lse.then_some(lse_buf.as_mut_slice())
+                                .map(ColMut::from_slice_mut),
+                            Par::rayon(0),
+                        )
+                    })
                 })?;
                 (o.read(T::to_f32), r)
             };
@@ -411,7 +413,7 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                     )],
                 );
                 let got = returns("partial_attention", || {
-                    partial_attention(
+                    Attention::keys_of(
                         q,
                         k.subrows(shard.0, shard.1),
                         v.subrows(shard.0, shard.1),
@@ -419,6 +421,7 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                         n_k,
                         &opts,
                     )
+                    .and_then(|call| call.partial_state(Par::rayon(0)))
                 })?;
                 return match got {
                     Ok(_) => {
@@ -429,7 +432,7 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
             }
             let shard = |r: core::ops::Range<usize>| {
                 returns("partial_attention", || {
-                    partial_attention(
+                    Attention::keys_of(
                         q,
                         k.subrows(r.start, r.len()),
                         v.subrows(r.start, r.len()),
@@ -437,6 +440,7 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                         n_k,
                         &opts,
                     )
+                    .and_then(|call| call.partial_state(Par::rayon(0)))
                 })
             };
             let (a, b) = (shard(0..cut)?, shard(cut..n_k)?);
@@ -567,7 +571,9 @@ fn unbounded_window_sides_act_as_no_bound() {
                 0,
             );
             let got = returns("attention_with_lse", || {
-                attention_with_lse(q.as_ref(), kv.as_ref(), kv.as_ref(), &opts)
+                Attention::head(q.as_ref(), kv.as_ref(), kv.as_ref(), &opts)
+                    .and_then(|call| call.forward(Par::rayon(0)))
+                    .map(|f| f.into_parts())
             })?;
             check_head(
                 &want,
@@ -616,7 +622,9 @@ fn same_bits<T: Element>(case: &HostileHead) -> Result<(), String> {
         let [qs, ks, vs] = inputs.stored(T::from_f32);
         let opts = inputs.options();
         returns("attention_with_lse", || {
-            attention_with_lse(qs.view(), ks.view(), vs.view(), &opts)
+            Attention::head(qs.view(), ks.view(), vs.view(), &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts())
         })
     };
     let (a, b) = (run(&poisoned)?, run(&clean)?);
@@ -773,7 +781,11 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
         };
     match call {
         BatchCall::Owned => {
-            let got = returns("attention_batched", || attention_batched(q, k, v, &opts))?;
+            let got = returns("attention_batched", || {
+                Attention::batched(q, k, v, &opts)
+                    .and_then(|call| call.forward(Par::rayon(0)))
+                    .map(|f| f.into_output())
+            })?;
             check(
                 "attention_batched",
                 storage,
@@ -783,7 +795,9 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
         BatchCall::With(never) => {
             let split = if never { SplitKv::Never } else { SplitKv::Auto };
             let got = returns("attention_batched_with", || {
-                attention_batched_with(q, k, v, &opts, split)
+                Attention::batched(q, k, v, &opts)
+                    .and_then(|call| call.split_kv(split).forward(Par::rayon(0)))
+                    .map(|f| f.into_output())
             })?;
             check(
                 "attention_batched_with",
@@ -793,7 +807,9 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
         }
         BatchCall::WithLse => {
             let got = returns("attention_batched_with_lse", || {
-                attention_batched_with_lse(q, k, v, &opts)
+                Attention::batched(q, k, v, &opts)
+                    .and_then(|call| call.forward(Par::rayon(0)))
+                    .map(|f| f.into_parts())
             })?;
             check(
                 "attention_batched_with_lse",
@@ -859,14 +875,16 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
                 let mut buf = vec![f32::NAN; n];
                 let r = returns("attention_batched_into", || {
                     let out = Tensor4Mut::new(&mut buf, out_dims, strides)?;
-                    attention_batched_into(out, q, k, v, &opts)
+                    Attention::batched(q, k, v, &opts)
+                        .and_then(|call| call.forward_into(out, None, Par::rayon(0)))
                 })?;
                 r.map(|()| read(buf))
             } else {
                 let mut buf = vec![T::from_f32(f32::NAN); n];
                 let r = returns("attention_batched_into", || {
                     let out = Tensor4Mut::new(&mut buf, out_dims, strides)?;
-                    attention_batched_into(out, q, k, v, &opts)
+                    Attention::batched(q, k, v, &opts)
+                        .and_then(|call| call.forward_into(out, None, Par::rayon(0)))
                 })?;
                 r.map(|()| read(buf.into_iter().map(T::to_f32).collect()))
             };
@@ -883,7 +901,7 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
                 &inputs.head.planted,
                 got,
             )
-            .map_err(|m| format!("attention_batched_into ({layout:?}): {m}"))
+            .map_err(|m| format!("Attention::batched().forward_into({layout:?}): {m}"))
         }
     }
 }
@@ -1528,17 +1546,27 @@ fn attend_step<T: Element>(
     }
     let storage = dtype_of::<T>();
     let result = match call {
-        AttendCall::Plain => {
-            returns("KvCache::attend", || cache.attend(q, &opts))?.map(|t| (t, None))
-        }
+        AttendCall::Plain => returns("KvCache::attend", || {
+            cache
+                .attention(q, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_output())
+        })?
+        .map(|t| (t, None)),
         AttendCall::WithLse => returns("KvCache::attend_with_lse", || {
-            cache.attend_with_lse(q, &opts)
+            cache
+                .attention(q, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts())
         })?
         .map(|(t, l)| (t, Some(l))),
         AttendCall::With(never) => {
             let split = if never { SplitKv::Never } else { SplitKv::Auto };
             returns("KvCache::attend_with", || {
-                cache.attend_with(q, &opts, split)
+                cache
+                    .attention(q, &opts)
+                    .and_then(|call| call.split_kv(split).forward(Par::rayon(0)))
+                    .map(|f| f.into_output())
             })?
             .map(|t| (t, None))
         }
@@ -1685,7 +1713,7 @@ fn large_queries_with_zero_scores_are_not_nan() {
                     StoredMat::new(v.as_ref(), View::ColMajor, T::from_f32),
                 );
                 let got = returns("attention_with_lse", || {
-                    attention_with_lse(qt.view(), kt.view(), vt.view(), &opts)
+                    Attention::head(qt.view(), kt.view(), vt.view(), &opts).and_then(|call| call.forward(Par::rayon(0))).map(|f| f.into_parts())
                 })?;
                 let got = got.map(|(o, l)| (widen(o.as_ref()), l));
                 check_head(
@@ -1960,7 +1988,11 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
     // attention_with_lse: the output and the LSE.
     let want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::WITH_LSE, 0);
     if !matches!(want, Expected::TooMuchWork) {
-        let got = returns("attention_with_lse", || attention_with_lse(q, k, v, &opts))?;
+        let got = returns("attention_with_lse", || {
+            Attention::head(q, k, v, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts())
+        })?;
         let got = got.map(|(o, l)| (widen(o.as_ref()), l));
         check_head(
             &want,
@@ -1974,7 +2006,8 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
     let want = expect_head(qf, kf, vf, &opts, &model(Dtype::F32), Outputs::WITH_LSE, 0);
     if !matches!(want, Expected::TooMuchWork) {
         let got = returns("partial_attention", || {
-            partial_attention(q, k, v, 0..n_k, n_k, &opts)
+            Attention::keys_of(q, k, v, 0..n_k, n_k, &opts)
+                .and_then(|call| call.partial_state(Par::rayon(0)))
         })?;
         check_head(
             &want,
@@ -1998,7 +2031,8 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
         };
         let mut o = StoredOut::new(rows, d_v, View::ColMajor, T::from_f32(f32::NAN));
         let r = returns("attention_into", || {
-            attention_into(o.view_mut(), None, q, k, v, &opts)
+            Attention::head(q, k, v, &opts)
+                .and_then(|call| call.forward_into(o.view_mut(), None, Par::rayon(0)))
         })?;
         let written = o.read(T::to_f32);
         check_head(&want, r.map(|()| (written.as_ref(), None)))
@@ -2059,10 +2093,16 @@ fn huge_batch_calls<T: Element>(case: &HugeBatch) -> Result<(), String> {
         };
     let want = expect_batched(qd, kd, vd, &opts, Outputs::OUTPUT);
     if !matches!(want, BatchExpected::TooMuchWork) {
-        let got = returns("attention_batched", || attention_batched(q, k, v, &opts))?;
+        let got = returns("attention_batched", || {
+            Attention::batched(q, k, v, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_output())
+        })?;
         check("attention_batched", &want, got.map(|t| (widen_t(t), None)))?;
         let got = returns("attention_batched_with", || {
-            attention_batched_with(q, k, v, &opts, SplitKv::Never)
+            Attention::batched(q, k, v, &opts)
+                .and_then(|call| call.split_kv(SplitKv::Never).forward(Par::rayon(0)))
+                .map(|f| f.into_output())
         })?;
         check(
             "attention_batched_with",
@@ -2073,7 +2113,9 @@ fn huge_batch_calls<T: Element>(case: &HugeBatch) -> Result<(), String> {
     let want = expect_batched(qd, kd, vd, &opts, Outputs::WITH_LSE);
     if !matches!(want, BatchExpected::TooMuchWork) {
         let got = returns("attention_batched_with_lse", || {
-            attention_batched_with_lse(q, k, v, &opts)
+            Attention::batched(q, k, v, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts())
         })?;
         check(
             "attention_batched_with_lse",
@@ -2103,7 +2145,8 @@ fn huge_batch_calls<T: Element>(case: &HugeBatch) -> Result<(), String> {
                 out_dims,
                 attn_core::Layout::Bhsd.strides(out_dims),
             )?;
-            attention_batched_into(out, q, k, v, &opts)
+            Attention::batched(q, k, v, &opts)
+                .and_then(|call| call.forward_into(out, None, Par::rayon(0)))
         })?;
         let got = r.map(|()| {
             let f: Vec<f32> = buf.iter().map(|x| x.to_f32()).collect();
@@ -2324,11 +2367,20 @@ fn huge_cache_calls<T: Element>(case: &HugeCacheCase) -> Result<(), String> {
             let opts = Options::default().with_causal(Causal::BottomRight);
             let r = if with_lse {
                 returns("KvCache::attend_with_lse", || {
-                    cache.attend_with_lse(q, &opts)
+                    cache
+                        .attention(q, &opts)
+                        .and_then(|call| call.forward(Par::rayon(0)))
+                        .map(|f| f.into_parts())
                 })?
                 .map(|_| ())
             } else {
-                returns("KvCache::attend", || cache.attend(q, &opts))?.map(|_| ())
+                returns("KvCache::attend", || {
+                    cache
+                        .attention(q, &opts)
+                        .and_then(|call| call.forward(Par::rayon(0)))
+                        .map(|f| f.into_output())
+                })?
+                .map(|_| ())
             };
             match (r, out_huge || lse_huge) {
                 (Err(e), true) => check_error(
@@ -2505,7 +2557,11 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
     let mut g = Gen(case.seed ^ 0x0DD5_EED5);
     // The forward's own result where it succeeds, else (or on request) arbitrary values.
     let forward = if call.forward {
-        match returns("attention_with_lse", || attention_with_lse(q, k, v, &opts))? {
+        match returns("attention_with_lse", || {
+            Attention::head(q, k, v, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts())
+        })? {
             Ok((o, l)) => Some((widen(o.as_ref()), l)),
             Err(_) => None,
         }
@@ -2647,18 +2703,18 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
                 let mut dv = StoredOut::new(shapes[2].0, shapes[2].1, gview, fill);
                 let (grad, q, k, v, out, lse, opts) = args;
                 let r = returns("attention_backward_into", || {
-                    attention_backward_into(
-                        dq.view_mut(),
-                        dk.view_mut(),
-                        dv.view_mut(),
-                        grad,
-                        q,
-                        k,
-                        v,
-                        out,
-                        lse,
-                        opts,
-                    )
+                    Attention::head(q, k, v, opts).and_then(|call| {
+                        call.backward_into(
+                            ForwardRef::head(out, lse),
+                            grad,
+                            GradientsMut {
+                                dq: dq.view_mut(),
+                                dk: dk.view_mut(),
+                                dv: dv.view_mut(),
+                            },
+                            Par::rayon(0),
+                        )
+                    })
                 })?;
                 Ok(r.map(|_dsinks| [dq.read(G::to_f32), dk.read(G::to_f32), dv.read(G::to_f32)]))
             }
@@ -2802,7 +2858,9 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
     let mut g = Gen(case.head.seed ^ 0xB0B0);
     let forward = if call.forward {
         returns("attention_batched_with_lse", || {
-            attention_batched_with_lse(q, k, v, &opts)
+            Attention::batched(q, k, v, &opts)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts())
         })?
         .ok()
         .map(|(o, l)| {
@@ -2892,7 +2950,8 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
     match call.into {
         None => {
             let got = returns("attention_backward_batched", || {
-                attention_backward_batched(gv, q, k, v, ov, &lse, &opts)
+                Attention::batched(q, k, v, &opts)
+                    .and_then(|call| call.backward(ForwardRef::batch(ov, &lse)?, gv, Par::rayon(0)))
             })?;
             check(
                 "attention_backward_batched",
@@ -2924,18 +2983,18 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
                     Tensor4Mut::new(buf, d, attn_core::Layout::Bshd.strides(d)).expect("fits")
                 }
                 let r = returns("attention_backward_batched_into", || {
-                    attention_backward_batched_into(
-                        view(a, dims[0]),
-                        view(b, dims[1]),
-                        view(c, dims[2]),
-                        grad,
-                        q,
-                        k,
-                        v,
-                        out,
-                        lse,
-                        opts,
-                    )
+                    Attention::batched(q, k, v, opts).and_then(|call| {
+                        call.backward_into(
+                            ForwardRef::batch(out, lse)?,
+                            grad,
+                            GradientsMut {
+                                dq: view(a, dims[0]),
+                                dk: view(b, dims[1]),
+                                dv: view(c, dims[2]),
+                            },
+                            Par::rayon(0),
+                        )
+                    })
                 })?;
                 Ok(r.map(|_dsinks| {
                     let t = |buf: &[G], d: [usize; 4]| {

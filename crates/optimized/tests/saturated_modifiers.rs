@@ -6,7 +6,7 @@
 //! `+inf` there saturates too (no NaN).
 
 use attn_core::{Causal, Options, ScoreMod};
-use attn_optimized::{attention_backward, attention_with_lse};
+use attn_optimized::attention_backward;
 use faer::{Mat, MatRef};
 
 /// Every score becomes `value`; the derivative is `slope` everywhere.
@@ -66,7 +66,11 @@ fn diff(a: MatRef<'_, f32>, b: MatRef<'_, f64>) -> (f64, f64) {
 
 /// The streaming engine's forward and backward against the reference's, for `m`.
 fn against_reference(x: &Problem, opts: &Options<'_>, tol: f64) {
-    let (out, lse) = attention_with_lse(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), opts).unwrap();
+    let (out, lse) =
+        attn_optimized::Attention::head(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .unwrap();
     let g = attention_backward(
         x.d_out.as_ref(),
         x.q.as_ref(),
@@ -77,14 +81,9 @@ fn against_reference(x: &Problem, opts: &Options<'_>, tol: f64) {
         opts,
     )
     .unwrap();
-    let want = attn_reference::attention_backward_materialized(
-        x.q.as_ref(),
-        x.k.as_ref(),
-        x.v.as_ref(),
-        x.d_out.as_ref(),
-        opts,
-    )
-    .unwrap();
+    let want = attn_reference::Attention::head(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), opts)
+        .and_then(|call| call.backward_materialized(x.d_out.as_ref()))
+        .unwrap();
     let (e, m) = diff(out.as_ref(), want.forward.output.as_ref());
     assert!(e <= tol * m.max(1e-30), "forward: error {e} of {m}");
     for (name, got, want) in [
@@ -120,7 +119,10 @@ fn a_modifier_that_returns_minus_infinity_everywhere_has_the_uniform_gradients()
         // The truth, by hand: the uniform average (no causal mask).
         let opts = Options::default().with_score_mod(&m);
         let (out, lse) =
-            attention_with_lse(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), &opts).unwrap();
+            attn_optimized::Attention::head(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), &opts)
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_parts())
+                .unwrap();
         let g = attention_backward(
             x.d_out.as_ref(),
             x.q.as_ref(),
@@ -168,7 +170,11 @@ fn the_value_gradient_matches_finite_differences() {
     };
     let x = Problem::new(6, 5, 3, 1.0);
     let opts = Options::default().with_score_mod(&m);
-    let (out, lse) = attention_with_lse(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), &opts).unwrap();
+    let (out, lse) =
+        attn_optimized::Attention::head(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .unwrap();
     let g = attention_backward(
         x.d_out.as_ref(),
         x.q.as_ref(),
@@ -213,14 +219,9 @@ fn an_infinite_derivative_saturates_in_both_engines() {
     // Small values keep the saturated gradients (about f32::MAX · 1e-3) inside f32.
     let x = Problem::new(4, 6, 4, 1e-3);
     let opts = Options::default().with_score_mod(&m);
-    let want = attn_reference::attention_backward_materialized(
-        x.q.as_ref(),
-        x.k.as_ref(),
-        x.v.as_ref(),
-        x.d_out.as_ref(),
-        &opts,
-    )
-    .unwrap();
+    let want = attn_reference::Attention::head(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), &opts)
+        .and_then(|call| call.backward_materialized(x.d_out.as_ref()))
+        .unwrap();
     for (name, g) in [("dQ", &want.dq), ("dK", &want.dk), ("dV", &want.dv)] {
         assert!(
             g.col_iter()

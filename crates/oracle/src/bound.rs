@@ -218,8 +218,7 @@ fn row_terms(
 /// use attn_oracle::{ErrorModel, HeadCase, Dtype};
 /// let inputs = HeadCase::small(3, 5, 4, 2, 1).build(Dtype::F32);
 /// let opts = inputs.options();
-/// let r = attn_reference::attention_materialized(
-///     inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref(), &opts).unwrap();
+/// let r = attn_reference::Attention::head(inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref(), &opts).and_then(|call| call.materialized()).unwrap();
 /// let b = head_bound(&ErrorModel::f32_streaming(2.0, None), inputs.q.as_ref(),
 ///     inputs.k.as_ref(), inputs.v.as_ref(), 0.5, None, &r);
 /// assert!(b.output[(0, 0)] > 0.0 && b.output[(0, 0)] < 1e-4);
@@ -856,9 +855,7 @@ fn head_dq(model: &ErrorModel, h: &HeadGrad, r: &MaterializedBackward) -> Mat<f6
 /// use faer::Mat;
 /// let inputs = HeadCase::small(3, 5, 4, 2, 1).build(Dtype::F32);
 /// let d_out = Mat::<f32>::from_fn(3, 2, |i, c| (i as f32 - c as f32) / 4.0);
-/// let r = attn_reference::attention_backward_materialized(
-///     inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref(), d_out.as_ref(),
-///     &inputs.options()).unwrap();
+/// let r = attn_reference::Attention::head(inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref(), &inputs.options()).and_then(|call| call.backward_materialized(d_out.as_ref())).unwrap();
 /// let b = head_backward_bound(&ErrorModel::f32_streaming(2.0, None), inputs.q.as_ref(),
 ///     inputs.k.as_ref(), inputs.v.as_ref(), d_out.as_ref(), 0.5, None, &r);
 /// assert!(b.dq[(0, 0)] > 0.0 && b.dq[(0, 0)] < 1e-4);
@@ -902,7 +899,7 @@ pub fn head_backward_bound(
 /// for every head, the dK and dV of a key/value head accumulated over its group of query
 /// heads), given the engine's inputs, the upstream gradient `grad_out`
 /// (`[batch, h_q, n_q, d_v]`) and the reference's intermediates per `[batch][h_q]`
-/// ([`attn_reference::attention_backward_batched_materialized`]).
+/// ([`attn_reference::Attention::backward_materialized`]).
 ///
 /// # Panics
 ///

@@ -501,7 +501,8 @@ impl Engine for ReferenceEngine {
         v: MatRef<'_, f32>,
         options: &Options<'_>,
     ) -> Result<(Mat<f32>, Vec<f32>)> {
-        let m = attn_reference::attention_materialized(q, k, v, options)?;
+        let m = attn_reference::Attention::head(q, k, v, options)
+            .and_then(|call| call.materialized())?;
         let o = Mat::from_fn(m.output.nrows(), m.output.ncols(), |i, j| {
             m.output[(i, j)] as f32
         });
@@ -515,7 +516,9 @@ impl Engine for ReferenceEngine {
         v: Tensor4Ref<'_, f32>,
         options: &Options<'_>,
     ) -> Result<Tensor4<f32>> {
-        attn_reference::attention_batched(q, k, v, options)
+        attn_reference::Attention::batched(q, k, v, options)
+            .and_then(|call| call.forward())
+            .map(|f| f.into_output())
     }
 
     fn attention_split(
@@ -536,7 +539,8 @@ impl Engine for ReferenceEngine {
                     });
                     let mut opts = *options;
                     opts.bool_mask = Some(BoolMask::allow(allow.as_ref()));
-                    let m = attn_reference::attention_materialized(q, k, v, &opts)?;
+                    let m = attn_reference::Attention::head(q, k, v, &opts)
+                        .and_then(|call| call.materialized())?;
                     Ok(RefState {
                         o: m.output,
                         lse: m.lse,
@@ -579,9 +583,11 @@ impl Engine for ReferenceEngine {
         lse: &[f32],
         options: &Options<'_>,
     ) -> Option<Result<BatchGradients>> {
-        Some(attn_reference::attention_backward_batched(
-            grad_out, q, k, v, out, lse, options,
-        ))
+        Some(
+            attn_reference::Attention::batched(q, k, v, options).and_then(|call| {
+                call.backward(attn_reference::ForwardRef::batch(out, lse)?, grad_out)
+            }),
+        )
     }
 
     fn attention_packed(
@@ -592,9 +598,11 @@ impl Engine for ReferenceEngine {
         seqs: &CuSeqlens<'_>,
         options: &Options<'_>,
     ) -> Option<Result<(Tensor4<f32>, Vec<f32>)>> {
-        Some(attn_reference::attention_packed_with_lse(
-            q, k, v, seqs, options,
-        ))
+        Some(
+            attn_reference::Attention::packed(q, k, v, seqs, options)
+                .and_then(|call| call.forward())
+                .map(|f| f.into_parts()),
+        )
     }
 
     fn attention_backward_packed(
@@ -608,8 +616,10 @@ impl Engine for ReferenceEngine {
         seqs: &CuSeqlens<'_>,
         options: &Options<'_>,
     ) -> Option<Result<BatchGradients>> {
-        Some(attn_reference::attention_backward_packed(
-            grad_out, q, k, v, out, lse, seqs, options,
-        ))
+        Some(
+            attn_reference::Attention::packed(q, k, v, seqs, options).and_then(|call| {
+                call.backward(attn_reference::ForwardRef::batch(out, lse)?, grad_out)
+            }),
+        )
     }
 }

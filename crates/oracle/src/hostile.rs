@@ -93,7 +93,7 @@ use std::sync::Once;
 use std::time::{Duration, Instant};
 
 use attn_core::{BoolMask, Causal, Error, KeyPadding, Options, SlidingWindow, Tensor4Ref};
-use attn_reference::{Materialized, MaterializedBackward};
+use attn_reference::{Attention, Materialized, MaterializedBackward};
 use faer::{Mat, MatMut, MatRef, RowRef};
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -1779,7 +1779,8 @@ pub fn expect_head(
         if let Some(a) = additive.as_ref() {
             sanitised = sanitised.with_additive_mask(a.as_ref());
         }
-        let r = attn_reference::attention_materialized(q, k, v, &sanitised)
+        let r = Attention::head(q, k, v, &sanitised)
+            .and_then(|call| call.materialized())
             .expect("the sanitised problem is valid");
         let scale = sanitised
             .scale_for_f64(d_k)
@@ -2666,7 +2667,8 @@ pub fn expect_head_backward(
         if let Some(a) = additive.as_ref() {
             sanitised = sanitised.with_additive_mask(a.as_ref());
         }
-        let r = attn_reference::attention_backward_materialized(q, k, v, grad_out, &sanitised)
+        let r = Attention::head(q, k, v, &sanitised)
+            .and_then(|call| call.backward_materialized(grad_out))
             .expect("the sanitised problem is valid");
         let scale = sanitised
             .scale_for_f64(d_k)

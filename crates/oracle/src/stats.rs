@@ -74,7 +74,8 @@ pub fn score_variance_with(
         let k = gaussian(n, d, &mut rng);
         let v = Mat::<f32>::zeros(n, 1);
         let scores = |o: &Options<'_>| {
-            attn_reference::attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), o)
+            attn_reference::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), o)
+                .and_then(|call| call.materialized())
                 .map(|m| mean_square(&m.scores))
                 .map_err(|e| e.to_string())
         };

@@ -163,9 +163,16 @@ fn attend_typed<'py, T: Storage>(
     let (out, lse): (Tensor4<T>, Vec<f32>) = py
         .detach(|| {
             if with_lse {
-                cache.attend_with_lse(view, opts)
+                cache
+                    .attention(view, opts)
+                    .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                    .map(|f| f.into_parts())
             } else {
-                cache.attend(view, opts).map(|o| (o, Vec::new()))
+                cache
+                    .attention(view, opts)
+                    .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                    .map(|f| f.into_output())
+                    .map(|o| (o, Vec::new()))
             }
         })
         .map_err(to_py_err)?;

@@ -3,9 +3,7 @@
 //! ([`Plan`]), allocates its results, and computes with the GIL released.
 
 use attn_core::{BoolMask, Causal, Options, Tensor4Mut, Tensor4Ref};
-use attn_optimized::{
-    attention_backward_batched_into, attention_batched_into, attention_batched_with_lse,
-};
+
 use faer::MatRef;
 use half::{bf16, f16};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -550,10 +548,13 @@ unsafe fn run_forward<T: Storage>(
             // SAFETY: this call's rows of our compact output, written by it alone (the
             // calls run one after the other).
             let o = unsafe { view_mut(out, call.lin * row, dims, [lb * row, lh * row, ev]) }?;
-            attention_batched_into(o, q, k, v, &opts)?;
+            attn_optimized::Attention::batched(q, k, v, &opts)
+                .and_then(|call| call.forward_into(o, None, attn_optimized::Par::rayon(0)))?;
             continue;
         };
-        let (o, ls) = attention_batched_with_lse(q, k, v, &opts)?;
+        let (o, ls) = attn_optimized::Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())?;
         let o = o.as_slice();
         for b in 0..bc {
             for h in 0..hc {
@@ -887,7 +888,18 @@ unsafe fn run_backward<T: Storage>(
         let dqv = Tensor4Mut::new(&mut dq, [bc, hc, l, e], [hc * l * e, l * e, e])?;
         let dkv = Tensor4Mut::new(&mut dk, [bc, hkc, s, e], [hkc * s * e, s * e, e])?;
         let dvv = Tensor4Mut::new(&mut dv, [bc, hkc, s, ev], [hkc * s * ev, s * ev, ev])?;
-        attention_backward_batched_into(dqv, dkv, dvv, go, q, k, v, o, &lse, &opts)?;
+        attn_optimized::Attention::batched(q, k, v, &opts).and_then(|call| {
+            call.backward_into(
+                attn_optimized::ForwardRef::batch(o, &lse)?,
+                go,
+                attn_optimized::GradientsMut {
+                    dq: dqv,
+                    dk: dkv,
+                    dv: dvv,
+                },
+                attn_optimized::Par::rayon(0),
+            )
+        })?;
         for b in 0..bc {
             for h in 0..hc {
                 let (src, dst) = ((b * hc + h) * l * e, (call.lin + b * lb + h * lh) * l * e);

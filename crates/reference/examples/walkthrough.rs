@@ -2,7 +2,7 @@
 //!
 //! `cargo run -p attn-reference --example walkthrough`
 
-use attn_reference::{Causal, Options, Result, attention_materialized, worked};
+use attn_reference::{Attention, Causal, Options, Result, worked};
 use faer::{Mat, MatRef};
 
 fn show(name: &str, m: MatRef<'_, f64>) {
@@ -32,7 +32,8 @@ fn walk(ex: &worked::Example, options: &Options<'_>, label: &str) -> Result<()> 
             .sum()
     });
     show("1. scores Q Kᵀ", raw.as_ref());
-    let m = attention_materialized(ex.q.as_ref(), ex.k.as_ref(), ex.v.as_ref(), options)?;
+    let m = Attention::head(ex.q.as_ref(), ex.k.as_ref(), ex.v.as_ref(), options)
+        .and_then(|call| call.materialized())?;
     println!("2. scale = 1/√d_k = 1/√{d_k} = {scale:.4}");
     show("3. scaled and masked scores S", m.scores.as_ref());
     show("4. weights A = softmax(S) along keys", m.weights.as_ref());

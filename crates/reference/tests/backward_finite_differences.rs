@@ -27,9 +27,8 @@
 //! missing term, a wrong sign or a transposition misses by orders of magnitude.
 
 use attn_reference::{
-    BoolMask, Causal, Layout, Materialized, Options, SlidingWindow, Tensor4Ref,
-    attention_backward_batched, attention_backward_materialized, attention_batched_materialized,
-    attention_materialized,
+    Attention, BoolMask, Causal, ForwardRef, Layout, Materialized, Options, SlidingWindow,
+    Tensor4Ref,
 };
 use faer::{Mat, MatRef};
 
@@ -209,15 +208,12 @@ fn check(what: &str, fd: f64, g: f64, tol: f64) {
 fn check_head(name: &str, q: Mat<f64>, k: Mat<f64>, v: Mat<f64>, options: &Options<'_>, seed: u64) {
     let (n_q, d_v) = (q.nrows(), v.ncols());
     let grad_out = Rng(seed ^ 0xd0).mat(n_q, d_v);
-    let m = attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), options).unwrap();
-    let g = attention_backward_materialized(
-        q.as_ref(),
-        k.as_ref(),
-        v.as_ref(),
-        grad_out.as_ref(),
-        options,
-    )
-    .unwrap();
+    let m = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), options)
+        .and_then(|call| call.materialized())
+        .unwrap();
+    let g = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), options)
+        .and_then(|call| call.backward_materialized(grad_out.as_ref()))
+        .unwrap();
     let scale = options.scale_for_f64(q.ncols()).unwrap();
     let terms = head_terms(
         q.as_ref(),
@@ -230,7 +226,9 @@ fn check_head(name: &str, q: Mat<f64>, k: Mat<f64>, v: Mat<f64>, options: &Optio
         (n_q * d_v) as f64,
     );
     let eval = |q: &Mat<f64>, k: &Mat<f64>, v: &Mat<f64>| {
-        let m = attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), options).unwrap();
+        let m = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), options)
+            .and_then(|call| call.materialized())
+            .unwrap();
         loss(m.output.as_ref(), grad_out.as_ref())
     };
     let mut worst = 0.0f64;
@@ -309,14 +307,9 @@ fn key_padding_hides_keys_from_every_query() {
     let opts = Options::default().with_key_length(4);
     let [q, k, v] = operands(5, 7, 3, 2, 8);
     let grad_out = Rng(8 ^ 0xd0).mat(5, 2);
-    let g = attention_backward_materialized(
-        q.as_ref(),
-        k.as_ref(),
-        v.as_ref(),
-        grad_out.as_ref(),
-        &opts,
-    )
-    .unwrap();
+    let g = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.backward_materialized(grad_out.as_ref()))
+        .unwrap();
     for j in 4..7 {
         assert!((0..3).all(|c| g.dk[(j, c)] == 0.0) && (0..2).all(|c| g.dv[(j, c)] == 0.0));
     }
@@ -371,14 +364,9 @@ fn fully_masked_row_has_zero_query_gradient() {
     let opts = Options::default().with_bool_mask(BoolMask::allow(allow.as_ref()));
     let [q, k, v] = operands(4, 5, 3, 2, 14);
     let grad_out = Rng(14 ^ 0xd0).mat(4, 2);
-    let g = attention_backward_materialized(
-        q.as_ref(),
-        k.as_ref(),
-        v.as_ref(),
-        grad_out.as_ref(),
-        &opts,
-    )
-    .unwrap();
+    let g = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.backward_materialized(grad_out.as_ref()))
+        .unwrap();
     assert!(
         (0..3).all(|c| g.dq[(1, c)] == 0.0),
         "row 1 sees no key: dQ = 0 exactly"
@@ -420,7 +408,9 @@ fn check_batched(
         [batch, h_q, n_q, d_v],
     );
     let forward = |q: &[f64], k: &[f64], v: &[f64]| {
-        attention_batched_materialized(view(q, qd), view(k, kd), view(v, vd), &opts).unwrap()
+        Attention::batched(view(q, qd), view(k, kd), view(v, vd), &opts)
+            .and_then(|call| call.materialized())
+            .unwrap()
     };
     let total_loss = |heads: &[Vec<Materialized>]| {
         let mut l = 0.0;
@@ -446,16 +436,9 @@ fn check_batched(
             .collect();
         (out, lse)
     };
-    let g = attention_backward_batched(
-        view(&dout, od),
-        view(&q, qd),
-        view(&k, kd),
-        view(&v, vd),
-        view(&out, od),
-        &lse,
-        &opts,
-    )
-    .unwrap();
+    let g = Attention::batched(view(&q, qd), view(&k, kd), view(&v, vd), &opts)
+        .and_then(|call| call.backward(ForwardRef::batch(view(&out, od), &lse)?, view(&dout, od)))
+        .unwrap();
     // Tolerance terms per head; a kv head's are its group's sums.
     let heads = forward(&q, &k, &v);
     let scale = opts.scale_for_f64(d_k).unwrap();

@@ -2,8 +2,8 @@
 
 use attn_core::MultiHeadWeights;
 use attn_reference::{
-    BoolMask, Causal, Error, Layout, MultiHeadAttention, Options, SlidingWindow, Tensor4Ref,
-    attention, attention_batched, attention_materialized,
+    Attention, BoolMask, Causal, Error, Layout, MultiHeadAttention, Options, SlidingWindow,
+    Tensor4Ref, attention,
 };
 use faer::Mat;
 
@@ -27,7 +27,9 @@ fn rows_sum_to_one_and_masked_weights_are_zero() {
         .with_causal(Causal::BottomRight)
         .with_window(SlidingWindow::new(Some(3), Some(1), Causal::BottomRight))
         .with_key_length(8);
-    let m = attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let m = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.materialized())
+        .unwrap();
     for i in 0..7 {
         let c = i as i64 + 2;
         let sum: f64 = (0..9).map(|j| m.weights[(i, j)]).sum();
@@ -48,7 +50,9 @@ fn fully_masked_row_is_zero_not_nan() {
     let opts = Options::default()
         .with_causal(Causal::TopLeft)
         .with_bool_mask(BoolMask::block(block.as_ref()));
-    let m = attention_materialized(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let m = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.materialized())
+        .unwrap();
     assert_eq!(m.lse[0], f64::NEG_INFINITY);
     assert!((0..2).all(|j| m.weights[(0, j)] == 0.0 && m.output[(0, j)] == 0.0));
     assert!(
@@ -80,12 +84,13 @@ fn empty_queries_and_empty_keys_are_defined() {
     )
     .unwrap();
     assert_eq!((o.nrows(), o.ncols()), (0, 2));
-    let m = attention_materialized(
+    let m = Attention::head(
         mat(2, 4, 1).as_ref(),
         mat(0, 4, 2).as_ref(),
         mat(0, 2, 3).as_ref(),
         &Options::default(),
     )
+    .and_then(|call| call.materialized())
     .unwrap();
     assert_eq!(m.lse, vec![f64::NEG_INFINITY; 2]);
     assert!(m.output.col_iter().all(|c| c.iter().all(|&x| x == 0.0)));
@@ -170,7 +175,10 @@ fn batched_layouts_and_gqa_match_single_heads() {
         let q = Tensor4Ref::from_layout(&qd, [b, hq, n_q, d], layout).unwrap();
         let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], layout).unwrap();
         let v = Tensor4Ref::from_layout(&vd, [b, hkv, n_k, dv], layout).unwrap();
-        let out = attention_batched(q, k, v, &opts).unwrap();
+        let out = Attention::batched(q, k, v, &opts)
+            .and_then(|call| call.forward())
+            .map(|f| f.into_output())
+            .unwrap();
         for (bi, &len) in lens.iter().enumerate() {
             let single = Options::default()
                 .with_causal(Causal::BottomRight)

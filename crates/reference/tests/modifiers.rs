@@ -2,7 +2,7 @@
 //! logits, by their definitions.
 
 use attn_core::{Alibi, Causal, Error, Layout, Options, SoftCap, Tensor4Ref};
-use attn_reference::{attention_batched_with_lse, attention_materialized};
+
 use faer::Mat;
 
 fn data(n: usize, d: usize, seed: usize) -> Mat<f32> {
@@ -13,10 +13,14 @@ fn data(n: usize, d: usize, seed: usize) -> Mat<f32> {
 fn soft_capped_scores_stay_within_the_cap_and_follow_tanh() {
     let (q, k) = (data(6, 4, 1), data(9, 4, 2));
     let plain =
-        attention_materialized(q.as_ref(), k.as_ref(), k.as_ref(), &Options::default()).unwrap();
+        attn_reference::Attention::head(q.as_ref(), k.as_ref(), k.as_ref(), &Options::default())
+            .and_then(|call| call.materialized())
+            .unwrap();
     let cap = SoftCap::new(3.0).unwrap();
     let opts = Options::default().with_softcap(cap);
-    let m = attention_materialized(q.as_ref(), k.as_ref(), k.as_ref(), &opts).unwrap();
+    let m = attn_reference::Attention::head(q.as_ref(), k.as_ref(), k.as_ref(), &opts)
+        .and_then(|call| call.materialized())
+        .unwrap();
     for i in 0..6 {
         for j in 0..9 {
             let (s, raw) = (m.scores[(i, j)], plain.scores[(i, j)]);
@@ -30,21 +34,26 @@ fn soft_capped_scores_stay_within_the_cap_and_follow_tanh() {
 fn alibi_subtracts_the_slope_times_the_distance_and_zero_slopes_change_nothing() {
     let (q, k) = (data(4, 4, 3), data(7, 4, 5));
     let plain =
-        attention_materialized(q.as_ref(), k.as_ref(), k.as_ref(), &Options::default()).unwrap();
+        attn_reference::Attention::head(q.as_ref(), k.as_ref(), k.as_ref(), &Options::default())
+            .and_then(|call| call.materialized())
+            .unwrap();
     let zero = [0.0f32];
-    let same = attention_materialized(
+    let same = attn_reference::Attention::head(
         q.as_ref(),
         k.as_ref(),
         k.as_ref(),
         &Options::default().with_alibi(Alibi::new(&zero)),
     )
+    .and_then(|call| call.materialized())
     .unwrap();
     assert_eq!(same.output, plain.output);
     assert_eq!(same.lse, plain.lse);
     let slope = [0.5f32];
     for (align, off) in [(Causal::BottomRight, 3i64), (Causal::TopLeft, 0)] {
         let opts = Options::default().with_alibi(Alibi::new(&slope).with_align(align));
-        let m = attention_materialized(q.as_ref(), k.as_ref(), k.as_ref(), &opts).unwrap();
+        let m = attn_reference::Attention::head(q.as_ref(), k.as_ref(), k.as_ref(), &opts)
+            .and_then(|call| call.materialized())
+            .unwrap();
         for i in 0..4 {
             for j in 0..7 {
                 let d = (i as i64 + off - j as i64).abs() as f64;
@@ -60,15 +69,29 @@ fn a_sink_takes_its_share_of_the_weight_and_minus_inf_is_no_sink() {
     let opts = Options::default()
         .with_causal(Causal::TopLeft)
         .with_key_length(4);
-    let plain = attention_materialized(q.as_ref(), k.as_ref(), k.as_ref(), &opts).unwrap();
-    let none = [f32::NEG_INFINITY];
-    let same = attention_materialized(q.as_ref(), k.as_ref(), k.as_ref(), &opts.with_sinks(&none))
+    let plain = attn_reference::Attention::head(q.as_ref(), k.as_ref(), k.as_ref(), &opts)
+        .and_then(|call| call.materialized())
         .unwrap();
+    let none = [f32::NEG_INFINITY];
+    let same = attn_reference::Attention::head(
+        q.as_ref(),
+        k.as_ref(),
+        k.as_ref(),
+        &opts.with_sinks(&none),
+    )
+    .and_then(|call| call.materialized())
+    .unwrap();
     assert_eq!(same.output, plain.output);
     assert_eq!(same.lse, plain.lse);
     let sink = [1.5f32];
-    let m = attention_materialized(q.as_ref(), k.as_ref(), k.as_ref(), &opts.with_sinks(&sink))
-        .unwrap();
+    let m = attn_reference::Attention::head(
+        q.as_ref(),
+        k.as_ref(),
+        k.as_ref(),
+        &opts.with_sinks(&sink),
+    )
+    .and_then(|call| call.materialized())
+    .unwrap();
     for i in 0..5 {
         let p_sink = (1.5 - m.lse[i]).exp();
         let total: f64 = (0..6).map(|j| m.weights[(i, j)]).sum();
@@ -83,7 +106,9 @@ fn a_sink_takes_its_share_of_the_weight_and_minus_inf_is_no_sink() {
     }
     // A row that sees no key: output 0 and LSE σ.
     let hide = Options::default().with_key_length(0).with_sinks(&sink);
-    let e = attention_materialized(q.as_ref(), k.as_ref(), k.as_ref(), &hide).unwrap();
+    let e = attn_reference::Attention::head(q.as_ref(), k.as_ref(), k.as_ref(), &hide)
+        .and_then(|call| call.materialized())
+        .unwrap();
     assert!(e.output.col_iter().all(|c| c.iter().all(|&x| x == 0.0)));
     assert!(e.lse.iter().all(|&l| l == 1.5));
 }
@@ -98,8 +123,14 @@ fn per_head_slopes_and_sinks_are_checked_and_indexed_by_query_head() {
     let opts = Options::default()
         .with_alibi(Alibi::new(&slopes))
         .with_sinks(&sinks);
-    let (_, lse) = attention_batched_with_lse(q, q, q, &opts).unwrap();
-    let (_, plain) = attention_batched_with_lse(q, q, q, &Options::default()).unwrap();
+    let (_, lse) = attn_reference::Attention::batched(q, q, q, &opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
+    let (_, plain) = attn_reference::Attention::batched(q, q, q, &Options::default())
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     // Head 0 has slope 0 and no sink: its LSE is the plain one, in both batch entries.
     for b in 0..2 {
         let head0 = (b * 3) * 4..(b * 3 + 1) * 4;
@@ -107,12 +138,21 @@ fn per_head_slopes_and_sinks_are_checked_and_indexed_by_query_head() {
     }
     let two = [0.1f32, 0.2];
     assert!(matches!(
-        attention_batched_with_lse(q, q, q, &Options::default().with_sinks(&two)),
+        attn_reference::Attention::batched(q, q, q, &Options::default().with_sinks(&two))
+            .and_then(|call| call.forward())
+            .map(|f| f.into_parts()),
         Err(Error::DimensionMismatch { .. }) | Err(Error::ShapeMismatch { .. })
     ));
     let nan = [0.1f32, f32::NAN, 0.3];
     assert!(matches!(
-        attention_batched_with_lse(q, q, q, &Options::default().with_alibi(Alibi::new(&nan))),
+        attn_reference::Attention::batched(
+            q,
+            q,
+            q,
+            &Options::default().with_alibi(Alibi::new(&nan))
+        )
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts()),
         Err(Error::InvalidValue { index: 1, .. })
     ));
 }

@@ -24,12 +24,7 @@ use attn_core::{
     Alibi, BatchGradients, Causal, CuSeqlens, Layout, MaskMod, Options, ScoreMod, SlidingWindow,
     SoftCap, Tensor4Ref, TileCoverage,
 };
-use attn_reference::{
-    BoolMask, attention_backward, attention_backward_batched,
-    attention_backward_batched_materialized, attention_backward_materialized,
-    attention_backward_packed, attention_batched_with_lse, attention_packed_with_lse,
-    attention_with_lse,
-};
+use attn_reference::{Attention, BoolMask, ForwardRef, attention_backward};
 use core::ops::Range;
 use faer::Mat;
 
@@ -175,10 +170,20 @@ impl Problem {
             self.view(v, self.v_dims),
         );
         let out = match &self.seqs {
-            None => attention_batched_with_lse(q, k, v, &opts).unwrap().0,
+            None => {
+                Attention::batched(q, k, v, &opts)
+                    .and_then(|call| call.forward())
+                    .map(|f| f.into_parts())
+                    .unwrap()
+                    .0
+            }
             Some((cq, ck)) => {
                 let seqs = CuSeqlens::new(cq, ck).unwrap();
-                attention_packed_with_lse(q, k, v, &seqs, &opts).unwrap().0
+                Attention::packed(q, k, v, &seqs, &opts)
+                    .and_then(|call| call.forward())
+                    .map(|f| f.into_parts())
+                    .unwrap()
+                    .0
             }
         };
         out.as_slice()
@@ -198,13 +203,23 @@ impl Problem {
         );
         match &self.seqs {
             None => {
-                let (out, lse) = attention_batched_with_lse(q, k, v, &opts).unwrap();
-                attention_backward_batched(g, q, k, v, out.as_ref(), &lse, &opts).unwrap()
+                let (out, lse) = Attention::batched(q, k, v, &opts)
+                    .and_then(|call| call.forward())
+                    .map(|f| f.into_parts())
+                    .unwrap();
+                Attention::batched(q, k, v, &opts)
+                    .and_then(|call| call.backward(ForwardRef::batch(out.as_ref(), &lse)?, g))
+                    .unwrap()
             }
             Some((cq, ck)) => {
                 let seqs = CuSeqlens::new(cq, ck).unwrap();
-                let (out, lse) = attention_packed_with_lse(q, k, v, &seqs, &opts).unwrap();
-                attention_backward_packed(g, q, k, v, out.as_ref(), &lse, &seqs, &opts).unwrap()
+                let (out, lse) = Attention::packed(q, k, v, &seqs, &opts)
+                    .and_then(|call| call.forward())
+                    .map(|f| f.into_parts())
+                    .unwrap();
+                Attention::packed(q, k, v, &seqs, &opts)
+                    .and_then(|call| call.backward(ForwardRef::batch(out.as_ref(), &lse)?, g))
+                    .unwrap()
             }
         }
     }
@@ -410,7 +425,10 @@ fn a_single_head_call_is_the_batched_call_of_one_head() {
         mat(&p.d_out, 5, 2),
     );
     let opts = build(p.sinks.as_deref());
-    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let (out, lse) = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     let one = attention_backward(
         g.as_ref(),
         q.as_ref(),
@@ -509,9 +527,9 @@ fn the_finite_differences_catch_a_gradient_without_the_chain_rule() {
     ];
     for (build, h, tol) in cases {
         let opts = build(None);
-        let m =
-            attention_backward_materialized(q.as_ref(), k.as_ref(), v.as_ref(), g.as_ref(), &opts)
-                .unwrap();
+        let m = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.backward_materialized(g.as_ref()))
+            .unwrap();
         let scale = 1.0 / 3f64.sqrt();
         let mut worst = 0.0f64;
         for i in 0..5 {
@@ -540,7 +558,9 @@ fn materialized(p: &Problem, build: Build) -> Vec<Vec<attn_reference::Materializ
         p.view(&p.v, p.v_dims),
         p.view(&p.d_out, p.o_dims),
     );
-    attention_backward_batched_materialized(q, k, v, g, &opts).unwrap()
+    Attention::batched(q, k, v, &opts)
+        .and_then(|call| call.backward_materialized(g))
+        .unwrap()
 }
 
 fn cap(c: f32) -> SoftCap {
@@ -574,13 +594,19 @@ fn the_boolean_mask_with_a_soft_cap_matches_finite_differences() {
     let opts = build(bits.as_ref(), &sink);
     let loss = |q: &Mat<f64>, k: &Mat<f64>, sink: &[f32]| {
         let o = build(bits.as_ref(), sink);
-        let (out, _) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &o).unwrap();
+        let (out, _) = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &o)
+            .and_then(|call| call.forward())
+            .map(|f| f.into_parts())
+            .unwrap();
         (0..n_q)
             .flat_map(|i| (0..d).map(move |c| (i, c)))
             .map(|ic| out[ic] * g[ic])
             .sum::<f64>()
     };
-    let (out, lse) = attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let (out, lse) = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
     let grads = attention_backward(
         g.as_ref(),
         q.as_ref(),

@@ -1,6 +1,6 @@
 //! The numbers quoted in the docs, asserted to 4 decimals.
 
-use attn_reference::{Causal, Options, attention_materialized, worked};
+use attn_reference::{Attention, Causal, Options, worked};
 
 fn assert_close(got: f64, want: f64) {
     assert!((got - want).abs() < 5e-5, "got {got}, want {want}");
@@ -9,12 +9,13 @@ fn assert_close(got: f64, want: f64) {
 #[test]
 fn two_tokens_weights_and_output() {
     let ex = worked::two_tokens();
-    let m = attention_materialized(
+    let m = Attention::head(
         ex.q.as_ref(),
         ex.k.as_ref(),
         ex.v.as_ref(),
         &Options::default(),
     )
+    .and_then(|call| call.materialized())
     .unwrap();
     for (i, j, w) in [
         (0, 0, 0.6698),
@@ -38,7 +39,9 @@ fn two_tokens_weights_and_output() {
 fn two_tokens_causal_first_row_sees_only_itself() {
     let ex = worked::two_tokens();
     let opts = Options::default().with_causal(Causal::TopLeft);
-    let m = attention_materialized(ex.q.as_ref(), ex.k.as_ref(), ex.v.as_ref(), &opts).unwrap();
+    let m = Attention::head(ex.q.as_ref(), ex.k.as_ref(), ex.v.as_ref(), &opts)
+        .and_then(|call| call.materialized())
+        .unwrap();
     assert_eq!((m.weights[(0, 0)], m.weights[(0, 1)]), (1.0, 0.0));
     assert_eq!((m.output[(0, 0)], m.output[(0, 1)]), (2.0, 0.0));
     // The second row is unchanged by the mask.
@@ -48,12 +51,13 @@ fn two_tokens_causal_first_row_sees_only_itself() {
 #[test]
 fn three_positions_scores_2_0_1() {
     let ex = worked::three_positions();
-    let m = attention_materialized(
+    let m = Attention::head(
         ex.q.as_ref(),
         ex.k.as_ref(),
         ex.v.as_ref(),
         &Options::default(),
     )
+    .and_then(|call| call.materialized())
     .unwrap();
     for (j, s) in [2.0, 0.0, 1.0].into_iter().enumerate() {
         assert_close(m.scores[(0, j)], s);

@@ -138,13 +138,10 @@ fn run<T: RingElement>(world: &impl Communicator, a: &Args) -> Result<(), String
         );
         for _ in 0..a.repeat {
             let t = Instant::now();
-            attn_optimized::attention_batched_with_lse(
-                q.as_ref(),
-                k.as_ref(),
-                v.as_ref(),
-                &opts.options(),
-            )
-            .map_err(|e| e.to_string())?;
+            attn_optimized::Attention::batched(q.as_ref(), k.as_ref(), v.as_ref(), &opts.options())
+                .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+                .map(|f| f.into_parts())
+                .map_err(|e| e.to_string())?;
             println!(
                 "single process: n {} heads {} d {} {} causal {}: {:.3} s on {} threads, peak RSS {:.1} MiB",
                 a.n,
@@ -200,12 +197,14 @@ fn run<T: RingElement>(world: &impl Communicator, a: &Args) -> Result<(), String
     if r == 0 {
         let whole = |seed, dims| shard_of::<T>(seed, dims, std::slice::from_ref(&(0..a.n)));
         let (qa, ka, va) = (whole(1, qd), whole(2, kd), whole(3, kd));
-        let (want, want_lse) = attn_optimized::attention_batched_with_lse(
+        let (want, want_lse) = attn_optimized::Attention::batched(
             qa.as_ref(),
             ka.as_ref(),
             va.as_ref(),
             &opts.options(),
         )
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
         .map_err(|e| e.to_string())?;
         let mine: Vec<usize> = rows.iter().flat_map(|x| x.clone()).collect();
         let (mut err, mut lse_err) = (0f64, 0f64);

@@ -10,7 +10,7 @@
 use core::ops::Range;
 
 use attn_core::{Causal, Error, Options, PartialState, Tensor4, Tensor4Ref};
-use attn_optimized::{Element, attention_backward_into, attention_into};
+use attn_optimized::{Attention, ColMut, Element, ForwardRef, GradientsMut, Par};
 use faer::{Mat, MatRef};
 use rayon::ThreadPool;
 
@@ -298,7 +298,15 @@ pub(crate) fn fold_forward<T: Element>(
                         kh.subrows(kseg.local, keys),
                         vh.subrows(kseg.local, keys),
                     );
-                    exec.run(|| attention_into(o.as_mut(), Some(&mut l), qc, kc, vc, &opts))?;
+                    exec.run(|| {
+                        Attention::head(qc, kc, vc, &opts).and_then(|call| {
+                            call.forward_into(
+                                o.as_mut(),
+                                Some(ColMut::from_slice_mut(&mut l)),
+                                Par::rayon(0),
+                            )
+                        })
+                    })?;
                     let part = PartialState::new(o, l)?;
                     acc.states[(b * s.h_q + h) * per_head + c].merge_in_place(&part)?;
                     acc.scratch = Some(part.into_parts());
@@ -412,7 +420,14 @@ pub(crate) fn fold_backward<T: Element>(
                             vh.subrows(kseg.local + c0, nk),
                         );
                         exec.run(|| {
-                            attention_backward_into(dq, dk, dv, doc, qc, kc, vc, oc, lse, &opts)
+                            Attention::head(qc, kc, vc, &opts).and_then(|call| {
+                                call.backward_into(
+                                    ForwardRef::head(oc, lse),
+                                    doc,
+                                    GradientsMut { dq, dk, dv },
+                                    Par::rayon(0),
+                                )
+                            })
                         })?;
                         let dq_rows = &mut acc.dq[(head * rows + r0) * s.d_k..];
                         add_rows(dq_rows, acc.dq_part.as_ref().subrows(0, nq));

@@ -7,7 +7,7 @@
 //! `[batch, heads, rows, dim]` — and keeps a partial softmax state (normalised output and
 //! LSE, [`attn_core::PartialState`]) for each of its query rows. At step `s = 0 .. P−1`
 //! rank `r` holds the K/V block of rank `r − s` (its own at step 0), folds it into its
-//! states with the streaming engine ([`attn_optimized::attention_into`] per head and chunk
+//! states with the streaming engine ([`attn_optimized::Attention::forward_into`] per head and chunk
 //! of 512–2048 query rows, f32 output and LSE, merged with
 //! [`PartialState::merge_in_place`](attn_core::PartialState::merge_in_place)),
 //! and meanwhile sends that block on to rank `r + 1` and receives the next from `r − 1`.
@@ -40,7 +40,7 @@
 //! # Backward
 //!
 //! [`Ring::backward`] takes the global LSE and O (what [`Ring::forward`] returned), so a
-//! block's contribution is computed per step ([`attn_optimized::attention_backward_into`],
+//! block's contribution is computed per step ([`attn_optimized::Attention::backward_into`],
 //! f32 gradients, per head and chunk of 1024 keys). dQ stays on its rank; K and V go
 //! around the ring again and each block's dK and dV travel with it, one step behind,
 //! every rank adding its share; after the last step they reach the block's owner.
@@ -369,7 +369,9 @@ fn simulated_plan<T: Element>(
 /// let shards: Vec<_> = (0..3).map(|r| shard(x, &[contiguous_rows(10, 3, r)])).collect::<Result<_, _>>()?;
 /// let views: Vec<_> = shards.iter().map(|s| s.as_ref()).collect();
 /// let ranks = simulate_forward(&views, &views, &views, &RingOptions::default())?;
-/// let whole = attn_optimized::attention_batched(x, x, x, &attn_core::Options::default())?;
+/// let whole = attn_optimized::Attention::batched(x, x, x, &attn_core::Options::default())?
+///     .forward(attn_optimized::Par::rayon(0))?
+///     .into_output();
 /// let got = ranks[1].out.as_slice()[0]; // rank 1's first row is position 4
 /// assert!((got - whole.as_slice()[4 * 4]).abs() < 1e-6);
 /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -164,7 +164,7 @@ mod tests {
     /// copying kernels: the same attention within f32 rounding.
     #[test]
     fn every_kernels_computes_the_same_attention() {
-        use crate::{BoolMask, Causal, Layout, Options, Tensor4Ref, attention_batched};
+        use crate::{BoolMask, Causal, Layout, Options, Tensor4Ref};
         use half::{bf16, f16};
         fn run<T: Element>(choice: Option<RowKernels>) -> Vec<Vec<f32>> {
             let (b, hq, hkv, n_k) = (2, 4, 2, 2500);
@@ -194,7 +194,9 @@ mod tests {
                 ];
                 for opts in &cases {
                     *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = Some(choice);
-                    let o = attention_batched(q, k, v, opts);
+                    let o = crate::Attention::batched(q, k, v, opts)
+                        .and_then(|call| call.forward(crate::Par::rayon(0)))
+                        .map(|f| f.into_output());
                     *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = None;
                     out.push(o.unwrap().as_slice().iter().map(|x| x.to_f32()).collect());
                 }

@@ -6,7 +6,10 @@ use core::marker::PhantomData;
 use core::ops::Range;
 
 use attn_core::{CuSeqlens, Options, Result, Tensor4, Tensor4Ref, validate_head};
-use attn_optimized::{Element, KEY_TILE, PartialState, QUERY_TILE, SPLIT_KEYS, TilePlan};
+use attn_optimized::{
+    Attention, Element, ForwardRef, GradientsMut, KEY_TILE, Par, PartialState, QUERY_TILE,
+    SPLIT_KEYS, TilePlan,
+};
 use attn_oracle::{BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan};
 use faer::{Mat, MatRef};
 
@@ -108,11 +111,14 @@ impl<T: Element> Engine for OptimizedEngine<T> {
         options: &Options<'_>,
     ) -> Result<(Mat<f32>, Vec<f32>)> {
         if T::NAME == "f32" {
-            return attn_optimized::attention_with_lse(q, k, v, options);
+            return Attention::head(q, k, v, options)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_parts());
         }
         let (qt, kt, vt) = (narrow::<T>(q), narrow::<T>(k), narrow::<T>(v));
-        let (o, lse) =
-            attn_optimized::attention_with_lse(qt.as_ref(), kt.as_ref(), vt.as_ref(), options)?;
+        let (o, lse) = Attention::head(qt.as_ref(), kt.as_ref(), vt.as_ref(), options)
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_parts())?;
         Ok((widen(o.as_ref()), lse))
     }
 
@@ -124,19 +130,23 @@ impl<T: Element> Engine for OptimizedEngine<T> {
         options: &Options<'_>,
     ) -> Result<Tensor4<f32>> {
         if T::NAME == "f32" {
-            return attn_optimized::attention_batched(q, k, v, options);
+            return Attention::batched(q, k, v, options)
+                .and_then(|call| call.forward(Par::rayon(0)))
+                .map(|f| f.into_output());
         }
         let (qd, kd, vd) = (
             narrow_tensor::<T>(q)?,
             narrow_tensor::<T>(k)?,
             narrow_tensor::<T>(v)?,
         );
-        let o = attn_optimized::attention_batched(
+        let o = Attention::batched(
             Tensor4Ref::new(&qd, q.dims(), q.strides())?,
             Tensor4Ref::new(&kd, k.dims(), k.strides())?,
             Tensor4Ref::new(&vd, v.dims(), v.strides())?,
             options,
-        )?;
+        )
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_output())?;
         let dims = o.dims();
         Tensor4::from_vec(o.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)
     }
@@ -154,7 +164,7 @@ impl<T: Element> Engine for OptimizedEngine<T> {
             let (qt, kt, vt) = (narrow::<T>(q), narrow::<T>(k), narrow::<T>(v));
             let state = plan.fold(
                 &mut |r: Range<usize>| {
-                    attn_optimized::partial_attention(
+                    Attention::keys_of(
                         qt.as_ref(),
                         kt.as_ref().subrows(r.start, r.len()),
                         vt.as_ref().subrows(r.start, r.len()),
@@ -162,6 +172,7 @@ impl<T: Element> Engine for OptimizedEngine<T> {
                         shape.n_k,
                         options,
                     )
+                    .and_then(|call| call.partial_state(Par::rayon(0)))
                 },
                 &mut || PartialState::empty(shape.n_q, shape.d_v),
                 &mut |a: PartialState, b: PartialState| {
@@ -193,18 +204,18 @@ impl<T: Element> Engine for OptimizedEngine<T> {
             let mut dq = Mat::<f32>::zeros(q.nrows(), q.ncols());
             let mut dk = Mat::<f32>::zeros(k.nrows(), k.ncols());
             let mut dv = Mat::<f32>::zeros(v.nrows(), v.ncols());
-            attn_optimized::attention_backward_into(
-                dq.as_mut(),
-                dk.as_mut(),
-                dv.as_mut(),
-                dot.as_ref(),
-                qt.as_ref(),
-                kt.as_ref(),
-                vt.as_ref(),
-                ot.as_ref(),
-                lse,
-                options,
-            )?;
+            Attention::head(qt.as_ref(), kt.as_ref(), vt.as_ref(), options).and_then(|call| {
+                call.backward_into(
+                    ForwardRef::head(ot.as_ref(), lse),
+                    dot.as_ref(),
+                    GradientsMut {
+                        dq: dq.as_mut(),
+                        dk: dk.as_mut(),
+                        dv: dv.as_mut(),
+                    },
+                    Par::rayon(0),
+                )
+            })?;
             Ok(Gradients::new(dq, dk, dv))
         };
         Some(run())
@@ -227,15 +238,14 @@ impl<T: Element> Engine for OptimizedEngine<T> {
             fn view<'a, T>(d: &'a [T], t: Tensor4Ref<'_, f32>) -> Result<Tensor4Ref<'a, T>> {
                 Tensor4Ref::new(d, t.dims(), t.strides())
             }
-            let g = attn_optimized::attention_backward_batched(
-                view(&dod, grad_out)?,
-                view(&qd, q)?,
-                view(&kd, k)?,
-                view(&vd, v)?,
-                view(&od, out)?,
-                lse,
-                options,
-            )?;
+            let g = Attention::batched(view(&qd, q)?, view(&kd, k)?, view(&vd, v)?, options)
+                .and_then(|call| {
+                    call.backward(
+                        ForwardRef::batch(view(&od, out)?, lse)?,
+                        view(&dod, grad_out)?,
+                        Par::rayon(0),
+                    )
+                })?;
             let wide = |t: Tensor4<T>| {
                 let dims = t.dims();
                 Tensor4::from_vec(t.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)
@@ -256,13 +266,15 @@ impl<T: Element> Engine for OptimizedEngine<T> {
         let run = || -> Result<(Tensor4<f32>, Vec<f32>)> {
             let [qd, kd, vd] = [q, k, v].map(narrow_tensor::<T>);
             let (qd, kd, vd) = (qd?, kd?, vd?);
-            let (o, lse) = attn_optimized::attention_packed_with_lse(
+            let (o, lse) = Attention::packed(
                 Tensor4Ref::new(&qd, q.dims(), q.strides())?,
                 Tensor4Ref::new(&kd, k.dims(), k.strides())?,
                 Tensor4Ref::new(&vd, v.dims(), v.strides())?,
                 seqs,
                 options,
-            )?;
+            )
+            .and_then(|call| call.forward(Par::rayon(0)))
+            .map(|f| f.into_parts())?;
             let dims = o.dims();
             let o =
                 Tensor4::from_vec(o.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)?;
@@ -288,16 +300,14 @@ impl<T: Element> Engine for OptimizedEngine<T> {
             fn view<'a, T>(d: &'a [T], t: Tensor4Ref<'_, f32>) -> Result<Tensor4Ref<'a, T>> {
                 Tensor4Ref::new(d, t.dims(), t.strides())
             }
-            let g = attn_optimized::attention_backward_packed(
-                view(&dod, grad_out)?,
-                view(&qd, q)?,
-                view(&kd, k)?,
-                view(&vd, v)?,
-                view(&od, out)?,
-                lse,
-                seqs,
-                options,
-            )?;
+            let g = Attention::packed(view(&qd, q)?, view(&kd, k)?, view(&vd, v)?, seqs, options)
+                .and_then(|call| {
+                call.backward(
+                    ForwardRef::batch(view(&od, out)?, lse)?,
+                    view(&dod, grad_out)?,
+                    Par::rayon(0),
+                )
+            })?;
             let wide = |t: Tensor4<T>| {
                 let dims = t.dims();
                 Tensor4::from_vec(t.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)

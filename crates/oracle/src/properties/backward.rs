@@ -10,7 +10,7 @@
 //! would, and first checks that forward against its bound: the backward bound rests on it.
 
 use attn_core::{KeyPadding, Options, Tensor4, Tensor4Ref};
-use attn_reference::MaterializedBackward;
+use attn_reference::{Attention, MaterializedBackward};
 use faer::{Mat, MatRef};
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -193,7 +193,8 @@ fn backward(
 
 fn reference_backward(inputs: &HeadInputs, grad_out: MatRef<'_, f32>) -> MaterializedBackward {
     let (q, k, v) = views(inputs);
-    attn_reference::attention_backward_materialized(q, k, v, grad_out, &inputs.options())
+    Attention::head(q, k, v, &inputs.options())
+        .and_then(|call| call.backward_materialized(grad_out))
         .expect("generated inputs are valid")
 }
 
@@ -364,13 +365,13 @@ impl BatchRun {
         let inputs = case.batch.build(engine.storage());
         let grad_out = batch_grad_out(case, &inputs, engine.storage());
         let (out, lse) = batched_forward(engine, &inputs)?;
-        let reference = attn_reference::attention_backward_batched_materialized(
+        let reference = Attention::batched(
             inputs.q.view(),
             inputs.k.view(),
             inputs.v.view(),
-            grad_out.view(),
             &inputs.options(),
         )
+        .and_then(|call| call.backward_materialized(grad_out.view()))
         .expect("generated inputs are valid");
         let bound = batch_bound(
             engine,

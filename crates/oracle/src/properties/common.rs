@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use attn_core::{Causal, Options, SlidingWindow, Tensor4};
-use attn_reference::Materialized;
+use attn_reference::{Attention, Materialized};
 use faer::{Mat, MatRef};
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -57,7 +57,8 @@ pub(crate) fn views(inputs: &HeadInputs) -> (MatRef<'_, f32>, MatRef<'_, f32>, M
 
 pub(crate) fn reference(inputs: &HeadInputs) -> Materialized {
     let (q, k, v) = views(inputs);
-    attn_reference::attention_materialized(q, k, v, &inputs.options())
+    Attention::head(q, k, v, &inputs.options())
+        .and_then(|call| call.materialized())
         .expect("generated inputs are valid")
 }
 

@@ -3,7 +3,7 @@
 //! determinism across thread counts (8). The √d_k statistics (4) are in [`crate::stats`].
 
 use attn_core::{HeadMask, KeyPadding, Options, Tensor4};
-use attn_reference::Materialized;
+use attn_reference::{Attention, Materialized};
 use faer::{Mat, MatRef};
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -107,12 +107,13 @@ pub(crate) fn equivalence(engine: &dyn Engine, case: HeadCase) -> Check {
 }
 
 fn batch_reference(inputs: &BatchInputs) -> Vec<Vec<Materialized>> {
-    attn_reference::attention_batched_materialized(
+    Attention::batched(
         inputs.q.view(),
         inputs.k.view(),
         inputs.v.view(),
         &inputs.options(),
     )
+    .and_then(|call| call.materialized())
     .expect("generated inputs are valid")
 }
 

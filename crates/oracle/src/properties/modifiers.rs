@@ -345,7 +345,8 @@ pub(crate) fn user_softcap(
     let (builtin, mine) = (run(&builtin_opts)?, run(&user_opts)?);
     // Both within the bound of the built-in's reference: the exact results agree, and the
     // user's modifier is held to its own (f32) error model.
-    let r = attn_reference::attention_materialized(q, k, v, &builtin_opts)
+    let r = attn_reference::Attention::head(q, k, v, &builtin_opts)
+        .and_then(|call| call.materialized())
         .expect("generated inputs are valid");
     let mods = ScoreMods {
         user: Some(UserModBound {

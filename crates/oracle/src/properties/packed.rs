@@ -356,7 +356,8 @@ pub(crate) fn packed_sequences(engine: &dyn Engine, case: PackedCase) -> Check {
             );
             let slot = HeadSlot::new(&opts, s, h, h_q);
             let single = slot.apply(opts);
-            let r = attn_reference::attention_materialized(qh, kh, vh, &single)
+            let r = attn_reference::Attention::head(qh, kh, vh, &single)
+                .and_then(|call| call.materialized())
                 .expect("generated inputs are valid");
             let bd = head_bound_with(
                 &engine.error_model(),
@@ -468,10 +469,9 @@ pub(crate) fn packed_gradients(engine: &dyn Engine, (case, seed): (PackedCase, u
             rows_of(&x.v.data, vv, &keys),
             rows_of(&grad_out.data, gv, &rows),
         ];
-        let reference = attn_reference::attention_backward_batched_materialized(
-            sub[0], sub[1], sub[2], sub[3], &opts,
-        )
-        .expect("generated inputs are valid");
+        let reference = attn_reference::Attention::batched(sub[0], sub[1], sub[2], &opts)
+            .and_then(|call| call.backward_materialized(sub[3]))
+            .expect("generated inputs are valid");
         let bound = batch_backward_bound(
             &engine.error_model(),
             sub[0],

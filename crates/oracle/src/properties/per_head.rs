@@ -5,7 +5,7 @@
 //! from a `[n_q, n_k]` mask computes the same bits as that mask.
 
 use attn_core::{BoolMask, BoolMask4, KeyPadding, Mask4Ref, Options, Tensor4};
-use attn_reference::Materialized;
+use attn_reference::{Attention, Materialized};
 use faer::{Mat, MatRef};
 use proptest::prelude::*;
 
@@ -237,7 +237,9 @@ fn reference_head(
     v: MatRef<'_, f32>,
     o: &Options<'_>,
 ) -> Materialized {
-    attn_reference::attention_materialized(q, k, v, o).expect("generated inputs are valid")
+    Attention::head(q, k, v, o)
+        .and_then(|call| call.materialized())
+        .expect("generated inputs are valid")
 }
 
 /// Runs [`per_head_masks_once`] for the case's broadcast axes and three others (the
@@ -377,9 +379,10 @@ pub(crate) fn broadcast_is_shared(
         return Ok(()); // the backward passes reject modifiers for now
     }
     // The backward pass, on the reference's forward (any consistent O and LSE will do).
-    let (out, lse) =
-        attn_reference::attention_batched_with_lse(x.q.view(), x.k.view(), x.v.view(), &two)
-            .expect("generated inputs are valid");
+    let (out, lse) = Attention::batched(x.q.view(), x.k.view(), x.v.view(), &two)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .expect("generated inputs are valid");
     let grads = |o: &Options<'_>| {
         engine
             .attention_backward_batched(
@@ -464,14 +467,9 @@ pub(crate) fn per_head_mask_gradients(
             lse.extend(l);
         }
     }
-    let reference = attn_reference::attention_backward_batched_materialized(
-        x.q.view(),
-        x.k.view(),
-        x.v.view(),
-        grad_out.view(),
-        &opts,
-    )
-    .expect("generated inputs are valid");
+    let reference = Attention::batched(x.q.view(), x.k.view(), x.v.view(), &opts)
+        .and_then(|call| call.backward_materialized(grad_out.view()))
+        .expect("generated inputs are valid");
     let scale = scale_of(&opts, d_k);
     let bound = if shared_additive(&case) {
         // Head (0, 0)'s additive mask is every head's.

@@ -245,6 +245,8 @@ pub(crate) fn malformed_input(
     let kt = Tensor4Ref::from_layout(&kd, [kv_batch, h_kv, n_k, d_k], l).expect("fits");
     let vt = Tensor4Ref::from_layout(&vd, [kv_batch, h_kv, n_k, d_v], l).expect("fits");
     let e = engine.attention_batched(qt, kt, vt, &opts);
-    let r = attn_reference::attention_batched(qt, kt, vt, &opts);
+    let r = attn_reference::Attention::batched(qt, kt, vt, &opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_output());
     report(e.map(|_| ()), r.map(|_| ()))
 }

@@ -200,7 +200,9 @@ pub fn check_reference<T: RingElement>(
                 kf.as_ref().head(bi, h / group).unwrap(),
                 vf.as_ref().head(bi, h / group).unwrap(),
             );
-            let reference = attn_reference::attention_materialized(qh, kh, vh, &one).unwrap();
+            let reference = attn_reference::Attention::head(qh, kh, vh, &one)
+                .and_then(|call| call.materialized())
+                .unwrap();
             let bound =
                 head_bound_merged(&model::<T>(), qh, kh, vh, scale, None, &reference, merges);
             let got = out.as_ref().head(bi, h).unwrap();
@@ -224,14 +226,9 @@ pub fn check_reference<T: RingElement>(
             }
         }
     }
-    let refs = attn_reference::attention_backward_batched_materialized(
-        qf.as_ref(),
-        kf.as_ref(),
-        vf.as_ref(),
-        dof.as_ref(),
-        &one,
-    )
-    .unwrap();
+    let refs = attn_reference::Attention::batched(qf.as_ref(), kf.as_ref(), vf.as_ref(), &one)
+        .and_then(|call| call.backward_materialized(dof.as_ref()))
+        .unwrap();
     let bound = batch_backward_bound(
         &model::<T>(),
         qf.as_ref(),
