@@ -49,7 +49,7 @@ impl Platform {
             kernels: match attn_optimized::Isa::current() {
                 attn_optimized::Isa::Avx512 => "AVX-512",
                 attn_optimized::Isa::Avx2 => "AVX2+FMA+F16C",
-                attn_optimized::Isa::Baseline => "baseline",
+                _ => "baseline",
             }
             .into(),
             faer_gemm: faer_gemm_isa().into(),

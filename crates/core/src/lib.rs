@@ -19,6 +19,7 @@
 mod call;
 mod error;
 mod gradients;
+mod isa;
 mod mask;
 mod mask4;
 mod merge;
@@ -32,6 +33,7 @@ mod tensor;
 
 pub use call::{Batch, Forward, ForwardRef, GradientsMut, OneHead};
 pub use error::{Error, Result, check_dim};
+pub use isa::{ISA_VARIABLE, Isa};
 pub use gradients::{BatchGradients, Gradients, validate_batch_backward, validate_head_backward};
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
 pub use mask4::{BoolMask4, Mask4Ref};

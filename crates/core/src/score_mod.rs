@@ -15,9 +15,9 @@
 use core::fmt::Debug;
 use core::ops::Range;
 
-use pulp::{Arch, Simd, WithSimd};
+use pulp::{Simd, WithSimd};
 
-use crate::{Error, Result, TileCoverage};
+use crate::{Error, Isa, Result, TileCoverage};
 
 /// A block of scores of one head: queries `queries` against keys `keys`, score `(i, j)` at
 /// `scores[(i − queries.start)·query_stride + (j − keys.start)·key_stride]`.
@@ -32,6 +32,8 @@ pub struct ScoreTile<'t> {
     /// A stored score times `unit` is the natural score.
     unit: f32,
     inv_unit: f32,
+    /// The instruction set the loops are compiled for.
+    isa: Isa,
 }
 
 impl<'t> ScoreTile<'t> {
@@ -80,6 +82,7 @@ impl<'t> ScoreTile<'t> {
             head,
             unit: 1.0,
             inv_unit: 1.0,
+            isa: Isa::current(),
         })
     }
 
@@ -123,7 +126,28 @@ impl<'t> ScoreTile<'t> {
             head: self.head,
             unit: self.unit,
             inv_unit: self.inv_unit,
+            isa: self.isa,
         }
+    }
+
+    /// The same tile with its loops run on `isa` (an engine passes the path it chose;
+    /// [`Isa::current`] by default). A path this CPU lacks runs the portable loop.
+    ///
+    /// ```
+    /// use attn_core::{Isa, ScoreTile};
+    /// let mut s = [1.0f32, 2.0];
+    /// let tile = ScoreTile::new(&mut s, (1, 2), 0..2, 0..1, 0, 0)?;
+    /// tile.with_isa(Isa::Baseline).map(|x, i, _| x * i as f32);
+    /// assert_eq!(s, [0.0, 2.0]);
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn with_isa(self, isa: Isa) -> Self {
+        Self { isa, ..self }
+    }
+
+    /// The instruction set the tile's loops run on.
+    pub fn isa(&self) -> Isa {
+        self.isa
     }
 
     /// The batch entry (a packed call's sequence).
@@ -147,7 +171,7 @@ impl<'t> ScoreTile<'t> {
     }
 
     /// Replaces every score `s` of query `i` and key `j` by `f(s, i, j)` (natural units),
-    /// in memory order, in a loop compiled for this CPU's widest vectors.
+    /// in memory order, in a loop compiled for the tile's instruction set ([`ScoreTile::with_isa`]).
     pub fn map(&mut self, mut f: impl FnMut(f32, usize, usize) -> f32) {
         let (unit, inv) = (self.unit, self.inv_unit);
         self.lines::<false, _>(&mut [], move |x, i, j| (f(x * unit, i, j) * inv, 1.0));
@@ -210,7 +234,7 @@ impl<'t> ScoreTile<'t> {
 
     /// The shared loop of [`ScoreTile::map`], [`ScoreTile::map_chained`] and
     /// [`ScoreTile::hide`]: `f(stored, i, j)` gives the new stored score and the factor of
-    /// `derivative` (ignored without one). One dispatch to the widest instruction set,
+    /// `derivative` (ignored without one). One dispatch to the tile's instruction set,
     /// the tile's contiguous axis innermost as a slice, so that the loop vectorises.
     fn lines<const CHAIN: bool, F>(&mut self, derivative: &mut [f32], f: F)
     where
@@ -284,12 +308,26 @@ impl<'t> ScoreTile<'t> {
             (self.queries.start, self.queries.len(), self.strides.0),
             (self.keys.start, self.keys.len(), self.strides.1),
         ];
-        Arch::new().dispatch(Op::<CHAIN, F> {
+        let op = Op::<CHAIN, F> {
             scores: self.scores,
             derivative,
             axes,
             f,
-        });
+        };
+        #[cfg(target_arch = "x86_64")]
+        {
+            use pulp::x86::{V3, V4};
+            if self.isa.includes(Isa::Avx512) {
+                if let Some(simd) = V4::try_new() {
+                    return Simd::vectorize(simd, op);
+                }
+            } else if self.isa.includes(Isa::Avx2)
+                && let Some(simd) = V3::try_new()
+            {
+                return Simd::vectorize(simd, op);
+            }
+        }
+        Simd::vectorize(pulp::Scalar::new(), op)
     }
 }
 

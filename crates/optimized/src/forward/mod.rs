@@ -198,6 +198,19 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
     });
 }
 
+/// Rounds an f32 row into an output row of any stride: vectorised when it is contiguous.
+pub(crate) fn narrow_row<O: Element>(src: &[f32], mut dst: RowMut<'_, O>) {
+    match dst.rb_mut().try_as_row_major_mut() {
+        Some(contiguous) => {
+            O::narrow(src, contiguous.as_slice_mut());
+        }
+        None => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(x, &a)| *x = O::from_f32(a)),
+    }
+}
+
 /// An accumulator entry divided by its row's sum `l`. `l = 0` only when nothing was
 /// visible (the accumulator is 0 too); a NaN `l` stays NaN.
 #[inline(always)]
@@ -239,6 +252,8 @@ pub(crate) struct Scratch {
     acc_rows: Vec<f32>,
     /// Whether the last tile ran the row loop (its result is in `acc_rows`, not `acc`).
     row_tile: bool,
+    /// One output row in f32, rounded to a half output type in one vectorised pass.
+    out_row: Vec<f32>,
 }
 
 impl Scratch {
@@ -267,6 +282,7 @@ impl Scratch {
             v_wide: vec![0.0; wide * d_v],
             acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
             row_tile: false,
+            out_row: vec![0.0; d_v],
         }
     }
 
@@ -355,6 +371,20 @@ impl Scratch {
         }
         for (i, row) in out.iter_mut().enumerate().take(rows) {
             let l = self.l[i];
+            if O::WIDENS {
+                // A half output: the row in f32 first, then rounded in one vectorised pass
+                // (element by element, half's rounding is a scalar call per entry).
+                let buf = &mut self.out_row[..d_v];
+                if self.row_tile {
+                    let acc = &self.acc_rows[i * d_v..(i + 1) * d_v];
+                    buf.iter_mut().zip(acc).for_each(|(x, &a)| *x = normalise(a, l));
+                } else {
+                    let acc = self.acc.iter().skip(i).step_by(br);
+                    buf.iter_mut().zip(acc).for_each(|(x, &a)| *x = normalise(a, l));
+                }
+                narrow_row(buf, row.rb_mut());
+                continue;
+            }
             let norm = |a: f32| O::from_f32(normalise(a, l));
             let dst = row.rb_mut().iter_mut();
             if self.row_tile {

@@ -94,6 +94,26 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     }
     /// The same view as f32 when no conversion is needed (f32 itself).
     fn as_f32(m: MatRef<'_, Self>) -> Option<MatRef<'_, f32>>;
+    /// Rounds the first `n = min(src.len(), dst.len())` values of `src` into `dst[..n]`,
+    /// each bit for bit as [`Element::from_f32`] rounds it but vectorised (F16C / AVX-512
+    /// for f16), and returns `n`; the rest of `dst` is left as it was.
+    ///
+    /// ```
+    /// use attn_optimized::Element;
+    /// use half::f16;
+    /// let src = [1.0f32, 65520.0, 1e-8, f32::NEG_INFINITY, 0.1, 3.0];
+    /// let mut dst = [f16::ZERO; 6];
+    /// assert_eq!(f16::narrow(&src, &mut dst), 6);
+    /// assert!(dst.iter().zip(&src).all(|(d, &s)| d.to_bits() == f16::from_f32(s).to_bits()));
+    /// ```
+    fn narrow(src: &[f32], dst: &mut [Self]) -> usize;
+    /// Whether the value is finite, read from its bits (no conversion).
+    ///
+    /// ```
+    /// use attn_optimized::Element;
+    /// assert!(half::f16::MAX.is_finite() && !half::bf16::NAN.is_finite());
+    /// ```
+    fn is_finite(self) -> bool;
 }
 
 impl Element for f32 {
@@ -113,11 +133,17 @@ impl Element for f32 {
     fn as_f32(m: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
         Some(m)
     }
+    fn narrow(src: &[f32], dst: &mut [Self]) -> usize {
+        Self::widen(src, dst)
+    }
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
+    }
 }
 
 /// The two half types differ only in their name and their widening kernels.
 macro_rules! half_element {
-    ($t:ty, $name:literal, $widen:ident, $widen_rows:ident) => {
+    ($t:ty, $name:literal, $widen:ident, $widen_rows:ident, $narrow:ident, $exponent:literal) => {
         impl Element for $t {
             const NAME: &'static str = $name;
             fn to_f32(self) -> f32 {
@@ -140,12 +166,53 @@ macro_rules! half_element {
             fn as_f32(_: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
                 None
             }
+            fn narrow(src: &[f32], dst: &mut [Self]) -> usize {
+                let n = src.len().min(dst.len());
+                $narrow(&src[..n], &mut dst[..n]);
+                n
+            }
+            fn is_finite(self) -> bool {
+                // All exponent bits set: an infinity or a NaN.
+                self.to_bits() & $exponent != $exponent
+            }
         }
     };
 }
 
-half_element!(f16, "f16", widen_f16, widen_f16_rows);
-half_element!(bf16, "bf16", widen_bf16, widen_bf16_rows);
+half_element!(f16, "f16", widen_f16, widen_f16_rows, narrow_f16, 0x7c00);
+half_element!(bf16, "bf16", widen_bf16, widen_bf16_rows, narrow_bf16, 0x7f80);
+
+#[inline(always)]
+fn narrow_bf16_body<const FMA: bool>(src: &[f32], dst: &mut [bf16]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16::from_f32(s);
+    }
+}
+
+multiversion! {
+    /// f32 → bf16, `half`'s rounding (integer arithmetic on the bits, inlined) in a loop
+    /// LLVM vectorises.
+    fn narrow_bf16(src: &[f32], dst: &mut [bf16]) = narrow_bf16_body
+}
+
+/// f32 → f16 with `vcvtps2ph` (round to nearest even: what `half` itself runs on a CPU
+/// with F16C) where the CPU has it, `half`'s conversion for the rest.
+fn narrow_f16(src: &[f32], dst: &mut [f16]) {
+    let n = src.len().min(dst.len());
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    match Isa::current() {
+        // SAFETY: AVX-512F is part of `Isa::Avx512`, detected on this CPU.
+        Isa::Avx512 => done = unsafe { x86::narrow_f16_avx512(&src[..n], &mut dst[..n]) },
+        // SAFETY: AVX and F16C are part of `Isa::Avx2`, detected on this CPU.
+        Isa::Avx2 => done = unsafe { x86::narrow_f16_f16c(&src[..n], &mut dst[..n]) },
+        _ => {}
+    }
+    for (d, &s) in dst[done..n].iter_mut().zip(&src[done..n]) {
+        *d = f16::from_f32(s);
+    }
+}
 
 #[inline(always)]
 fn widen_bf16_body<const FMA: bool>(src: &[bf16], dst: &mut [f32]) {
@@ -194,7 +261,7 @@ fn widen_f16(src: &[f16], dst: &mut [f32]) {
         Isa::Avx512 => done = unsafe { x86::widen_f16_avx512(&src[..n], &mut dst[..n]) },
         // SAFETY: AVX and F16C are part of `Isa::Avx2`, detected on this CPU.
         Isa::Avx2 => done = unsafe { x86::widen_f16_f16c(&src[..n], &mut dst[..n]) },
-        Isa::Baseline => {}
+        _ => {}
     }
     for (d, s) in dst[done..n].iter_mut().zip(&src[done..n]) {
         *d = s.to_f32();
@@ -232,6 +299,38 @@ mod x86 {
             }
         }
         blocks * 16
+    }
+
+    /// Rounds the first `16·⌊n/16⌋` elements; returns how many.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn narrow_f16_avx512(src: &[f32], dst: &mut [f16]) -> usize {
+        let blocks = src.len().min(dst.len()) / 16;
+        for b in 0..blocks {
+            // SAFETY: elements b·16 .. b·16+16 are in bounds of both slices (b < blocks),
+            // f16 is a 16-bit `repr(transparent)` type, and unaligned loads/stores are used.
+            unsafe {
+                let x = _mm512_loadu_ps(src.as_ptr().add(b * 16));
+                let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+                _mm256_storeu_si256(dst.as_mut_ptr().add(b * 16).cast::<__m256i>(), h);
+            }
+        }
+        blocks * 16
+    }
+
+    /// Rounds the first `8·⌊n/8⌋` elements; returns how many.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) fn narrow_f16_f16c(src: &[f32], dst: &mut [f16]) -> usize {
+        let blocks = src.len().min(dst.len()) / 8;
+        for b in 0..blocks {
+            // SAFETY: elements b·8 .. b·8+8 are in bounds of both slices (b < blocks), f16 is
+            // a 16-bit `repr(transparent)` type, and unaligned loads/stores are used.
+            unsafe {
+                let x = _mm256_loadu_ps(src.as_ptr().add(b * 8));
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+                _mm_storeu_si128(dst.as_mut_ptr().add(b * 8).cast::<__m128i>(), h);
+            }
+        }
+        blocks * 8
     }
 
     /// Converts the first `8·⌊n/8⌋` elements; returns how many.
@@ -339,6 +438,50 @@ mod tests {
     #[test]
     fn bf16_widening_is_exact_for_every_bit_pattern() {
         widening_is_exact_for_every_bit_pattern(bf16::from_bits);
+    }
+
+    /// Every f32 whose low 13 bits are one of the rounding cases (below, at and above a
+    /// half-way point, odd and even), every exponent and sign, and the specials: the
+    /// vectorised narrowing gives `from_f32`'s bits, at every offset of the vector body.
+    fn narrowing_matches_from_f32<T: Element>(to_bits: fn(T) -> u16) {
+        let mut src: Vec<f32> = Vec::new();
+        for high in 0..=u32::from(u16::MAX) >> 3 {
+            for low in [0u32, 1, 0xfff, 0x1000, 0x1001, 0x1fff, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                src.push(f32::from_bits(high << 19 | low & 0x7_ffff));
+            }
+        }
+        src.extend([f32::NAN, -f32::NAN, f32::INFINITY, f32::MAX, 65520.0, 65519.99, -0.0]);
+        for skip in [0, 3] {
+            let src = &src[skip..];
+            let mut got = vec![T::from_f32(7.0); src.len() + 1];
+            assert_eq!(T::narrow(src, &mut got), src.len());
+            for (x, g) in src.iter().zip(&got) {
+                let (gb, wb) = (to_bits(*g), to_bits(T::from_f32(*x)));
+                // A NaN stays a NaN (its payload is the conversion's).
+                let nan = x.is_nan() && g.to_f32().is_nan();
+                assert!(gb == wb || nan, "{x:e}: {gb:#x} vs {wb:#x}");
+            }
+            assert_eq!(to_bits(got[src.len()]), to_bits(T::from_f32(7.0)));
+        }
+    }
+
+    #[test]
+    fn f16_narrowing_is_from_f32_bit_for_bit() {
+        narrowing_matches_from_f32::<f16>(f16::to_bits);
+    }
+
+    #[test]
+    fn bf16_narrowing_is_from_f32_bit_for_bit() {
+        narrowing_matches_from_f32::<bf16>(bf16::to_bits);
+    }
+
+    #[test]
+    fn finiteness_is_read_from_the_bits() {
+        for bits in 0..=u16::MAX {
+            let (h, b) = (f16::from_bits(bits), bf16::from_bits(bits));
+            assert_eq!(Element::is_finite(h), h.to_f32().is_finite(), "{bits:#x}");
+            assert_eq!(Element::is_finite(b), b.to_f32().is_finite(), "{bits:#x}");
+        }
     }
 
     #[test]

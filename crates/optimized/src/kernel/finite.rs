@@ -59,7 +59,7 @@ fn rows_are_finite_body<const FMA: bool>(m: MatRef<'_, f32>) -> bool {
 /// Whether every entry of one row is finite (any storage type): the per-row test of the
 /// slow paths, which already know that some row is not.
 pub(crate) fn row_is_finite<T: Element>(row: RowRef<'_, T>) -> bool {
-    row.iter().all(|x| x.to_f32().is_finite())
+    row.iter().all(|x| Element::is_finite(*x))
 }
 
 multiversion! {

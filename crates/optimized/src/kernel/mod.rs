@@ -1,6 +1,6 @@
 //! Everything that is `unsafe` or specific to an instruction set, and nothing else.
 //!
-//! One detection ([`Isa::current`]) decides which instructions the kernels use, and one
+//! One choice ([`Isa::current`]: the CPU's best path, or the one `ATTN_ISA` forces) decides which instructions the kernels use, and one
 //! macro ([`multiversion!`]) compiles a body once per instruction set and picks the copy at
 //! run time; the few bodies written with pulp's explicit vectors run on the token of the
 //! same [`Isa`] ([`vectorize`]), and the hand-written row kernels ([`rows`]) are chosen by
@@ -22,59 +22,7 @@ pub mod softmax_grad;
 
 use pulp::{Scalar, Simd, WithSimd};
 
-/// The instruction set the kernels run with on this CPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Isa {
-    /// Whatever the compilation target guarantees (SSE2 on x86-64).
-    Baseline,
-    /// AVX2 with FMA and F16C (x86-64-v3): 8 f32 lanes.
-    Avx2,
-    /// AVX-512 (F, VL, DQ, BW, CD) on top of AVX2: 16 f32 lanes.
-    Avx512,
-}
-
-impl Isa {
-    /// The best instruction set of this CPU (detected by `std`, which caches the answer).
-    ///
-    /// ```
-    /// let isa = attn_optimized::Isa::current();
-    /// println!("kernels run with {isa:?}");
-    /// ```
-    pub fn current() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            let v3 = has!("avx2")
-                && has!("fma")
-                && has!("f16c")
-                && has!("bmi1")
-                && has!("bmi2")
-                && has!("lzcnt");
-            if v3
-                && has!("avx512f")
-                && has!("avx512vl")
-                && has!("avx512dq")
-                && has!("avx512bw")
-                && has!("avx512cd")
-            {
-                return Isa::Avx512;
-            }
-            if v3 {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Baseline
-    }
-
-    /// Every instruction set this CPU can run, best first (for tests that compare them).
-    pub fn all_available() -> Vec<Isa> {
-        let best = Isa::current();
-        [Isa::Avx512, Isa::Avx2, Isa::Baseline]
-            .into_iter()
-            .filter(|isa| *isa <= best)
-            .collect()
-    }
-}
+pub use attn_core::Isa;
 
 /// Generates `$name`, which runs `$body::<FMA>` compiled for AVX-512, AVX2+FMA or baseline
 /// x86-64 (or the target's baseline elsewhere), chosen by [`Isa::current`] at run time.
@@ -93,11 +41,12 @@ macro_rules! multiversion {
                     $body::<true>($($arg),*)
                 }
                 match $crate::kernel::Isa::current() {
-                    // SAFETY: `Isa::current()` detected every feature `v4` enables on this CPU.
+                    // SAFETY: `Isa::current()` is a path this CPU supports (checked when chosen), and
+                    // the AVX-512 path has every feature `v4` enables.
                     $crate::kernel::Isa::Avx512 => return unsafe { v4($($arg),*) },
-                    // SAFETY: `Isa::current()` detected every feature `v3` enables on this CPU.
+                    // SAFETY: as above; the AVX2 path has every feature `v3` enables.
                     $crate::kernel::Isa::Avx2 => return unsafe { v3($($arg),*) },
-                    $crate::kernel::Isa::Baseline => {}
+                    _ => {}
                 }
             }
             $body::<false>($($arg),*)
@@ -124,7 +73,7 @@ pub(crate) fn vectorize<Op: WithSimd>(op: Op) -> Op::Output {
                     return Simd::vectorize(simd, op);
                 }
             }
-            Isa::Baseline => {}
+            _ => {}
         }
     }
     Simd::vectorize(Scalar::new(), op)

@@ -53,15 +53,16 @@ impl RowKernels {
         match isa {
             Isa::Avx512 => Some(Self::Avx512),
             Isa::Avx2 => Some(Self::Avx2),
-            Isa::Baseline => None,
+            _ => None,
         }
     }
 
     /// Every kernel family this CPU can run (for tests that compare them).
     #[cfg(test)]
     pub(crate) fn all() -> Vec<Self> {
-        Isa::all_available()
+        Isa::supported()
             .into_iter()
+            .filter(|isa| Isa::current().includes(*isa))
             .filter_map(Self::of)
             .collect()
     }
@@ -72,7 +73,7 @@ impl RowKernels {
             Self::Avx512 => Isa::Avx512,
             Self::Avx2 => Isa::Avx2,
         };
-        cfg!(target_arch = "x86_64") && Isa::current() >= needs
+        cfg!(target_arch = "x86_64") && Isa::current().includes(needs)
     }
 
     /// Whether the kernels read `m` in place: rows of unit column stride and a width of
