@@ -221,7 +221,10 @@ impl<'a> HeadModifiers<'a> {
                     .alibi
                     .map_or(0.0, |(m, off)| f64::from(m) * distance(i, j, off));
             let i = i + self.query_offset;
-            d *= f64::from(m.derivative(before as f32, b, h, i, j));
+            // The chain rule under the rule for a modifier's outputs (as the engines'
+            // f32 loops): each factor within ±f32::MAX, so 0 · inf is 0, not NaN.
+            let g = f64::from(m.derivative(before as f32, b, h, i, j));
+            d *= g.clamp(-f64::from(f32::MAX), f64::from(f32::MAX));
         }
         d
     }

@@ -282,7 +282,7 @@ impl<'t> ScoreTile<'t> {
                             let (x, dx) = f(scores[at], i, j);
                             scores[at] = x;
                             if CHAIN {
-                                derivative[at] *= dx;
+                                derivative[at] = chain(derivative[at], dx);
                             }
                         }
                         continue;
@@ -331,6 +331,22 @@ impl<'t> ScoreTile<'t> {
     }
 }
 
+/// The chain rule's product `d · g` under the contract's rule for a modifier's outputs:
+/// each factor, and the product, saturates at `±f32::MAX` (NaN stays NaN), so a derivative
+/// of 0 (a saturated soft-cap) times one of `±inf` (a user modifier's) is 0, not NaN.
+/// Selects rather than `clamp`, so that the loops vectorise.
+#[inline(always)]
+fn chain(d: f32, g: f32) -> f32 {
+    saturate(d * saturate(g))
+}
+
+/// `x` within `±f32::MAX`; NaN stays NaN.
+#[inline(always)]
+fn saturate(x: f32) -> f32 {
+    let x = if x > f32::MAX { f32::MAX } else { x };
+    if x < -f32::MAX { -f32::MAX } else { x }
+}
+
 /// One contiguous line of a tile: `f` on every score, the positions from `at(n)`. A
 /// function of its own so that `line` and `derivative` are known not to alias whatever `f`
 /// reads (argument attributes survive inlining; fields of a struct do not), which is what
@@ -346,7 +362,7 @@ fn line_loop<const CHAIN: bool, F: FnMut(f32, usize, usize) -> (f32, f32)>(
         for (n, (x, dx)) in line.iter_mut().zip(derivative).enumerate() {
             let (i, j) = at(n);
             let (y, g) = f(*x, i, j);
-            (*x, *dx) = (y, *dx * g);
+            (*x, *dx) = (y, chain(*dx, g));
         }
     } else {
         for (n, x) in line.iter_mut().enumerate() {

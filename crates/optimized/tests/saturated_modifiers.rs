@@ -233,6 +233,68 @@ fn an_infinite_derivative_saturates_in_both_engines() {
     against_reference(&x, &opts, 1e-4);
 }
 
+/// The identity, with a derivative of `slope`.
+#[derive(Debug)]
+struct Identity {
+    slope: f32,
+}
+
+impl ScoreMod for Identity {
+    fn score(&self, s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
+        s
+    }
+    fn derivative(&self, _s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
+        self.slope
+    }
+}
+
+/// A saturated soft-cap (derivative exactly 0) chained with a user modifier whose
+/// derivative is `+inf`: the chain rule's `0 · inf` is 0 under the saturation rule, in
+/// the f32 loop of attn-core and in the reference's f64 — not NaN (it was NaN in both).
+#[test]
+fn a_saturated_soft_cap_times_an_infinite_derivative_is_zero() {
+    let m = Identity {
+        slope: f32::INFINITY,
+    };
+    let cap = attn_core::SoftCap::new(1.0).unwrap();
+    let (n_q, n_k, d) = (5, 7, 4);
+    let mut x = Problem::new(n_q, n_k, d, 1.0);
+    // Every q·k is 4 and the scale 10: s / cap = 40, where tanh is 1 in f32 and f64.
+    x.q = Mat::from_fn(n_q, d, |_, _| 1.0);
+    x.k = Mat::from_fn(n_k, d, |_, _| 1.0);
+    let opts = Options::default()
+        .with_scale(10.0)
+        .with_softcap(cap)
+        .with_score_mod(&m);
+    against_reference(&x, &opts, 1e-5);
+    // Every score has derivative 0: no gradient reaches Q or K.
+    let (out, lse) =
+        attn_optimized::Attention::head(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), &opts)
+            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+            .map(|f| f.into_parts())
+            .unwrap();
+    let g = attention_backward(
+        x.d_out.as_ref(),
+        x.q.as_ref(),
+        x.k.as_ref(),
+        x.v.as_ref(),
+        out.as_ref(),
+        &lse,
+        &opts,
+    )
+    .unwrap();
+    assert!(
+        g.dq.col_iter()
+            .flat_map(|c| c.iter().copied())
+            .all(|x| x == 0.0)
+    );
+    assert!(
+        g.dk.col_iter()
+            .flat_map(|c| c.iter().copied())
+            .all(|x| x == 0.0)
+    );
+}
+
 /// Found by the same rule beyond the modifiers: a row biased entirely by `f32::MIN` (Hugging
 /// Face's padding convention) is the average of its values, its LSE `-L`; its weights are
 /// `1/n_k` in the backward too (they were 1 each, from `exp(s − LSE)`, before the saturated

@@ -377,10 +377,14 @@ impl Scratch {
                 let buf = &mut self.out_row[..d_v];
                 if self.row_tile {
                     let acc = &self.acc_rows[i * d_v..(i + 1) * d_v];
-                    buf.iter_mut().zip(acc).for_each(|(x, &a)| *x = normalise(a, l));
+                    buf.iter_mut()
+                        .zip(acc)
+                        .for_each(|(x, &a)| *x = normalise(a, l));
                 } else {
                     let acc = self.acc.iter().skip(i).step_by(br);
-                    buf.iter_mut().zip(acc).for_each(|(x, &a)| *x = normalise(a, l));
+                    buf.iter_mut()
+                        .zip(acc)
+                        .for_each(|(x, &a)| *x = normalise(a, l));
                 }
                 narrow_row(buf, row.rb_mut());
                 continue;

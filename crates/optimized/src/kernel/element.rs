@@ -180,7 +180,14 @@ macro_rules! half_element {
 }
 
 half_element!(f16, "f16", widen_f16, widen_f16_rows, narrow_f16, 0x7c00);
-half_element!(bf16, "bf16", widen_bf16, widen_bf16_rows, narrow_bf16, 0x7f80);
+half_element!(
+    bf16,
+    "bf16",
+    widen_bf16,
+    widen_bf16_rows,
+    narrow_bf16,
+    0x7f80
+);
 
 #[inline(always)]
 fn narrow_bf16_body<const FMA: bool>(src: &[f32], dst: &mut [bf16]) {
@@ -446,11 +453,21 @@ mod tests {
     fn narrowing_matches_from_f32<T: Element>(to_bits: fn(T) -> u16) {
         let mut src: Vec<f32> = Vec::new();
         for high in 0..=u32::from(u16::MAX) >> 3 {
-            for low in [0u32, 1, 0xfff, 0x1000, 0x1001, 0x1fff, 0x7fff, 0x8000, 0x8001, 0xffff] {
+            for low in [
+                0u32, 1, 0xfff, 0x1000, 0x1001, 0x1fff, 0x7fff, 0x8000, 0x8001, 0xffff,
+            ] {
                 src.push(f32::from_bits(high << 19 | low & 0x7_ffff));
             }
         }
-        src.extend([f32::NAN, -f32::NAN, f32::INFINITY, f32::MAX, 65520.0, 65519.99, -0.0]);
+        src.extend([
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::MAX,
+            65520.0,
+            65519.99,
+            -0.0,
+        ]);
         for skip in [0, 3] {
             let src = &src[skip..];
             let mut got = vec![T::from_f32(7.0); src.len() + 1];
