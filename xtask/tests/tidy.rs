@@ -85,7 +85,8 @@ const DEPENDENCY_RULES: &[DepRule] = &[
     },
     DepRule {
         krate: "xtask",
-        normal: &["attn-benches"],
+        // attn-core for `Isa` alone: the kernel paths its test command runs the oracle on.
+        normal: &["attn-benches", "attn-core"],
         dev: &[],
     },
     // The FFI boundaries to come.
