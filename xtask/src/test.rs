@@ -10,7 +10,7 @@
 //!    and the command runs as root), printing what it does; without apt-get, or not as
 //!    root, it fails and names the packages to install;
 //! 2. `cargo`: `cargo test --workspace` (every crate's tests, doctests and properties, and
-//!    tidy), then the oracle's conformance suite (`attn-oracle`'s tests) once more on each
+//!    tidy), then the oracle's conformance suite (`attn-oracle`'s `engines`) once more on each
 //!    other kernel path this CPU supports (`ATTN_ISA=avx2` and `baseline` on an AVX-512
 //!    machine, `baseline` on an AVX2 one);
 //! 3. `python`: the extension module `attn` (crates/python) and its pytest suite, torch
@@ -208,7 +208,7 @@ fn cargo_tests(ctx: &Context<'_>) -> Result<(), String> {
             Command::new(cargo())
                 .current_dir(&ctx.root)
                 .env(attn_core::ISA_VARIABLE, isa.name())
-                .args(["test", "-p", "attn-oracle", "--tests"]),
+                .args(["test", "-p", "attn-oracle", "--test", "engines"]),
             &format!("the oracle on the {} path", isa.name()),
         )?;
     }
