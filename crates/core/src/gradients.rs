@@ -175,16 +175,7 @@ impl BatchShape {
         lse_len: usize,
     ) -> Result<()> {
         let want = [self.batch, self.h_q, self.head.n_q, self.head.d_v];
-        for (operand, dims) in [("grad_out tensor", grad_out), ("output tensor", out)] {
-            if dims != want {
-                return Err(Error::layout(
-                    operand,
-                    format!(
-                        "dims {dims:?} but the forward's output is {want:?} ([batch, h_q, n_q, d_v])"
-                    ),
-                ));
-            }
-        }
+        check_output_dims(grad_out, out, want)?;
         let rows = [self.batch, self.h_q, self.head.n_q]
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d));
@@ -194,6 +185,30 @@ impl BatchShape {
             None => Err(Error::lse_length(lse_len, usize::MAX)),
         }
     }
+}
+
+/// Checks a batched backward's upstream gradient `grad_out` and the forward's output `out`
+/// (`[batch, h_q, n_q, d_v]` each) against the dims `want` of the call's output, in that
+/// order: the checks of [`BatchShape::check_backward`] before the LSE's.
+///
+/// ```
+/// use attn_core::check_output_dims;
+/// assert!(check_output_dims([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]).is_ok());
+/// let err = check_output_dims([1, 2, 3, 4], [1, 2, 5, 4], [1, 2, 3, 4]).unwrap_err();
+/// assert!(err.to_string().starts_with("output tensor: dims [1, 2, 5, 4]"));
+/// ```
+pub fn check_output_dims(grad_out: [usize; 4], out: [usize; 4], want: [usize; 4]) -> Result<()> {
+    for (operand, dims) in [("grad_out tensor", grad_out), ("output tensor", out)] {
+        if dims != want {
+            return Err(Error::layout(
+                operand,
+                format!(
+                    "dims {dims:?} but the forward's output is {want:?} ([batch, h_q, n_q, d_v])"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Checks one head's backward operands and options; returns its shape and the scale.

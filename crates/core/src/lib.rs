@@ -33,7 +33,9 @@ mod tensor;
 
 pub use call::{Batch, Forward, ForwardRef, GradientsMut, OneHead};
 pub use error::{Error, Result, check_dim};
-pub use gradients::{BatchGradients, Gradients, validate_batch_backward, validate_head_backward};
+pub use gradients::{
+    BatchGradients, Gradients, check_output_dims, validate_batch_backward, validate_head_backward,
+};
 pub use isa::{ISA_VARIABLE, Isa};
 pub use mask::{BoolMask, Causal, HeadMask, KeyPadding, SlidingWindow, TileCoverage};
 pub use mask4::{BoolMask4, Mask4Ref};

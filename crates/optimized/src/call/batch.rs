@@ -272,19 +272,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         let fwd = fwd.into();
         let want = self.out_dims();
         // The upstream gradient and the output before the LSE, whose rows follow from them.
-        for (operand, dims) in [
-            ("grad_out tensor", d_out.dims()),
-            ("output tensor", fwd.output.dims()),
-        ] {
-            if dims != want {
-                return Err(Error::layout(
-                    operand,
-                    format!(
-                        "dims {dims:?} but the forward's output is {want:?} ([batch, h_q, n_q, d_v])"
-                    ),
-                ));
-            }
-        }
+        attn_core::check_output_dims(d_out.dims(), fwd.output.dims(), want)?;
         let [b, h, n, _] = want;
         let lse = lse_rows(fwd.lse, [b, h, n])?;
         let GradientsMut { dq, dk, dv } = grads;

@@ -252,7 +252,7 @@ pub(crate) struct Scratch {
     acc_rows: Vec<f32>,
     /// Whether the last tile ran the row loop (its result is in `acc_rows`, not `acc`).
     row_tile: bool,
-    /// One output row in f32, rounded to a half output type in one vectorised pass.
+    /// One output row in f32, before it is rounded to the output type in one pass.
     out_row: Vec<f32>,
 }
 
@@ -370,34 +370,22 @@ impl Scratch {
             self.fold_sink(rows, sink);
         }
         for (i, row) in out.iter_mut().enumerate().take(rows) {
+            // The row in f32, then rounded to `O` in one vectorised pass (a copy for f32;
+            // element by element, half's rounding is a scalar call per entry).
             let l = self.l[i];
-            if O::WIDENS {
-                // A half output: the row in f32 first, then rounded in one vectorised pass
-                // (element by element, half's rounding is a scalar call per entry).
-                let buf = &mut self.out_row[..d_v];
-                if self.row_tile {
-                    let acc = &self.acc_rows[i * d_v..(i + 1) * d_v];
-                    buf.iter_mut()
-                        .zip(acc)
-                        .for_each(|(x, &a)| *x = normalise(a, l));
-                } else {
-                    let acc = self.acc.iter().skip(i).step_by(br);
-                    buf.iter_mut()
-                        .zip(acc)
-                        .for_each(|(x, &a)| *x = normalise(a, l));
-                }
-                narrow_row(buf, row.rb_mut());
-                continue;
-            }
-            let norm = |a: f32| O::from_f32(normalise(a, l));
-            let dst = row.rb_mut().iter_mut();
+            let buf = &mut self.out_row[..d_v];
             if self.row_tile {
                 let acc = &self.acc_rows[i * d_v..(i + 1) * d_v];
-                dst.zip(acc).for_each(|(x, &a)| *x = norm(a));
+                buf.iter_mut()
+                    .zip(acc)
+                    .for_each(|(x, &a)| *x = normalise(a, l));
             } else {
                 let acc = self.acc.iter().skip(i).step_by(br);
-                dst.zip(acc).for_each(|(x, &a)| *x = norm(a));
+                buf.iter_mut()
+                    .zip(acc)
+                    .for_each(|(x, &a)| *x = normalise(a, l));
             }
+            narrow_row(buf, row.rb_mut());
         }
         if let Some(lse) = lse {
             for (i, x) in lse[..rows].iter_mut().enumerate() {
