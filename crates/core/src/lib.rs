@@ -16,7 +16,9 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod alloc;
 mod call;
+mod dtype;
 mod error;
 mod gradients;
 mod isa;
@@ -31,7 +33,9 @@ mod score_mod;
 mod shape;
 mod tensor;
 
+pub use alloc::{filled, zeroed};
 pub use call::{Batch, Forward, ForwardRef, GradientsMut, OneHead};
+pub use dtype::Dtype;
 pub use error::{Error, Result, check_dim};
 pub use gradients::{
     BatchGradients, Gradients, check_output_dims, validate_batch_backward, validate_head_backward,

@@ -6,6 +6,8 @@
 
 use core::ops::Range;
 
+/// Every fallible buffer of the engine comes from attn-core's helper.
+pub(crate) use attn_core::filled;
 use attn_core::{
     BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Result, Tensor4Ref,
     validate_packed,
@@ -430,17 +432,6 @@ pub(crate) fn element_count(dims: &[usize]) -> Option<usize> {
         return Some(0);
     }
     dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
-}
-
-/// `n` copies of `value` (`None`: a count that overflowed), or [`Error::Allocation`]
-/// naming `what` and its size in bytes.
-pub(crate) fn filled<T: Clone>(what: &'static str, n: Option<usize>, value: T) -> Result<Vec<T>> {
-    let fail = || Error::allocation_of::<T>(what, n);
-    let n = n.ok_or_else(fail)?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| fail())?;
-    v.resize(n, value);
-    Ok(v)
 }
 
 /// A zeroed buffer of `dims.product()` elements, or [`Error::Allocation`].

@@ -10,30 +10,16 @@ use core::ops::Range;
 use faer::MatRef;
 use half::{bf16, f16};
 
+use attn_core::Dtype;
+
 use super::{Isa, multiversion};
 
 pub(crate) mod sealed {
-    /// How an element is stored, for kernels that load it straight from memory.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub enum Storage {
-        F32,
-        F16,
-        Bf16,
-    }
-
     /// Keeps [`super::Element`] closed to the three types the kernels know.
-    pub trait Sealed {
-        const STORAGE: Storage;
-    }
-    impl Sealed for f32 {
-        const STORAGE: Storage = Storage::F32;
-    }
-    impl Sealed for half::f16 {
-        const STORAGE: Storage = Storage::F16;
-    }
-    impl Sealed for half::bf16 {
-        const STORAGE: Storage = Storage::Bf16;
-    }
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
 }
 
 /// An element type the engine takes as input or writes as output.
@@ -68,8 +54,11 @@ pub(crate) mod sealed {
 /// assert_eq!(rows, [1.0, 2.0, -1.0]);
 /// ```
 pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
-    /// Short name for reports (`"f32"`, `"f16"`, `"bf16"`).
-    const NAME: &'static str;
+    /// Which type this is, for code that chooses by type (kernels loading straight from
+    /// memory, bindings, reports).
+    const DTYPE: Dtype;
+    /// Short name for reports (`"f32"`, `"f16"`, `"bf16"`): `DTYPE.name()`.
+    const NAME: &'static str = Self::DTYPE.name();
     /// Whether tiles must be widened to f32 before the GEMMs (false for f32 itself).
     const WIDENS: bool = true;
     /// Widens to f32 (exact).
@@ -117,7 +106,7 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
 }
 
 impl Element for f32 {
-    const NAME: &'static str = "f32";
+    const DTYPE: Dtype = Dtype::F32;
     const WIDENS: bool = false;
     fn to_f32(self) -> f32 {
         self
@@ -141,11 +130,11 @@ impl Element for f32 {
     }
 }
 
-/// The two half types differ only in their name and their widening kernels.
+/// The two half types differ only in their type tag and their conversion kernels.
 macro_rules! half_element {
-    ($t:ty, $name:literal, $widen:ident, $widen_rows:ident, $narrow:ident, $exponent:literal) => {
+    ($t:ty, $dtype:ident, $widen:ident, $widen_rows:ident, $narrow:ident, $exponent:literal) => {
         impl Element for $t {
-            const NAME: &'static str = $name;
+            const DTYPE: Dtype = Dtype::$dtype;
             fn to_f32(self) -> f32 {
                 <$t>::to_f32(self)
             }
@@ -179,15 +168,8 @@ macro_rules! half_element {
     };
 }
 
-half_element!(f16, "f16", widen_f16, widen_f16_rows, narrow_f16, 0x7c00);
-half_element!(
-    bf16,
-    "bf16",
-    widen_bf16,
-    widen_bf16_rows,
-    narrow_bf16,
-    0x7f80
-);
+half_element!(f16, F16, widen_f16, widen_f16_rows, narrow_f16, 0x7c00);
+half_element!(bf16, Bf16, widen_bf16, widen_bf16_rows, narrow_bf16, 0x7f80);
 
 #[inline(always)]
 fn narrow_bf16_body<const FMA: bool>(src: &[f32], dst: &mut [bf16]) {

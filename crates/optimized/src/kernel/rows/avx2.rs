@@ -10,7 +10,7 @@ use super::kernels::{
 };
 use super::{KEYS_AT_ONCE, MAX_ROWS};
 use crate::kernel::element::Element;
-use crate::kernel::element::sealed::Storage;
+use attn_core::Dtype;
 
 /// Eight elements at `p`, as f32.
 ///
@@ -22,10 +22,10 @@ unsafe fn load8<T: Element>(p: *const T) -> __m256 {
     // SAFETY: the caller guarantees 8 readable elements; the loads are unaligned, and the
     // storage kind says how the bits are laid out.
     unsafe {
-        match T::STORAGE {
-            Storage::F32 => _mm256_loadu_ps(p.cast()),
-            Storage::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-            Storage::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+        match T::DTYPE {
+            Dtype::F32 => _mm256_loadu_ps(p.cast()),
+            Dtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            Dtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
                 _mm_loadu_si128(p.cast()),
             ))),
         }

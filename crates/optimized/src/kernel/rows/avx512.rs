@@ -9,7 +9,7 @@ use super::kernels::{
 };
 use super::{KEYS_AT_ONCE, MAX_ROWS};
 use crate::kernel::element::Element;
-use crate::kernel::element::sealed::Storage;
+use attn_core::Dtype;
 
 /// Sixteen elements at `p`, as f32.
 ///
@@ -21,10 +21,10 @@ unsafe fn load16<T: Element>(p: *const T) -> __m512 {
     // SAFETY: the caller guarantees 16 readable elements; the loads are unaligned, and the
     // storage kind says how the bits are laid out.
     unsafe {
-        match T::STORAGE {
-            Storage::F32 => _mm512_loadu_ps(p.cast()),
-            Storage::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
-            Storage::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+        match T::DTYPE {
+            Dtype::F32 => _mm512_loadu_ps(p.cast()),
+            Dtype::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            Dtype::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
                 _mm256_loadu_si256(p.cast()),
             ))),
         }
