@@ -91,8 +91,7 @@ const DEPENDENCY_RULES: &[DepRule] = &[
     },
     DepRule {
         krate: "xtask",
-        // attn-core for `Isa` alone: the kernel paths its test command runs the oracle on.
-        normal: &["attn-benches", "attn-core"],
+        normal: &["attn-benches"],
         dev: &[],
     },
     // The FFI boundaries to come.
