@@ -22,22 +22,18 @@
 //! `attn_oracle::engine_suite!(MyKernel);` makes one `#[test]` per property.
 //!
 //! ```
-//! use attn_core::{Options, Result, Tensor4, Tensor4Ref};
-//! use attn_oracle::{check_property, Engine, ErrorModel, Property, ReferenceEngine, SuiteConfig};
-//! use faer::{Mat, MatRef};
+//! use attn_core::Result;
+//! use attn_oracle::{check_property, Call, Engine, ErrorModel, Output, Property, ReferenceEngine, SuiteConfig};
 //!
 //! struct MyKernel;
 //! impl Engine for MyKernel {
 //!     fn name(&self) -> String { "my-kernel".into() }
 //!     // f32 scores and accumulators, an exp accurate to 2 ulp, no split-KV.
 //!     fn error_model(&self) -> ErrorModel { ErrorModel::f32_streaming(2.0, None) }
-//!     fn attention_with_lse(&self, q: MatRef<'_, f32>, k: MatRef<'_, f32>, v: MatRef<'_, f32>,
-//!                           o: &Options<'_>) -> Result<(Mat<f32>, Vec<f32>)> {
-//!         ReferenceEngine.attention_with_lse(q, k, v, o)
-//!     }
-//!     fn attention_batched(&self, q: Tensor4Ref<'_, f32>, k: Tensor4Ref<'_, f32>,
-//!                          v: Tensor4Ref<'_, f32>, o: &Options<'_>) -> Result<Tensor4<f32>> {
-//!         ReferenceEngine.attention_batched(q, k, v, o)
+//!     // Every call, forward: one head, a batch, packed, by parts (`None` for a call it
+//!     // does not run). A backward pass is `Engine::backward`.
+//!     fn forward(&self, call: &Call<'_>) -> Option<Result<Output>> {
+//!         ReferenceEngine.forward(call)
 //!     }
 //! }
 //! check_property(&MyKernel, Property::MaskedWeightsAreZero, &SuiteConfig::quick(8)).unwrap();
@@ -54,7 +50,7 @@
 //! | 4 | `unscaled_softmax_entropy_collapses_scaled_does_not` (+ `tests/statistics.rs`) | the √d_k variance argument and its consequence (see [`stats`]) |
 //! | 5 | `single_head_matches_reference_within_derived_bound`, `batched_gqa_any_layout_matches_reference` | equivalence on tile-straddling shapes, `n_q ≠ n_k`, `d_v ≠ d_k`, GQA, both layouts and padded strides, every mask |
 //! | 6 | `adding_a_row_constant_changes_nothing`, `permuting_keys_and_values_changes_nothing`, `scaling_v_scales_the_output`, `batched_heads_equal_per_head_calls` (+ attn-optimized's `tests/multi_head_layer.rs`) | the invariances |
-//! | 7 | `merging_an_empty_state_is_the_identity_bit_for_bit`, `merge_is_associative_within_bound`, `splitting_keys_anywhere_equals_one_pass` | partial states, through [`Engine::attention_split`] |
+//! | 7 | `merging_an_empty_state_is_the_identity_bit_for_bit`, `merge_is_associative_within_bound`, `splitting_keys_anywhere_equals_one_pass` | partial states, through a [`Call`] with a split plan ([`Call::split`]) |
 //! | 8 | `output_bits_do_not_depend_on_thread_count` | identical bits with 1, 2 and 3 rayon threads |
 //! | 9 | `adversarial_values_stay_finite_and_within_bound` | logits to ±1e4, scale × 1000, subnormals, ties, identical keys, `-inf`/±1e4 biases, edge-of-range values |
 //! | — | `malformed_input_is_the_reference_error` | the same [`attn_core::Error`] as the reference, never a panic |
@@ -74,10 +70,10 @@
 //! | 14 | `gradient_bits_do_not_depend_on_thread_count` | identical gradient bits with 1, 2 and 3 rayon threads, single-head and batched (groups up to 4 heads) |
 //!
 //! The backward properties ([`Property::is_backward`]) run for an engine whose
-//! [`Engine::attention_backward`] returns `Some` (the batched ones for
-//! [`Engine::attention_backward_batched`]); an engine without a backward pass keeps the
-//! defaults, which return `None`, and those properties are skipped with a note, as the
-//! merge properties are for an engine without [`Engine::attention_split`].
+//! [`Engine::backward`] returns `Some` for a head call (the batched ones for a batched
+//! call); an engine without a backward pass keeps the default, which returns `None`, and
+//! those properties are skipped with a note, as the merge properties are for an engine
+//! whose [`Engine::forward`] returns `None` for a split plan.
 //!
 //! Hostile inputs have their own module, [`hostile`]: generators of shapes up to `usize::MAX`
 //! (broadcast views), every stride sign, options and values at their extremes, and the checks
@@ -125,11 +121,12 @@ pub mod user_mods;
 pub use case::{
     AdditiveRecipe, AlibiRecipe, BACKWARD_MODIFIERS, BatchCase, BatchInputs, Bias, BoolRecipe,
     BuiltMasks, HeadCase, HeadInputs, HeadSlot, KeyPattern, MaskRecipe, ModRecipe, OwnedTensor,
-    Shapes, Sinks, Slopes, TensorLayout, Values, adversarial_case, batch_case, edge_lengths,
+    Rng, Shapes, Sinks, Slopes, TensorLayout, Values, adversarial_case, batch_case, edge_lengths,
     head_case, head_case_with, length, masks, modifiers, width,
 };
 pub use engine::{
-    BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan, ReferenceEngine,
+    BatchGradients, Call, Compute, Dtype, Engine, ErrorModel, Gradients, Grads, MergePlan,
+    Operands, Output, ReferenceEngine, Saved, View, edge_magnitude,
 };
 pub use properties::{
     BatchGradCase, Defect, GradCase, KeyHider, Mask4Case, Mask4Recipe, PackedCase, RowHider,
