@@ -1,4 +1,4 @@
-//! The streaming backward pass through the score modifiers (issue 16) against the f64
+//! The streaming backward pass through the score modifiers against the f64
 //! reference backward, and the identities that must hold bit for bit.
 //!
 //! The output and LSE the backward pass starts from are the reference forward's (rounded

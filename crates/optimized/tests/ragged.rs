@@ -1,4 +1,4 @@
-//! Issue 17 beyond the oracle's properties: masks per batch entry and head in the KV
+//! Ragged batches beyond the oracle's properties: masks per batch entry and head in the KV
 //! cache, the typed errors of 4-D masks and packed calls, the `_into` forms of packed
 //! calls in other layouts and types, and packed bits independent of the thread count.
 

@@ -1,4 +1,4 @@
-//! The robustness suite (issue 13): generated hostile inputs at every public entry point
+//! The robustness suite: generated hostile inputs at every public entry point
 //! of attn-optimized, held to the amended contract by `attn_oracle::hostile`.
 //!
 //! What it drives: the call value `Attention` — built by `head`, `keys_of`, `batched`

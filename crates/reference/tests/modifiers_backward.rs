@@ -1,4 +1,4 @@
-//! The reference's backward pass through the score modifiers (issue 16) against central
+//! The reference's backward pass through the score modifiers against central
 //! finite differences of its own f64 forward.
 //!
 //! For a fixed upstream gradient `dO`, `L = Σ dO·O` has `∂L/∂X = dX` for `X ∈ {Q, K, V}`

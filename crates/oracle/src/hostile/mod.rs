@@ -1,4 +1,4 @@
-//! Hostile inputs and the contract every call must keep on them (issue 13): generators of
+//! Hostile inputs and the contract every call must keep on them: generators of
 //! shapes, strides, options and values at their extremes, and the checks of what a call
 //! returns, for any engine.
 //!
@@ -21,7 +21,7 @@
 //!
 //! # The amended contract these checks hold engines to
 //!
-//! Issue 13 amends the contract (`docs/conventions.md`, "Hidden keys", "Scores beyond f32",
+//! The contract is amended for hostile inputs (`docs/conventions.md`, "Hidden keys", "Scores beyond f32",
 //! "Non-finite inputs", "Errors"); the checks follow the amendment:
 //!
 //! - a key hidden by structure (causal, window, key length) or by an additive `-inf` is

@@ -1,4 +1,4 @@
-//! The properties of the backward pass (issue 14), for engines whose
+//! The properties of the backward pass, for engines whose
 //! [`Engine::backward`] of a head call (and, for the batched ones, of a batched call)
 //! returns `Some`: gradients within the derived bound of the f64 reference, the zero row
 //! sums of the score gradient, hidden keys and empty rows exactly 0, grouped-query

@@ -1,4 +1,4 @@
-//! The properties of the score modifiers (issue 16), forward pass: a soft-cap bounds the
+//! The properties of the score modifiers, forward pass: a soft-cap bounds the
 //! scores; a zero ALiBi slope and a `-inf` sink are exactly nothing; a sink takes its share
 //! `p_sink = exp(σ − LSE)` of every row, and a row that sees nothing has output 0 and LSE
 //! `σ`; a user score modifier re-implementing the soft-cap and a user mask re-implementing

@@ -1,4 +1,4 @@
-//! The properties of packed batches of sequences of different lengths (varlen, issue 17):
+//! The properties of packed batches of sequences of different lengths (varlen):
 //! a packed call equals each sequence computed on its own — within the derived bound of
 //! the reference always, and bit for bit when every sequence has the same shape (the
 //! tiles of a packed call and of a call on one of its sequences then coincide) — for

@@ -1,4 +1,4 @@
-//! The properties of masks that differ per batch entry and head (issue 17): `[B, H, n_q,
+//! The properties of masks that differ per batch entry and head: `[B, H, n_q,
 //! n_k]` views broadcast along every subset of their axes (by a stride of 0 or a length
 //! of 1, key- or query-contiguous) give each head the mask its explicit `[n_q, n_k]`
 //! matrix gives a single-head reference call, forward and backward; a 4-D view broadcast
