@@ -1,4 +1,4 @@
-//! Issue 14's backward targets: 8 heads, n = 4096, d = 64, 2 threads. Times the optimized
+//! The backward pass's targets: 8 heads, n = 4096, d = 64, 2 threads. Times the optimized
 //! backward pass (f32, f16, bf16; non-causal and top-left causal), the forward (for its own
 //! roof fraction, and forward + backward), and faer's 2048³ GEMM with criterion, then
 //! measures the ratios the targets are stated in:

@@ -1,4 +1,4 @@
-//! Issue 5's and 6's decoding targets, 2 threads: one query per head against a long cache.
+//! The decoding targets (bandwidth, half precision, scaling), 2 threads: one query per head against a long cache.
 //!
 //! - bandwidth: 32 heads, n_k = 32768, d = 128, f32; the K + V bytes the engine reads per
 //!   second over those of a plain parallel sum over a buffer of the same size (the roof);

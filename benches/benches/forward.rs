@@ -1,4 +1,4 @@
-//! Issue 3's and 5's prefill targets: 8 heads, n = 4096, d = 64, 2 threads. Times the
+//! The prefill targets (the GEMM's rate, half precision): 8 heads, n = 4096, d = 64, 2 threads. Times the
 //! optimized engine (f32, f16, bf16; non-causal and top-left causal), the materialised
 //! baseline and faer's 2048³ GEMM with criterion, then measures the ratios that the targets
 //! are stated in:
@@ -24,7 +24,7 @@ use attn_benches::roof::{GemmRoof, pool};
 use attn_benches::runner::{Buffers, case_options, run_engine};
 use criterion::{Criterion, Throughput};
 
-/// The problem of issue 3, or a toy one in test mode.
+/// The prefill problem of the targets, or a toy one in test mode.
 struct Setup {
     heads: usize,
     n: usize,

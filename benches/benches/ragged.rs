@@ -1,4 +1,4 @@
-//! Issue 17's targets, 2 threads, f32, d = 64:
+//! The targets of per-head masks and packed batches, 2 threads, f32, d = 64:
 //!
 //! - a boolean mask per head (`[1, 8, n, n]`, [`BoolMask4`]) costs at most 10 % over one
 //!   shared `[n, n]` mask ([`BoolMask`]) at 8 heads, n = 4096, with the same density;

@@ -220,7 +220,10 @@ impl fmt::Display for Engine {
 /// machine usable and the case short.
 pub const SCORE_MEMORY_BUDGET: usize = 512 << 20;
 
-/// The storage type of Q, K, V and O.
+/// The storage type of Q, K, V and O, in the report's vocabulary (serialised by name).
+/// It mirrors `attn_core::Dtype` (the same names, in the same order: a
+/// test holds them equal) rather than using it because the catalog is built without the engines: the report driver
+/// (xtask) compiles neither attn-core nor faer.
 ///
 /// ```
 /// use attn_benches::catalog::Dtype;
@@ -338,4 +341,19 @@ pub fn backward_flops(heads: usize, n_q: usize, n_k: usize, d: usize, causal: bo
 /// ```
 pub fn kv_bytes(heads: usize, n_k: usize, d: usize, dtype: Dtype) -> f64 {
     heads as f64 * n_k as f64 * d as f64 * 2.0 * dtype.bytes() as f64
+}
+
+#[cfg(all(test, feature = "engines"))]
+mod tests {
+    use super::Dtype;
+
+    #[test]
+    fn the_report_names_the_types_as_attn_core_does() {
+        let ours: Vec<(&str, usize)> = Dtype::ALL.iter().map(|d| (d.name(), d.bytes())).collect();
+        let core: Vec<(&str, usize)> = attn_core::Dtype::ALL
+            .iter()
+            .map(|d| (d.name(), d.bytes()))
+            .collect();
+        assert_eq!(ours, core);
+    }
 }

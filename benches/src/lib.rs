@@ -25,6 +25,7 @@
 //!     .fold(0.0f32, f32::max);
 //! assert!(worst < 1e-5);
 //! ```
+#![forbid(unsafe_code)]
 
 pub mod catalog;
 pub mod memory;

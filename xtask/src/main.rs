@@ -15,6 +15,7 @@
 //!
 //! This binary is built in debug by the alias, so it never times anything itself: it builds
 //! the `attn-bench-runner` binary of `attn-benches` in release and runs it once per case.
+#![forbid(unsafe_code)]
 
 mod child;
 mod cli;

@@ -10,9 +10,8 @@
 //!    and the command runs as root), printing what it does; without apt-get, or not as
 //!    root, it fails and names the packages to install;
 //! 2. `cargo`: `cargo test --workspace` (every crate's tests, doctests and properties, and
-//!    tidy), then the oracle's conformance suite (`attn-oracle`'s `engines`) once more on each
-//!    other kernel path this CPU supports (`ATTN_ISA=avx2` and `baseline` on an AVX-512
-//!    machine, `baseline` on an AVX2 one);
+//!    tidy; attn-optimized's conformance suite runs itself again on each other kernel path
+//!    this CPU supports, `ATTN_ISA=avx2` and `baseline` on an AVX-512 machine);
 //! 3. `python`: the extension module `attn` (crates/python) and its pytest suite, torch
 //!    and `transformers` included. The step creates a virtualenv under the target directory
 //!    (`target/python-venv`) with the interpreter given by `--python`, `$PYTHON` or
@@ -97,7 +96,7 @@ impl Step {
     fn about(self) -> &'static str {
         match self {
             Step::Setup => "system packages: MPI (mpicc, mpirun) and libclang, apt-get if missing",
-            Step::Cargo => "cargo test --workspace, then the oracle on each other kernel path",
+            Step::Cargo => "cargo test --workspace (the conformance suite on every kernel path)",
             Step::Python => "the Python extension (crates/python): virtualenv, maturin, pytest",
             Step::Mpi => "the ring's MPI tests (attn-ring) under mpirun with 1, 2, 3 and 4 ranks",
         }
@@ -199,29 +198,7 @@ fn cargo_tests(ctx: &Context<'_>) -> Result<(), String> {
             .current_dir(&ctx.root)
             .args(["test", "--workspace"]),
         "cargo test --workspace",
-    )?;
-    // The run above took the CPU's best kernel path; the oracle's conformance suite runs
-    // again on every other path this CPU has, forced through ATTN_ISA.
-    for isa in other_kernel_paths() {
-        println!("xtask test: the oracle on the {} kernel path", isa.name());
-        checked(
-            Command::new(cargo())
-                .current_dir(&ctx.root)
-                .env(attn_core::ISA_VARIABLE, isa.name())
-                .args(["test", "-p", "attn-oracle", "--test", "engines"]),
-            &format!("the oracle on the {} path", isa.name()),
-        )?;
-    }
-    Ok(())
-}
-
-/// The kernel paths this CPU supports besides its best (which the whole suite ran on).
-fn other_kernel_paths() -> Vec<attn_core::Isa> {
-    let best = attn_core::Isa::detected();
-    attn_core::Isa::supported()
-        .into_iter()
-        .filter(|isa| *isa != best)
-        .collect()
+    )
 }
 
 /// The ranks the `mpi` step runs the ring's tests with.
@@ -606,15 +583,6 @@ mod tests {
             let value = step.to_possible_value().expect("every step is a value");
             assert_eq!(value.get_name(), step.name());
         }
-    }
-
-    #[test]
-    fn the_oracle_reruns_on_every_other_path_of_this_cpu() {
-        let others = other_kernel_paths();
-        assert!(!others.contains(&attn_core::Isa::detected()));
-        assert_eq!(others.len() + 1, attn_core::Isa::supported().len());
-        let best = attn_core::Isa::detected();
-        assert!(best == attn_core::Isa::Baseline || others.contains(&attn_core::Isa::Baseline));
     }
 
     #[test]
