@@ -2527,10 +2527,10 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
                  extra: Option<Rejection>,
                  got: Result<[Mat<f32>; 3], attn_core::Error>| {
         let mut want = expect_head_backward(
+            gf,
             qf,
             kf,
             vf,
-            gf,
             of,
             &lse,
             &opts,
@@ -2557,10 +2557,10 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
     // A valid problem too large to run is skipped (the generators keep it rare).
     if matches!(
         expect_head_backward(
+            gf,
             qf,
             kf,
             vf,
-            gf,
             of,
             &lse,
             &opts,
@@ -2822,10 +2822,10 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
         tview(&out, out_dims, bhsd(out_dims)),
     );
     let want = expect_batched_backward(
+        grad_dims,
         qf.dims(),
         kf.dims(),
         vf.dims(),
-        grad_dims,
         out_dims,
         lse.len(),
         &opts,
@@ -3007,10 +3007,10 @@ fn huge_backward_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
     let lse = vec![0.0f32; n_q.min(8)];
     let opts = inputs.options();
     let want = expect_head_backward(
+        of,
         qf,
         kf,
         vf,
-        of,
         of,
         &lse,
         &opts,

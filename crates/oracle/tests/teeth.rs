@@ -276,10 +276,10 @@ impl Toy {
     #[allow(clippy::too_many_arguments)]
     fn head_backward(
         &self,
+        grad_out: MatRef<'_, f32>,
         q: MatRef<'_, f32>,
         k: MatRef<'_, f32>,
         v: MatRef<'_, f32>,
-        grad_out: MatRef<'_, f32>,
         out: MatRef<'_, f32>,
         lse: &[f32],
         options: &Options<'_>,
@@ -422,12 +422,12 @@ impl Engine for Toy {
                 let run = || {
                     validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
                     let key_length = options.key_length(0);
-                    self.head_backward(q, k, v, grad_out, out, lse, options, key_length)
+                    self.head_backward(grad_out, q, k, v, out, lse, options, key_length)
                 };
                 Some(run().map(Grads::Head))
             }
             (Operands::Batched([q, k, v]), View::Batch(grad_out), View::Batch(out)) => Some(
-                self.backward_batched(q, k, v, grad_out, out, lse, options)
+                self.backward_batched(grad_out, q, k, v, out, lse, options)
                     .map(Grads::Batch),
             ),
             _ => None,
@@ -482,10 +482,10 @@ impl Toy {
     #[allow(clippy::too_many_arguments)]
     fn backward_batched(
         &self,
+        grad_out: Tensor4Ref<'_, f32>,
         q: Tensor4Ref<'_, f32>,
         k: Tensor4Ref<'_, f32>,
         v: Tensor4Ref<'_, f32>,
-        grad_out: Tensor4Ref<'_, f32>,
         out: Tensor4Ref<'_, f32>,
         lse: &[f32],
         options: &Options<'_>,
@@ -503,10 +503,10 @@ impl Toy {
                 let at = (b * shape.h_q + h) * n_q;
                 let single = head_options(self.0, options, (b, h), n_q, n_k)?;
                 let g = self.head_backward(
+                    grad_out.head(b, h)?,
                     q.head(b, h)?,
                     k.head(b, kv)?,
                     v.head(b, kv)?,
-                    grad_out.head(b, h)?,
                     out.head(b, h)?,
                     &lse[at..at + n_q],
                     &single,

@@ -138,9 +138,9 @@ pub(super) fn gradient_allocations(
     }
 }
 
-/// The contract's answer for one head's backward call: `q : [n_q, d_k]`, `k : [n_k, d_k]`,
-/// `v : [n_k, d_v]`, the upstream gradient `grad_out`, the forward's `out` and `lse` as
-/// given (all widened to f32), under `options`, for an entry point that allocates its
+/// The contract's answer for one head's backward call, its arguments in the engines'
+/// order: the upstream gradient `grad_out`, `q : [n_q, d_k]`, `k : [n_k, d_k]`,
+/// `v : [n_k, d_v]`, the forward's `out` and `lse` as given (all widened to f32), under `options`, for an entry point that allocates its
 /// gradients or not (`allocates`).
 ///
 /// `forward_given`: `out` and `lse` are the engine's own forward result on these inputs.
@@ -149,10 +149,10 @@ pub(super) fn gradient_allocations(
 /// and `lse`) only the rows that see nothing are promised (exactly 0).
 #[allow(clippy::too_many_arguments)]
 pub fn expect_head_backward(
+    grad_out: MatRef<'_, f32>,
     q: MatRef<'_, f32>,
     k: MatRef<'_, f32>,
     v: MatRef<'_, f32>,
-    grad_out: MatRef<'_, f32>,
     out: MatRef<'_, f32>,
     lse: &[f32],
     options: &Options<'_>,
@@ -399,16 +399,17 @@ pub fn check_head_backward(
     }
 }
 
-/// Validates a batched backward call by the contract's rules: the forward's rules
+/// Validates a batched backward call by the contract's rules (its dims in the engines'
+/// argument order: `grad_out`, Q, K, V, `out`): the forward's rules
 /// ([`expect_batched`]), `grad_out` and `out` of dims `[batch, h_q, n_q, d_v]`,
 /// `lse_len = batch·h_q·n_q`, and, for an entry point that allocates its gradients
 /// (`allocates`), dQ, dK, dV of the operands' dims that fit.
 #[allow(clippy::too_many_arguments)]
 pub fn expect_batched_backward(
+    grad_out: [usize; 4],
     q: [usize; 4],
     k: [usize; 4],
     v: [usize; 4],
-    grad_out: [usize; 4],
     out: [usize; 4],
     lse_len: usize,
     options: &Options<'_>,
@@ -538,10 +539,10 @@ pub fn check_batched_backward(
                 let (qh, kh, vh) = (head_of(q, bi, h), head_of(k, bi, kv), head_of(v, bi, kv));
                 let (doh, oh) = (head_of(grad_out, bi, h), head_of(out, bi, h));
                 let mut want = expect_head_backward(
+                    doh,
                     qh,
                     kh,
                     vh,
-                    doh,
                     oh,
                     &lse[row..row + n_q],
                     &opts,
