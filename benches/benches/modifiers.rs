@@ -1,4 +1,4 @@
-//! Issue 16's targets, 2 threads, 8 heads, n = 4096, d = 64, f32:
+//! The score modifiers' targets, 2 threads, 8 heads, n = 4096, d = 64, f32:
 //!
 //! - soft-capping ([`SoftCap`]) costs at most 15 % over plain attention, ALiBi ([`Alibi`])
 //!   at most 5 %, a sink logit per head at most 2 % (no mask; the same three with the

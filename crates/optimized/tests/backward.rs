@@ -2,10 +2,13 @@
 //! and the properties of its schedule: bits independent of the thread count, gradients
 //! written in place into any view and element type, typed errors for every operand.
 
+mod common;
+
 use attn_core::{
-    BoolMask, Causal, Layout, Options, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
+    BoolMask, Causal, Gradients, Layout, Options, SlidingWindow, Tensor4, Tensor4Mut, Tensor4Ref,
 };
-use attn_optimized::attention_backward;
+use attn_optimized::{Element, attention_backward};
+use common::in_pool;
 use faer::{Mat, MatRef};
 use half::{bf16, f16};
 
@@ -17,6 +20,31 @@ fn pseudo(n: usize, d: usize, seed: u64) -> Mat<f32> {
         x ^= x << 17;
         ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     })
+}
+
+/// The call value's forward pass of one head: its output and LSE.
+fn forward<T: Element>(
+    q: &Mat<T>,
+    k: &Mat<T>,
+    v: &Mat<T>,
+    opts: &Options<'_>,
+) -> (Mat<T>, Vec<f32>) {
+    attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
+        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
+        .map(|f| f.into_parts())
+        .unwrap()
+}
+
+/// The free `attention_backward` of one head, on a forward's output and LSE.
+fn backward<T: Element>(
+    d_out: &Mat<T>,
+    [q, k, v]: [&Mat<T>; 3],
+    out: &Mat<T>,
+    lse: &[f32],
+    opts: &Options<'_>,
+) -> Gradients<T> {
+    let (q, k, v) = (q.as_ref(), k.as_ref(), v.as_ref());
+    attention_backward(d_out.as_ref(), q, k, v, out.as_ref(), lse, opts).unwrap()
 }
 
 fn max_rel(got: MatRef<'_, f32>, want: MatRef<'_, f32>) -> f32 {
@@ -37,20 +65,8 @@ fn check_head(n_q: usize, n_k: usize, d_k: usize, d_v: usize, options: &Options<
         pseudo(n_k, d_v, 3),
     );
     let d_out = pseudo(n_q, d_v, 4);
-    let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), options)
-        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-        .map(|f| f.into_parts())
-        .unwrap();
-    let got = attention_backward(
-        d_out.as_ref(),
-        q.as_ref(),
-        k.as_ref(),
-        v.as_ref(),
-        out.as_ref(),
-        &lse,
-        options,
-    )
-    .unwrap();
+    let (out, lse) = forward(&q, &k, &v, options);
+    let got = backward(&d_out, [&q, &k, &v], &out, &lse, options);
     let want = attn_reference::attention_backward(
         d_out.as_ref(),
         q.as_ref(),
@@ -190,14 +206,6 @@ fn batched_gqa_matches_the_reference_in_both_layouts() {
     }
 }
 
-fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-        .install(f)
-}
-
 #[test]
 fn bits_do_not_depend_on_the_thread_count() {
     // One head and one group: the key blocks are dealt to several chunks whose dQ
@@ -268,10 +276,7 @@ fn half_storage_and_mixed_precision_gradients() {
             round::<T>(v),
             round::<T>(d_out),
         );
-        let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
-            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-            .map(|f| f.into_parts())
-            .unwrap();
+        let (out, lse) = forward(&q, &k, &v, opts);
         let w = |m: &Mat<T>| wide(m);
         let want = attn_reference::attention_backward(
             w(&d_out).as_ref(),
@@ -304,16 +309,7 @@ fn half_storage_and_mixed_precision_gradients() {
             })
             .unwrap();
         // ... and half gradients, which are the f32 ones rounded once.
-        let g = attention_backward(
-            d_out.as_ref(),
-            q.as_ref(),
-            k.as_ref(),
-            v.as_ref(),
-            out.as_ref(),
-            &lse,
-            opts,
-        )
-        .unwrap();
+        let g = backward(&d_out, [&q, &k, &v], &out, &lse, opts);
         for (name, f, h, w) in [
             ("dq", &dq, &g.dq, &want.dq),
             ("dk", &dk, &g.dk, &want.dk),
@@ -345,23 +341,11 @@ fn non_finite_rows_reach_only_the_keys_they_see() {
         pseudo(n, d, 44),
     );
     let opts = Options::default().with_causal(Causal::TopLeft);
-    let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-        .map(|f| f.into_parts())
-        .unwrap();
+    let (out, lse) = forward(&q, &k, &v, &opts);
     q[(0, 3)] = f32::NAN;
     d_out[(0, 1)] = f32::NAN;
     k[(5, 2)] = f32::INFINITY;
-    let g = attention_backward(
-        d_out.as_ref(),
-        q.as_ref(),
-        k.as_ref(),
-        v.as_ref(),
-        out.as_ref(),
-        &lse,
-        &opts,
-    )
-    .unwrap();
+    let g = backward(&d_out, [&q, &k, &v], &out, &lse, &opts);
     for j in 1..n {
         if j == 5 {
             continue;
@@ -389,20 +373,8 @@ fn empty_and_fully_masked_shapes_are_defined() {
             pseudo(n_k, d_v, 3),
             pseudo(n_q, d_v, 4),
         );
-        let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-            .map(|f| f.into_parts())
-            .unwrap();
-        let g = attention_backward(
-            d_out.as_ref(),
-            q.as_ref(),
-            k.as_ref(),
-            v.as_ref(),
-            out.as_ref(),
-            &lse,
-            &opts,
-        )
-        .unwrap();
+        let (out, lse) = forward(&q, &k, &v, &opts);
+        let g = backward(&d_out, [&q, &k, &v], &out, &lse, &opts);
         assert_eq!((g.dq.nrows(), g.dk.nrows(), g.dv.ncols()), (n_q, n_k, d_v));
         let all_zero = |m: &Mat<f32>| m.col_iter().all(|c| c.iter().all(|&x| x == 0.0));
         assert!(
@@ -415,20 +387,8 @@ fn empty_and_fully_masked_shapes_are_defined() {
         .with_causal(Causal::BottomRight)
         .with_key_length(3);
     let (q, k, d_out) = (pseudo(9, 8, 5), pseudo(6, 8, 6), pseudo(9, 8, 7));
-    let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), k.as_ref(), &opts)
-        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-        .map(|f| f.into_parts())
-        .unwrap();
-    let g = attention_backward(
-        d_out.as_ref(),
-        q.as_ref(),
-        k.as_ref(),
-        k.as_ref(),
-        out.as_ref(),
-        &lse,
-        &opts,
-    )
-    .unwrap();
+    let (out, lse) = forward(&q, &k, &k, &opts);
+    let g = backward(&d_out, [&q, &k, &k], &out, &lse, &opts);
     for (i, &l) in lse.iter().enumerate() {
         assert!(g.dq.row(i).iter().all(|x| x.is_finite()));
         if l == f32::NEG_INFINITY {
@@ -443,10 +403,7 @@ fn empty_and_fully_masked_shapes_are_defined() {
 fn every_operand_is_checked() {
     let opts = Options::default();
     let (q, k, v) = (pseudo(4, 8, 1), pseudo(5, 8, 2), pseudo(5, 6, 3));
-    let (out, lse) = attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-        .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-        .map(|f| f.into_parts())
-        .unwrap();
+    let (out, lse) = forward(&q, &k, &v, &opts);
     let bad = pseudo(4, 5, 4);
     let err = |r: attn_core::Result<attn_core::Gradients<f32>>| r.unwrap_err().to_string();
     assert_eq!(

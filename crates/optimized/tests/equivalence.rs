@@ -8,7 +8,7 @@ use attn_optimized::{
 use faer::Mat;
 
 mod common;
-use common::{f32_bound as bound, max_abs};
+use common::{f32_bound as bound, in_pool, max_abs};
 
 fn mat(rows: usize, cols: usize, seed: u64, amp: f32) -> Mat<f32> {
     common::mat(rows, cols, seed, amp)
@@ -223,14 +223,6 @@ fn nan_touches_only_its_rows() {
     for i in 0..300 {
         assert_eq!(o[(i, 0)].is_nan(), i == 130, "row {i}");
     }
-}
-
-fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-        .install(f)
 }
 
 #[test]

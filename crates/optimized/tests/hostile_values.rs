@@ -1,4 +1,4 @@
-//! The contract's rules for hostile values (issue 13, items 1–7), in both engines: each
+//! The contract's rules for hostile values, in both engines: each
 //! test failed before the rule was implemented.
 //!
 //! - a window bound near `usize::MAX` means "unbounded on that side";

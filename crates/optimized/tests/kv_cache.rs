@@ -1,22 +1,13 @@
 //! Decoding through the KV cache equals one causal pass; bad appends leave it unchanged.
 
+mod common;
+
 use attn_optimized::{
     Attention, Causal, Element, Error, Growth, KvCache, Layout, Options, Par, SplitKv, Tensor4,
     Tensor4Ref,
 };
+use common::data;
 use half::f16;
-
-fn data<T: Element>(len: usize, seed: u64) -> Vec<T> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            T::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
-        })
-        .collect()
-}
 
 /// Token `t` of a `[B,S,H,D]` buffer as its own `[B, H, 1, D]` view.
 fn token<T>(buf: &[T], dims: [usize; 4], t: usize) -> Tensor4Ref<'_, T> {
@@ -27,9 +18,9 @@ fn token<T>(buf: &[T], dims: [usize; 4], t: usize) -> Tensor4Ref<'_, T> {
 fn generate_matches_one_pass<T: Element>(h_q: usize, h_kv: usize, tol: f32) {
     let (b, n, d) = (2, 300, 32);
     let (qd, kd, vd) = (
-        data::<T>(b * n * h_q * d, 1),
-        data::<T>(b * n * h_kv * d, 2),
-        data::<T>(b * n * h_kv * d, 3),
+        data::<T>(b * n * h_q * d, 1, 1.0),
+        data::<T>(b * n * h_kv * d, 2, 1.0),
+        data::<T>(b * n * h_kv * d, 3, 1.0),
     );
     let causal = Options::default().with_causal(Causal::BottomRight);
     let q = Tensor4Ref::from_layout(&qd, [b, h_q, n, d], Layout::Bshd).unwrap();
@@ -107,14 +98,14 @@ fn generating_token_by_token_equals_one_causal_pass_half() {
 #[test]
 fn ragged_batch_entries_attend_their_own_length() {
     let (h, d) = (2, 16);
-    let kd = data::<f32>(40 * h * d, 5);
+    let kd = data::<f32>(40 * h * d, 5, 1.0);
     let mut cache = KvCache::<f32>::new(2, h, 64, d, d).unwrap();
     let k =
         |n: usize| Tensor4Ref::from_layout(&kd[..n * h * d], [1, h, n, d], Layout::Bshd).unwrap();
     cache.append_to(0, k(40), k(40)).unwrap();
     cache.append_to(1, k(7), k(7)).unwrap();
     assert_eq!(cache.lens(), &[40, 7]);
-    let qd = data::<f32>(2 * h * d, 6);
+    let qd = data::<f32>(2 * h * d, 6, 1.0);
     let q = Tensor4Ref::from_layout(&qd, [2, h, 1, d], Layout::Bhsd).unwrap();
     let got = cache
         .attention(q, &Options::default().with_causal(Causal::BottomRight))
@@ -142,7 +133,7 @@ fn ragged_batch_entries_attend_their_own_length() {
 #[test]
 fn bad_appends_are_typed_errors_and_leave_the_cache_unchanged() {
     let (h, d) = (2, 8);
-    let ok = data::<f32>(3 * h * d, 1);
+    let ok = data::<f32>(3 * h * d, 1, 1.0);
     fn kv(buf: &[f32], b: usize, hh: usize, n: usize, dd: usize) -> Tensor4Ref<'_, f32> {
         Tensor4Ref::from_layout(&buf[..b * hh * n * dd], [b, hh, n, dd], Layout::Bhsd).unwrap()
     }
@@ -151,7 +142,7 @@ fn bad_appends_are_typed_errors_and_leave_the_cache_unchanged() {
         .append(kv(&ok, 1, h, 3, d), kv(&ok, 1, h, 3, d))
         .unwrap();
     let before = cache.clone();
-    let wide = data::<f32>(3 * h * (d + 1), 2);
+    let wide = data::<f32>(3 * h * (d + 1), 2, 1.0);
     let cases = [
         cache
             .clone()
@@ -205,7 +196,7 @@ fn bad_appends_are_typed_errors_and_leave_the_cache_unchanged() {
         cache.keys().head(0, 1).unwrap(),
         before.keys().head(0, 1).unwrap()
     );
-    let q = data::<f32>(3 * h * d, 3);
+    let q = data::<f32>(3 * h * d, 3, 1.0);
     assert!(matches!(
         cache
             .attention(
@@ -239,7 +230,7 @@ fn absurd_sizes_are_errors_not_aborts() {
 #[test]
 fn doubling_growth_keeps_the_tokens() {
     let (h, d) = (1, 4);
-    let buf = data::<f32>(10 * d, 9);
+    let buf = data::<f32>(10 * d, 9, 1.0);
     let mut cache = KvCache::<f32>::new(1, h, 2, d, d)
         .unwrap()
         .with_growth(Growth::Double);
@@ -258,11 +249,11 @@ fn doubling_growth_keeps_the_tokens() {
 #[test]
 fn split_kv_decode_is_deterministic_across_thread_counts() {
     let (h, n, d) = (2, 5000, 64);
-    let kd = data::<f32>(h * n * d, 4);
+    let kd = data::<f32>(h * n * d, 4, 1.0);
     let mut cache = KvCache::<f32>::new(1, h, n, d, d).unwrap();
     let kv = Tensor4Ref::from_layout(&kd, [1, h, n, d], Layout::Bhsd).unwrap();
     cache.append(kv, kv).unwrap();
-    let qd = data::<f32>(h * d, 8);
+    let qd = data::<f32>(h * d, 8, 1.0);
     let q = Tensor4Ref::from_layout(&qd, [1, h, 1, d], Layout::Bhsd).unwrap();
     let opts = Options::default().with_causal(Causal::BottomRight);
     let run = |t: usize| {
@@ -297,13 +288,16 @@ fn lse_matches_attention_over_the_cached_keys<T: Element>() {
     let (b, h_q, h_kv, cap, d) = (2, 8, 2, 700, 64);
     let lens = [700, 333];
     let mut cache = KvCache::<T>::new(b, h_kv, cap, d, d).unwrap();
-    let (kd, vd) = (data::<T>(h_kv * cap * d, 5), data::<T>(h_kv * cap * d, 6));
+    let (kd, vd) = (
+        data::<T>(h_kv * cap * d, 5, 1.0),
+        data::<T>(h_kv * cap * d, 6, 1.0),
+    );
     for (bi, &len) in lens.iter().enumerate() {
         let k = Tensor4Ref::from_layout(&kd[..h_kv * len * d], [1, h_kv, len, d], Layout::Bhsd);
         let v = Tensor4Ref::from_layout(&vd[..h_kv * len * d], [1, h_kv, len, d], Layout::Bhsd);
         cache.append_to(bi, k.unwrap(), v.unwrap()).unwrap();
     }
-    let qd = data::<T>(b * h_q * d, 7);
+    let qd = data::<T>(b * h_q * d, 7, 1.0);
     let q = Tensor4Ref::from_layout(&qd, [b, h_q, 1, d], Layout::Bhsd).unwrap();
     let opts = Options::default().with_causal(Causal::BottomRight);
     let (out, lse) = cache

@@ -3,6 +3,8 @@
 //! (prefill), the row tiles (decoding), split-KV, the KV cache and packed calls; and the
 //! identities the contract promises bit for bit.
 
+mod common;
+
 use attn_oracle::user_mods::{TopLeftMask, UserSoftCap};
 use core::ops::Range;
 
@@ -14,19 +16,8 @@ use attn_optimized::{Element, KvCache, SplitKv};
 /// The storage types both engines take.
 trait Both: Element + attn_reference::Element + Default {}
 impl<T: Element + attn_reference::Element + Default> Both for T {}
+use common::data;
 use half::{bf16, f16};
-
-fn data<T: Element>(len: usize, seed: u64, amp: f32) -> Vec<T> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            T::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp)
-        })
-        .collect()
-}
 
 /// A position- and head-dependent user modifier: `s + 0.05·h − 0.01·|i − j|·(b + 1)`.
 #[derive(Debug)]

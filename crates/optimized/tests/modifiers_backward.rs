@@ -1,4 +1,4 @@
-//! The streaming backward pass through the score modifiers (issue 16) against the f64
+//! The streaming backward pass through the score modifiers against the f64
 //! reference backward, and the identities that must hold bit for bit.
 //!
 //! The output and LSE the backward pass starts from are the reference forward's (rounded
@@ -30,6 +30,8 @@
 //! exponentials). The engine's gradients are written into f32 views (mixed precision), so
 //! no final rounding to half enters.
 
+mod common;
+
 use attn_oracle::user_mods::{TopLeftMask, UserSoftCap};
 use core::ops::Range;
 
@@ -38,6 +40,7 @@ use attn_core::{
 };
 use attn_optimized::Element;
 use attn_reference::MaterializedBackward;
+use common::data;
 use faer::{Mat, MatRef};
 use half::{bf16, f16};
 
@@ -46,19 +49,6 @@ const TANH: f64 = 4e-7;
 
 fn gamma(n: f64) -> f64 {
     n * U / (1.0 - n * U)
-}
-
-/// xorshift values in `[−amp, amp]`.
-fn values(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            amp * (((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
-        })
-        .collect()
 }
 
 /// Hides key `j` from query `i` of head `h` of entry `b` when `3i + j + b + 2h ≡ 0 mod 5`.
@@ -195,11 +185,7 @@ struct Case<'a> {
 
 /// The unit roundoff of `T`.
 fn unit<T: Element>() -> f64 {
-    match T::NAME {
-        "f16" => 1.0 / 2048.0,
-        "bf16" => 1.0 / 256.0,
-        _ => U,
-    }
+    T::DTYPE.unit_roundoff()
 }
 
 /// Runs a batched case through both engines and checks every gradient against the bound;
@@ -207,9 +193,7 @@ fn unit<T: Element>() -> f64 {
 fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -> f64 {
     let [b, h_q, h_kv, n_q, n_k, d] = c.dims;
     let (qd, kd) = ([b, h_q, n_q, d], [b, h_kv, n_k, d]);
-    let store = |n: usize, seed: u64, amp: f32| -> Vec<T> {
-        values(n, seed, amp).into_iter().map(T::from_f32).collect()
-    };
+    let store = |n: usize, seed: u64, amp: f32| -> Vec<T> { data::<T>(n, seed, amp) };
     let (qb, kb, vb, gb) = (
         store(b * h_q * n_q * d, c.seed, 2.0),
         store(b * h_kv * n_k * d, c.seed + 1, 1.0),
@@ -257,7 +241,7 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
         })
         .unwrap();
     assert_eq!(owned.dsinks, dsinks);
-    if T::NAME == "f32" {
+    if T::DTYPE == attn_core::Dtype::F32 {
         let flat = |t: &attn_core::Tensor4<T>| -> Vec<f32> {
             t.as_slice().iter().map(|x| x.to_f32()).collect()
         };
@@ -464,10 +448,10 @@ impl Call {
         Self {
             qd: [b, h_q, n_q, d],
             kd: [b, h_kv, n_k, d],
-            q: values(b * h_q * n_q * d, seed, 2.0),
-            k: values(b * h_kv * n_k * d, seed + 1, 1.0),
-            v: values(b * h_kv * n_k * d, seed + 2, 1.0),
-            g: values(b * h_q * n_q * d, seed + 3, 1.0),
+            q: data::<f32>(b * h_q * n_q * d, seed, 2.0),
+            k: data::<f32>(b * h_kv * n_k * d, seed + 1, 1.0),
+            v: data::<f32>(b * h_kv * n_k * d, seed + 2, 1.0),
+            g: data::<f32>(b * h_q * n_q * d, seed + 3, 1.0),
         }
     }
 
@@ -607,10 +591,10 @@ fn packed_gradients_are_within_the_bound_of_each_sequence() {
     let (cu_q, cu_k) = ([0, 100, 100, 230, 231], [0, 90, 130, 260, 260]);
     let seqs = CuSeqlens::new(&cu_q, &cu_k).unwrap();
     let (tq, tk) = (231, 260);
-    let q = values(tq * h_q * d, 21, 2.0);
-    let k = values(tk * h_kv * d, 22, 1.0);
-    let v = values(tk * h_kv * d, 23, 1.0);
-    let g = values(tq * h_q * d, 24, 1.0);
+    let q = data::<f32>(tq * h_q * d, 21, 2.0);
+    let k = data::<f32>(tk * h_kv * d, 22, 1.0);
+    let v = data::<f32>(tk * h_kv * d, 23, 1.0);
+    let g = data::<f32>(tq * h_q * d, 24, 1.0);
     let t = bshd;
     let opts = |mask: &'static Sparse| {
         Options::default()

@@ -1,13 +1,13 @@
-//! The robustness suite (issue 13): generated hostile inputs at every public entry point
+//! The robustness suite: generated hostile inputs at every public entry point
 //! of attn-optimized, held to the amended contract by `attn_oracle::hostile`.
 //!
-//! Entry points: `attention`, `attention_with_lse`, `attention_into`, `partial_attention`
-//! (+ `PartialState::merge`), `attention_batched`, `attention_batched_with`,
-//! `attention_batched_with_lse`, `attention_batched_into`, `PartialState::merge` on its own,
-//! `KvCache::{new, append, append_to, clear, attend, attend_with_lse, attend_with}` and
-//! `MultiHeadAttention::{forward, forward_cross, forward_train, backward}` and the backward
-//! pass (`attention_backward`, `attention_backward_into`, `attention_backward_batched`,
-//! `attention_backward_batched_into`), in f32, f16 and bf16.
+//! What it drives: the call value `Attention` — built by `head`, `keys_of`, `batched`
+//! (`split_kv` either way) — through each of its methods (`forward`, `forward_into`,
+//! `partial_state` + `PartialState::merge`, `backward`, `backward_into`, in the storage
+//! type or into f32 views), the textbook `attention` and `attention_backward`,
+//! `PartialState::merge` on its own, `KvCache::{new, append, append_to, clear}` and its
+//! `attention` calls, and `MultiHeadAttention::{forward, forward_cross, forward_train,
+//! backward}`, in f32, f16 and bf16.
 //!
 //! Every call runs under `catch_unwind` ([`returns`]): a panic fails the property with the
 //! input. Huge shapes (up to `usize::MAX` through zero-stride views) run in a child process
@@ -65,13 +65,15 @@
 //! `PROPTEST_CASES` replaces them for deep runs. Failures persist under
 //! `proptest-regressions/robustness/<property>.txt` and are replayed first.
 
+mod engine;
+
 use std::time::Duration;
 
 use attn_core::MultiHeadWeights;
 use attn_optimized::{
     Attention, BoolMask, Causal, ColMut, Element, ForwardRef, GradientsMut, Growth, KvCache,
-    MultiHeadAttention, Options, Par, PartialState, SPLIT_KEYS, SlidingWindow, SplitKv, Tensor4Mut,
-    Tensor4Ref, attention, attention_backward,
+    MultiHeadAttention, Options, Par, PartialState, SlidingWindow, SplitKv, Tensor4Mut, Tensor4Ref,
+    attention, attention_backward,
 };
 use attn_oracle::hostile::{
     BatchExpected, Expected, Fill, GradExpected, Hiding, HostileBatch, HostileConfig, HostileHead,
@@ -80,10 +82,11 @@ use attn_oracle::hostile::{
     broadcast_tensor, check_batched, check_batched_backward, check_batched_released, check_error,
     check_head, check_head_backward, check_merge, expect_batched, expect_batched_backward,
     expect_head, expect_head_backward, extreme_scales, extreme_window_side, hostile_batch,
-    hostile_head, huge_batch, huge_head, isolated, len, merge_case, product, returns, run_property,
-    scale_is_valid, structurally_visible,
+    hostile_head, huge_batch, huge_head, isolated, len, merge_case, options_of, product, returns,
+    run_property, scale_is_valid, structurally_visible,
 };
-use attn_oracle::{Compute, Dtype, ErrorModel};
+use attn_oracle::{Dtype, Rng};
+use engine::{model, tiles, widen};
 use faer::{Mat, MatRef};
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -98,25 +101,6 @@ fn config() -> HostileConfig {
 fn assert_holds(result: Result<(), String>) {
     if let Err(m) = result {
         panic!("{m}");
-    }
-}
-
-/// The streaming engine's error model (as in `tests/engine`), with output type `out`.
-fn model(out: Dtype) -> ErrorModel {
-    ErrorModel {
-        compute: Compute::F32 {
-            exp_ulps: 2.0,
-            split_keys: Some(SPLIT_KEYS),
-        },
-        output: out,
-    }
-}
-
-fn dtype_of<T: Element>() -> Dtype {
-    match T::NAME {
-        "f16" => Dtype::F16,
-        "bf16" => Dtype::Bf16,
-        _ => Dtype::F32,
     }
 }
 
@@ -140,10 +124,6 @@ macro_rules! with_dtype {
     };
 }
 
-fn widen<T: Element>(m: MatRef<'_, T>) -> Mat<f32> {
-    Mat::from_fn(m.nrows(), m.ncols(), |i, j| m[(i, j)].to_f32())
-}
-
 /// `expected` with the extra defects of the call itself (a caller's buffer of the wrong
 /// shape): the call must then fail, with any error that names one of the defects.
 fn with_defects(expected: Expected, extra: Vec<Rejection>) -> Expected {
@@ -159,20 +139,44 @@ fn with_defects(expected: Expected, extra: Vec<Rejection>) -> Expected {
     }
 }
 
-/// A small deterministic generator for the values the tests make themselves.
-struct Gen(u64);
+/// `Attention::head(..).forward`: the output and the LSE.
+fn forward_head<T: Element>(
+    q: MatRef<'_, T>,
+    k: MatRef<'_, T>,
+    v: MatRef<'_, T>,
+    opts: &Options<'_>,
+) -> Result<(Mat<T>, Vec<f32>), attn_core::Error> {
+    Attention::head(q, k, v, opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())
+}
+
+/// `Attention::batched(..).forward`: the output and the LSE.
+fn forward_batched<T: Element>(
+    q: Tensor4Ref<'_, T>,
+    k: Tensor4Ref<'_, T>,
+    v: Tensor4Ref<'_, T>,
+    opts: &Options<'_>,
+) -> Result<(attn_core::Tensor4<T>, Vec<f32>), attn_core::Error> {
+    Attention::batched(q, k, v, opts)
+        .and_then(|call| call.forward(Par::rayon(0)))
+        .map(|f| f.into_parts())
+}
+
+/// The values the tests make themselves, from the oracle's generator.
+struct Gen(Rng);
 
 impl Gen {
+    fn new(seed: u64) -> Self {
+        Gen(Rng::from_state(seed))
+    }
+
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     fn fill(&mut self, fill: Fill, dtype: Dtype) -> f32 {
-        let unit = ((self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32;
+        let unit = (self.0.unit() * 2.0 - 1.0) as f32;
         let x = match fill {
             Fill::Zero => 0.0,
             Fill::Ties => (self.next() % 5) as f32 - 2.0,
@@ -196,9 +200,10 @@ impl Gen {
 }
 
 // ---------------------------------------------------------------------------------------
-// Single head: attention, attention_with_lse, attention_into, partial_attention + merge.
+// Single head: the textbook `attention`, and `Attention::head`'s `forward`, `forward_into`;
+// `Attention::keys_of`'s `partial_state` + `PartialState::merge`.
 
-/// A defect of the caller's buffers in `attention_into`.
+/// A defect of the caller's buffers in `forward_into`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum IntoDefect {
     OutRows,
@@ -206,7 +211,7 @@ enum IntoDefect {
     LseLength,
 }
 
-/// A defect of the key range in `partial_attention`.
+/// A defect of the key range of `Attention::keys_of`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ShardDefect {
     /// The range ends past `n_k_total`.
@@ -217,18 +222,22 @@ enum ShardDefect {
     Backwards,
 }
 
-/// Which single-head entry point, and how.
+/// How a single-head case is run: the textbook function, or a method of the call value.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum HeadCall {
-    Attention,
-    WithLse,
-    Into {
+    /// The free `attention` (output only).
+    Textbook,
+    /// `Attention::head(..).forward`: output and LSE.
+    Forward,
+    /// `Attention::head(..).forward_into` a caller's views.
+    ForwardInto {
         out: View,
         lse: bool,
         f32_out: bool,
         defect: Option<IntoDefect>,
     },
-    Partial {
+    /// `Attention::keys_of(..).partial_state` of two shards, merged.
+    PartialState {
         cut_permille: u16,
         reversed: bool,
         defect: Option<ShardDefect>,
@@ -237,8 +246,8 @@ enum HeadCall {
 
 fn head_call() -> BoxedStrategy<HeadCall> {
     prop_oneof![
-        Just(HeadCall::Attention),
-        Just(HeadCall::WithLse),
+        Just(HeadCall::Textbook),
+        Just(HeadCall::Forward),
         (
             select(View::ALL.to_vec()),
             any::<bool>(),
@@ -252,7 +261,7 @@ fn head_call() -> BoxedStrategy<HeadCall> {
                 ])
             ),
         )
-            .prop_map(|(out, lse, f32_out, defect)| HeadCall::Into {
+            .prop_map(|(out, lse, f32_out, defect)| HeadCall::ForwardInto {
                 out,
                 lse,
                 f32_out,
@@ -270,7 +279,7 @@ fn head_call() -> BoxedStrategy<HeadCall> {
                 ])
             ),
         )
-            .prop_map(|(cut_permille, reversed, defect)| HeadCall::Partial {
+            .prop_map(|(cut_permille, reversed, defect)| HeadCall::PartialState {
                 cut_permille,
                 reversed,
                 defect,
@@ -289,10 +298,10 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
     let (q, k, v) = (qs.view(), ks.view(), vs.view());
     let (qf, kf, vf) = (inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref());
     let opts = inputs.options();
-    let storage = dtype_of::<T>();
+    let storage = T::DTYPE;
     let [n_q, n_k, _, d_v] = inputs.dims();
     match call {
-        HeadCall::Attention => {
+        HeadCall::Textbook => {
             let mut want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::OUTPUT, 0);
             want.release(&inputs.planted);
             if matches!(want, Expected::TooMuchWork) {
@@ -308,17 +317,13 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
             )
             .map_err(|m| format!("attention: {m}"))
         }
-        HeadCall::WithLse => {
+        HeadCall::Forward => {
             let mut want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::WITH_LSE, 0);
             want.release(&inputs.planted);
             if matches!(want, Expected::TooMuchWork) {
                 return Ok(());
             }
-            let got = returns("attention_with_lse", || {
-                Attention::head(q, k, v, &opts)
-                    .and_then(|call| call.forward(Par::rayon(0)))
-                    .map(|f| f.into_parts())
-            })?;
+            let got = returns("Attention::forward", || forward_head(q, k, v, &opts))?;
             let got = got.map(|(o, l)| (widen(o.as_ref()), l));
             check_head(
                 &want,
@@ -326,9 +331,9 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                     .map(|(o, l)| (o.as_ref(), Some(l.as_slice())))
                     .map_err(Clone::clone),
             )
-            .map_err(|m| format!("attention_with_lse: {m}"))
+            .map_err(|m| format!("Attention::forward: {m}"))
         }
-        HeadCall::Into {
+        HeadCall::ForwardInto {
             out,
             lse,
             f32_out,
@@ -360,7 +365,7 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
             let mut lse_buf = vec![f32::NAN; lse_len];
             let (written, result) = if f32_out {
                 let mut o = StoredOut::new(rows, cols, out, f32::NAN);
-                let r = returns("attention_into", || {
+                let r = returns("Attention::forward_into", || {
                     Attention::head(q, k, v, &opts).and_then(|call| {
                         call.forward_into(
                             o.view_mut(),
@@ -373,7 +378,7 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                 (o.read(|x| x), r)
             } else {
                 let mut o = StoredOut::new(rows, cols, out, T::from_f32(f32::NAN));
-                let r = returns("attention_into", || {
+                let r = returns("Attention::forward_into", || {
                     Attention::head(q, k, v, &opts).and_then(|call| {
                         call.forward_into(
                             o.view_mut(),
@@ -386,9 +391,9 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                 (o.read(T::to_f32), r)
             };
             let got = result.map(|()| (written.as_ref(), lse.then_some(lse_buf.as_slice())));
-            check_head(&want, got).map_err(|m| format!("attention_into: {m}"))
+            check_head(&want, got).map_err(|m| format!("Attention::forward_into: {m}"))
         }
-        HeadCall::Partial {
+        HeadCall::PartialState {
             cut_permille,
             reversed,
             defect,
@@ -399,8 +404,22 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                 return Ok(());
             }
             let cut = n_k * usize::from(cut_permille.min(1000)) / 1000;
+            // The shard `rows` (start, count) of K and V as the keys `keys` of `n_k`.
+            let shard = |rows: (usize, usize), keys: core::ops::Range<usize>| {
+                returns("Attention::partial_state", || {
+                    Attention::keys_of(
+                        q,
+                        k.subrows(rows.0, rows.1),
+                        v.subrows(rows.0, rows.1),
+                        keys,
+                        n_k,
+                        &opts,
+                    )
+                    .and_then(|call| call.partial_state(Par::rayon(0)))
+                })
+            };
             if let Some(d) = defect {
-                let (shard, keys) = match d {
+                let (rows, keys) = match d {
                     ShardDefect::Beyond => ((cut, n_k - cut), cut + 1..n_k + 1),
                     ShardDefect::Longer => ((0, cut), 0..cut + 1),
                     ShardDefect::Backwards => ((cut, 0), cut + 1..cut),
@@ -412,38 +431,16 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                         &["shard", "key range"],
                     )],
                 );
-                let got = returns("partial_attention", || {
-                    Attention::keys_of(
-                        q,
-                        k.subrows(shard.0, shard.1),
-                        v.subrows(shard.0, shard.1),
-                        keys,
-                        n_k,
-                        &opts,
-                    )
-                    .and_then(|call| call.partial_state(Par::rayon(0)))
-                })?;
-                return match got {
+                return match shard(rows, keys)? {
                     Ok(_) => {
-                        Err("partial_attention accepted a shard that is not its key range".into())
+                        Err("Attention::keys_of accepted a shard that is not its key range".into())
                     }
-                    Err(e) => check_error(&want, &e).map_err(|m| format!("partial_attention: {m}")),
+                    Err(e) => {
+                        check_error(&want, &e).map_err(|m| format!("Attention::partial_state: {m}"))
+                    }
                 };
             }
-            let shard = |r: core::ops::Range<usize>| {
-                returns("partial_attention", || {
-                    Attention::keys_of(
-                        q,
-                        k.subrows(r.start, r.len()),
-                        v.subrows(r.start, r.len()),
-                        r.clone(),
-                        n_k,
-                        &opts,
-                    )
-                    .and_then(|call| call.partial_state(Par::rayon(0)))
-                })
-            };
-            let (a, b) = (shard(0..cut)?, shard(cut..n_k)?);
+            let (a, b) = (shard((0, cut), 0..cut)?, shard((cut, n_k - cut), cut..n_k)?);
             let merged = match (a, b) {
                 (Ok(a), Ok(b)) => {
                     let m = returns("PartialState::merge", || {
@@ -453,13 +450,29 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
                 }
                 (Err(e), _) | (_, Err(e)) => {
                     return check_head(&want, Err(e))
-                        .map_err(|m| format!("partial_attention: {m}"));
+                        .map_err(|m| format!("Attention::partial_state: {m}"));
                 }
             };
             check_head(&want, Ok((merged.output(), Some(merged.lse()))))
-                .map_err(|m| format!("partial_attention + merge (cut at {cut}): {m}"))
+                .map_err(|m| format!("Attention::partial_state + merge (cut at {cut}): {m}"))
         }
     }
+}
+
+/// One `#[test]` per profile: `$run(name, profile, cases)`.
+macro_rules! profile_tests {
+    (
+        $run:ident:
+        $($(#[$doc:meta])* $test:ident: $name:literal, $profile:expr, $cases:literal;)*
+    ) => {
+        $(
+            $(#[$doc])*
+            #[test]
+            fn $test() {
+                $run($name, $profile, $cases);
+            }
+        )*
+    };
 }
 
 fn single_head_property(name: &str, profile: Profile, cases: u32) {
@@ -467,71 +480,32 @@ fn single_head_property(name: &str, profile: Profile, cases: u32) {
         name,
         &config(),
         cases,
-        (hostile_head(profile), head_call()),
+        (hostile_head(profile, &tiles()), head_call()),
         |(case, call)| run_head_case(case, *call),
     ));
 }
 
-#[test]
-fn single_head_moderate_inputs_match_the_reference() {
-    single_head_property("single_head_moderate", Profile::Moderate, 1536);
-}
-
-#[test]
-fn nan_at_a_structurally_hidden_key_reaches_no_row() {
-    single_head_property(
-        "single_head_poison_structural",
-        Profile::Poison(Hiding::Structural),
-        1536,
-    );
-}
-
-#[test]
-fn nan_at_a_key_hidden_by_neg_inf_bias_reaches_no_row() {
-    single_head_property(
-        "single_head_poison_neg_inf_bias",
-        Profile::Poison(Hiding::NegInfBias),
-        1536,
-    );
-}
-
-#[test]
-fn nan_at_a_key_hidden_by_a_boolean_mask_reaches_no_row() {
-    single_head_property(
-        "single_head_poison_bool_mask",
-        Profile::Poison(Hiding::BoolMask),
-        1536,
-    );
-}
-
-#[test]
-fn extreme_finite_biases_stay_finite() {
-    single_head_property("single_head_extreme_bias", Profile::ExtremeBias, 1024);
-}
-
-#[test]
-fn extreme_finite_queries_and_keys_stay_finite() {
-    single_head_property("single_head_extreme_qk", Profile::ExtremeQk, 1024);
-}
-
-#[test]
-fn extreme_finite_values_stay_finite() {
-    single_head_property("single_head_extreme_v", Profile::ExtremeV, 1024);
-}
-
-#[test]
-fn window_bounds_and_key_lengths_at_the_extremes() {
-    single_head_property("single_head_windows", Profile::Windows, 1536);
-}
-
-#[test]
-fn scales_at_the_extremes_are_honoured_or_invalid_scale() {
-    single_head_property("single_head_scales", Profile::Scales, 1024);
-}
-
-#[test]
-fn anything_at_all_returns_and_keeps_the_contract() {
-    single_head_property("single_head_anything", Profile::Anything, 1536);
+profile_tests! { single_head_property:
+    single_head_moderate_inputs_match_the_reference:
+        "single_head_moderate", Profile::Moderate, 1536;
+    nan_at_a_structurally_hidden_key_reaches_no_row:
+        "single_head_poison_structural", Profile::Poison(Hiding::Structural), 1536;
+    nan_at_a_key_hidden_by_neg_inf_bias_reaches_no_row:
+        "single_head_poison_neg_inf_bias", Profile::Poison(Hiding::NegInfBias), 1536;
+    nan_at_a_key_hidden_by_a_boolean_mask_reaches_no_row:
+        "single_head_poison_bool_mask", Profile::Poison(Hiding::BoolMask), 1536;
+    extreme_finite_biases_stay_finite:
+        "single_head_extreme_bias", Profile::ExtremeBias, 1024;
+    extreme_finite_queries_and_keys_stay_finite:
+        "single_head_extreme_qk", Profile::ExtremeQk, 1024;
+    extreme_finite_values_stay_finite:
+        "single_head_extreme_v", Profile::ExtremeV, 1024;
+    window_bounds_and_key_lengths_at_the_extremes:
+        "single_head_windows", Profile::Windows, 1536;
+    scales_at_the_extremes_are_honoured_or_invalid_scale:
+        "single_head_scales", Profile::Scales, 1024;
+    anything_at_all_returns_and_keeps_the_contract:
+        "single_head_anything", Profile::Anything, 1536;
 }
 
 /// Item 1 of the issue, named: a window bound of `usize::MAX` on one side is no bound, so
@@ -552,7 +526,7 @@ fn unbounded_window_sides_act_as_no_bound() {
             any::<u64>(),
         ),
         |&(n_q, n_k, d, side, align, left, seed)| {
-            let mut g = Gen(seed);
+            let mut g = Gen::new(seed);
             let q = g.mat(n_q, d, Fill::Unit, Dtype::F32);
             let kv = g.mat(n_k, d, Fill::Unit, Dtype::F32);
             let w = if left {
@@ -570,10 +544,8 @@ fn unbounded_window_sides_act_as_no_bound() {
                 Outputs::WITH_LSE,
                 0,
             );
-            let got = returns("attention_with_lse", || {
-                Attention::head(q.as_ref(), kv.as_ref(), kv.as_ref(), &opts)
-                    .and_then(|call| call.forward(Par::rayon(0)))
-                    .map(|f| f.into_parts())
+            let got = returns("Attention::forward", || {
+                forward_head(q.as_ref(), kv.as_ref(), kv.as_ref(), &opts)
             })?;
             check_head(
                 &want,
@@ -596,9 +568,9 @@ fn hidden_poison_changes_no_other_row_bit_for_bit() {
         &config(),
         1536,
         prop_oneof![
-            hostile_head(Profile::Poison(Hiding::Structural)),
-            hostile_head(Profile::Poison(Hiding::NegInfBias)),
-            hostile_head(Profile::Poison(Hiding::BoolMask)),
+            hostile_head(Profile::Poison(Hiding::Structural), &tiles()),
+            hostile_head(Profile::Poison(Hiding::NegInfBias), &tiles()),
+            hostile_head(Profile::Poison(Hiding::BoolMask), &tiles()),
         ],
         |case| with_dtype!(case.dtype, T => same_bits::<T>(case)),
     ));
@@ -621,10 +593,8 @@ fn same_bits<T: Element>(case: &HostileHead) -> Result<(), String> {
     let run = |inputs: &HostileInputs| {
         let [qs, ks, vs] = inputs.stored(T::from_f32);
         let opts = inputs.options();
-        returns("attention_with_lse", || {
-            Attention::head(qs.view(), ks.view(), vs.view(), &opts)
-                .and_then(|call| call.forward(Par::rayon(0)))
-                .map(|f| f.into_parts())
+        returns("Attention::forward", || {
+            forward_head(qs.view(), ks.view(), vs.view(), &opts)
         })
     };
     let (a, b) = (run(&poisoned)?, run(&clean)?);
@@ -640,7 +610,7 @@ fn same_bits<T: Element>(case: &HostileHead) -> Result<(), String> {
         poisoned.k.as_ref(),
         poisoned.v.as_ref(),
         &poisoned.options(),
-        &model(dtype_of::<T>()),
+        &model(T::DTYPE),
         Outputs::WITH_LSE,
         0,
     );
@@ -678,13 +648,14 @@ fn same_bits<T: Element>(case: &HostileHead) -> Result<(), String> {
 // ---------------------------------------------------------------------------------------
 // Batched.
 
-/// Which batched entry point.
+/// Which method of `Attention::batched`'s call, and how.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum BatchCall {
-    Owned,
-    With(bool),
-    WithLse,
-    Into {
+    /// `forward`, with this split-KV policy (`None`: the call's default); the LSE checked
+    /// or not.
+    Forward { split: Option<SplitKv>, lse: bool },
+    /// `forward_into` a caller's view.
+    ForwardInto {
         layout: TensorView,
         f32_out: bool,
         defect: bool,
@@ -693,15 +664,17 @@ enum BatchCall {
 
 fn batch_call() -> BoxedStrategy<BatchCall> {
     prop_oneof![
-        Just(BatchCall::Owned),
-        any::<bool>().prop_map(BatchCall::With),
-        Just(BatchCall::WithLse),
+        (
+            select(vec![None, Some(SplitKv::Auto), Some(SplitKv::Never)]),
+            any::<bool>(),
+        )
+            .prop_map(|(split, lse)| BatchCall::Forward { split, lse }),
         (
             select(vec![TensorView::Bhsd, TensorView::Bshd, TensorView::Padded]),
             any::<bool>(),
             proptest::bool::weighted(0.1),
         )
-            .prop_map(|(layout, f32_out, defect)| BatchCall::Into {
+            .prop_map(|(layout, f32_out, defect)| BatchCall::ForwardInto {
                 layout,
                 f32_out,
                 defect,
@@ -746,11 +719,11 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
         tview(&kd, inputs.k.dims, inputs.k.strides),
         tview(&vd, inputs.v.dims, inputs.v.strides),
     );
-    let storage = dtype_of::<T>();
+    let storage = T::DTYPE;
     let outputs = match call {
-        BatchCall::WithLse => Outputs::WITH_LSE,
-        BatchCall::Into { .. } => Outputs::NONE,
-        _ => Outputs::OUTPUT,
+        BatchCall::Forward { lse: true, .. } => Outputs::WITH_LSE,
+        BatchCall::Forward { lse: false, .. } => Outputs::OUTPUT,
+        BatchCall::ForwardInto { .. } => Outputs::NONE,
     };
     let want = expect_batched(qf.dims(), kf.dims(), vf.dims(), &opts, outputs);
     if matches!(want, BatchExpected::TooMuchWork) {
@@ -780,44 +753,23 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
             .map_err(|m| format!("{name}: {m}"))
         };
     match call {
-        BatchCall::Owned => {
-            let got = returns("attention_batched", || {
+        BatchCall::Forward { split, lse } => {
+            let got = returns("Attention::forward", || {
                 Attention::batched(q, k, v, &opts)
-                    .and_then(|call| call.forward(Par::rayon(0)))
-                    .map(|f| f.into_output())
-            })?;
-            check(
-                "attention_batched",
-                storage,
-                got.map(|t| (widen_t(t), None)),
-            )
-        }
-        BatchCall::With(never) => {
-            let split = if never { SplitKv::Never } else { SplitKv::Auto };
-            let got = returns("attention_batched_with", || {
-                Attention::batched(q, k, v, &opts)
-                    .and_then(|call| call.split_kv(split).forward(Par::rayon(0)))
-                    .map(|f| f.into_output())
-            })?;
-            check(
-                "attention_batched_with",
-                storage,
-                got.map(|t| (widen_t(t), None)),
-            )
-        }
-        BatchCall::WithLse => {
-            let got = returns("attention_batched_with_lse", || {
-                Attention::batched(q, k, v, &opts)
+                    .map(|call| match split {
+                        Some(split) => call.split_kv(split),
+                        None => call,
+                    })
                     .and_then(|call| call.forward(Par::rayon(0)))
                     .map(|f| f.into_parts())
             })?;
             check(
-                "attention_batched_with_lse",
+                &format!("Attention::forward (split {split:?})"),
                 storage,
-                got.map(|(t, l)| (widen_t(t), Some(l))),
+                got.map(|(t, l)| (widen_t(t), lse.then_some(l))),
             )
         }
-        BatchCall::Into {
+        BatchCall::ForwardInto {
             layout,
             f32_out,
             defect,
@@ -873,7 +825,7 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
             };
             let result = if f32_out {
                 let mut buf = vec![f32::NAN; n];
-                let r = returns("attention_batched_into", || {
+                let r = returns("Attention::forward_into", || {
                     let out = Tensor4Mut::new(&mut buf, out_dims, strides)?;
                     Attention::batched(q, k, v, &opts)
                         .and_then(|call| call.forward_into(out, None, Par::rayon(0)))
@@ -881,7 +833,7 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
                 r.map(|()| read(buf))
             } else {
                 let mut buf = vec![T::from_f32(f32::NAN); n];
-                let r = returns("attention_batched_into", || {
+                let r = returns("Attention::forward_into", || {
                     let out = Tensor4Mut::new(&mut buf, out_dims, strides)?;
                     Attention::batched(q, k, v, &opts)
                         .and_then(|call| call.forward_into(out, None, Par::rayon(0)))
@@ -921,14 +873,16 @@ fn batched_property(name: &str, profile: Profile, cases: u32) {
         name,
         &config(),
         cases,
-        (hostile_batch(profile), batch_call()),
+        (hostile_batch(profile, &tiles()), batch_call()),
         |(case, call)| run_batch_case(case, *call),
     ));
 }
 
-#[test]
-fn batched_moderate_inputs_match_the_reference() {
-    batched_property("batched_moderate", Profile::Moderate, 768);
+profile_tests! { batched_property:
+    batched_moderate_inputs_match_the_reference:
+        "batched_moderate", Profile::Moderate, 768;
+    batched_anything_at_all_returns_and_keeps_the_contract:
+        "batched_anything", Profile::Anything, 768;
 }
 
 #[test]
@@ -949,11 +903,6 @@ fn batched_hidden_poison_reaches_no_row() {
 fn batched_extreme_options_and_values() {
     batched_property("batched_windows", Profile::Windows, 512);
     batched_property("batched_extreme_bias", Profile::ExtremeBias, 384);
-}
-
-#[test]
-fn batched_anything_at_all_returns_and_keeps_the_contract() {
-    batched_property("batched_anything", Profile::Anything, 768);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1261,7 +1210,7 @@ fn run_cache<T: Element>(case: &CacheCase) -> Result<(), String> {
         v: vec![vec![Vec::new(); kvh]; batch],
         lens: vec![0; batch],
     };
-    let mut g = Gen(case.seed);
+    let mut g = Gen::new(case.seed);
     let dt = case.dtype;
     for (step, op) in case.ops.iter().enumerate() {
         let at = |m: String| format!("op {step} ({op:?}): {m}");
@@ -1487,16 +1436,7 @@ fn attend_step<T: Element>(
     let q = tview(&qd, dims, qt.strides);
     let bits = Mat::<bool>::from_fn(1, 1, |_, _| true);
     let bias = Mat::<f32>::zeros(1, 1);
-    let mut opts = Options::default();
-    if let Some(s) = scale {
-        opts = opts.with_scale(s);
-    }
-    if let Some(c) = causal {
-        opts = opts.with_causal(c);
-    }
-    if let Some(w) = window {
-        opts = opts.with_window(w);
-    }
+    let mut opts = options_of(scale, causal, window, None, None, None);
     match extra {
         Some(AttendExtra::BoolMask) => opts = opts.with_bool_mask(BoolMask::allow(bits.as_ref())),
         Some(AttendExtra::Additive) => opts = opts.with_additive_mask(bias.as_ref()),
@@ -1544,7 +1484,7 @@ fn attend_step<T: Element>(
             &["alignment", "bottom-right"],
         ));
     }
-    let storage = dtype_of::<T>();
+    let storage = T::DTYPE;
     let result = match call {
         AttendCall::Plain => returns("KvCache::attend", || {
             cache
@@ -1594,19 +1534,7 @@ fn attend_step<T: Element>(
     if out.dims() != [batch, h_q, n_q, d_v] {
         return Err(format!("attend returned dims {:?}", out.dims()));
     }
-    let head_opts = {
-        let mut o = Options::default();
-        if let Some(s) = scale {
-            o = o.with_scale(s);
-        }
-        if let Some(c) = causal {
-            o = o.with_causal(c);
-        }
-        if let Some(w) = window {
-            o = o.with_window(w);
-        }
-        o
-    };
+    let head_opts = options_of(scale, causal, window, None, None, None);
     let qf = qt.view();
     let out = out.as_ref();
     for b in 0..batch {
@@ -1621,7 +1549,7 @@ fn attend_step<T: Element>(
                 km.as_ref(),
                 vm.as_ref(),
                 &head_opts,
-                &model_of(storage),
+                &engine::model(storage),
                 Outputs::NONE,
                 0,
             );
@@ -1633,10 +1561,6 @@ fn attend_step<T: Element>(
         }
     }
     Ok(())
-}
-
-fn model_of(storage: Dtype) -> ErrorModel {
-    model(storage)
 }
 
 #[test]
@@ -1683,7 +1607,7 @@ fn large_queries_with_zero_scores_are_not_nan() {
             any::<u64>(),
         ),
         |&(n_q, n_k, d_k, d_v, big, scale, dtype, seed)| {
-            let mut g = Gen(seed);
+            let mut g = Gen::new(seed);
             let q = Mat::<f32>::from_fn(n_q, d_k, |i, t| {
                 if (i + t) % 2 == 0 {
                     dtype.round(big)
@@ -1712,8 +1636,8 @@ fn large_queries_with_zero_scores_are_not_nan() {
                     StoredMat::new(k.as_ref(), View::ColMajor, T::from_f32),
                     StoredMat::new(v.as_ref(), View::ColMajor, T::from_f32),
                 );
-                let got = returns("attention_with_lse", || {
-                    Attention::head(qt.view(), kt.view(), vt.view(), &opts).and_then(|call| call.forward(Par::rayon(0))).map(|f| f.into_parts())
+                let got = returns("Attention::forward", || {
+                    forward_head(qt.view(), kt.view(), vt.view(), &opts)
                 })?;
                 let got = got.map(|(o, l)| (widen(o.as_ref()), l));
                 check_head(
@@ -1748,10 +1672,10 @@ struct LayerCase {
 fn layer_case() -> BoxedStrategy<LayerCase> {
     (
         prop_oneof![
-            3 => hostile_head(Profile::Poison(Hiding::Structural)),
-            2 => hostile_head(Profile::Poison(Hiding::BoolMask)),
-            2 => hostile_head(Profile::Poison(Hiding::NegInfBias)),
-            2 => hostile_head(Profile::Anything),
+            3 => hostile_head(Profile::Poison(Hiding::Structural), &tiles()),
+            2 => hostile_head(Profile::Poison(Hiding::BoolMask), &tiles()),
+            2 => hostile_head(Profile::Poison(Hiding::NegInfBias), &tiles()),
+            2 => hostile_head(Profile::Anything, &tiles()),
         ]
         .prop_map(|mut h| {
             h.n_q = h.n_q.min(33);
@@ -1791,7 +1715,7 @@ fn run_layer(case: &LayerCase) -> Result<(), String> {
     let inputs = case.head.build();
     let h = case.h_kv * case.group;
     let (d_model, d_kv) = (inputs.q.ncols(), inputs.v.ncols());
-    let mut g = Gen(case.head.seed ^ 0xABCD);
+    let mut g = Gen::new(case.head.seed ^ 0xABCD);
     let w = |g: &mut Gen, r: usize, c: usize| g.mat(r, c, case.weights, Dtype::F32);
     let (w_q, w_k, w_v, w_o) = (
         w(&mut g, d_model, h * case.d_k),
@@ -1971,7 +1895,7 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
         broadcast_rows(&vr, n_v),
     );
     let opts = inputs.options();
-    let storage = dtype_of::<T>();
+    let storage = T::DTYPE;
     // attention: the output.
     let want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::OUTPUT, 0);
     if !matches!(want, Expected::TooMuchWork) {
@@ -1988,11 +1912,7 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
     // attention_with_lse: the output and the LSE.
     let want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::WITH_LSE, 0);
     if !matches!(want, Expected::TooMuchWork) {
-        let got = returns("attention_with_lse", || {
-            Attention::head(q, k, v, &opts)
-                .and_then(|call| call.forward(Par::rayon(0)))
-                .map(|f| f.into_parts())
-        })?;
+        let got = returns("Attention::forward", || forward_head(q, k, v, &opts))?;
         let got = got.map(|(o, l)| (widen(o.as_ref()), l));
         check_head(
             &want,
@@ -2005,7 +1925,7 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
     // partial_attention over all the keys.
     let want = expect_head(qf, kf, vf, &opts, &model(Dtype::F32), Outputs::WITH_LSE, 0);
     if !matches!(want, Expected::TooMuchWork) {
-        let got = returns("partial_attention", || {
+        let got = returns("Attention::partial_state", || {
             Attention::keys_of(q, k, v, 0..n_k, n_k, &opts)
                 .and_then(|call| call.partial_state(Par::rayon(0)))
         })?;
@@ -2030,7 +1950,7 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
             want
         };
         let mut o = StoredOut::new(rows, d_v, View::ColMajor, T::from_f32(f32::NAN));
-        let r = returns("attention_into", || {
+        let r = returns("Attention::forward_into", || {
             Attention::head(q, k, v, &opts)
                 .and_then(|call| call.forward_into(o.view_mut(), None, Par::rayon(0)))
         })?;
@@ -2074,7 +1994,7 @@ fn huge_batch_calls<T: Element>(case: &HugeBatch) -> Result<(), String> {
     let (q, k, v) = (bview(&qr, qd)?, bview(&kr, kd)?, bview(&vr, vd)?);
     let (qf, kf, vf) = (bview(&qr32, qd)?, bview(&kr32, kd)?, bview(&vr32, vd)?);
     let opts = case.options();
-    let storage = dtype_of::<T>();
+    let storage = T::DTYPE;
     let widen_t = |t: attn_core::Tensor4<T>| -> attn_core::Tensor4<f32> {
         let dims = t.dims();
         attn_core::Tensor4::from_vec(t.into_vec().into_iter().map(T::to_f32).collect(), dims)
@@ -2093,32 +2013,26 @@ fn huge_batch_calls<T: Element>(case: &HugeBatch) -> Result<(), String> {
         };
     let want = expect_batched(qd, kd, vd, &opts, Outputs::OUTPUT);
     if !matches!(want, BatchExpected::TooMuchWork) {
-        let got = returns("attention_batched", || {
-            Attention::batched(q, k, v, &opts)
-                .and_then(|call| call.forward(Par::rayon(0)))
-                .map(|f| f.into_output())
+        let got = returns("Attention::forward", || {
+            forward_batched(q, k, v, &opts).map(|(o, _)| o)
         })?;
-        check("attention_batched", &want, got.map(|t| (widen_t(t), None)))?;
-        let got = returns("attention_batched_with", || {
+        check("Attention::forward", &want, got.map(|t| (widen_t(t), None)))?;
+        let got = returns("Attention::forward (split never)", || {
             Attention::batched(q, k, v, &opts)
                 .and_then(|call| call.split_kv(SplitKv::Never).forward(Par::rayon(0)))
                 .map(|f| f.into_output())
         })?;
         check(
-            "attention_batched_with",
+            "Attention::forward (split never)",
             &want,
             got.map(|t| (widen_t(t), None)),
         )?;
     }
     let want = expect_batched(qd, kd, vd, &opts, Outputs::WITH_LSE);
     if !matches!(want, BatchExpected::TooMuchWork) {
-        let got = returns("attention_batched_with_lse", || {
-            Attention::batched(q, k, v, &opts)
-                .and_then(|call| call.forward(Par::rayon(0)))
-                .map(|f| f.into_parts())
-        })?;
+        let got = returns("Attention::forward", || forward_batched(q, k, v, &opts))?;
         check(
-            "attention_batched_with_lse",
+            "Attention::forward",
             &want,
             got.map(|(t, l)| (widen_t(t), Some(l))),
         )?;
@@ -2139,7 +2053,7 @@ fn huge_batch_calls<T: Element>(case: &HugeBatch) -> Result<(), String> {
             _ => BatchExpected::Reject(vec![Rejection::named("the output's dims", &["output"])]),
         };
         let mut buf = vec![T::from_f32(f32::NAN); if free { 0 } else { vd[3] }];
-        let r = returns("attention_batched_into", || {
+        let r = returns("Attention::forward_into", || {
             let out = Tensor4Mut::new(
                 &mut buf,
                 out_dims,
@@ -2533,7 +2447,7 @@ fn grad_call(forward: bool) -> BoxedStrategy<GradCall> {
 /// Backward calls are ~2.5× the forward's work and the reference materialises `n_q × n_k`:
 /// shorter heads.
 fn backward_head(profile: Profile) -> BoxedStrategy<HostileHead> {
-    hostile_head(profile)
+    hostile_head(profile, &tiles())
         .prop_map(|mut h| {
             h.n_q = h.n_q.min(129);
             h.n_k = h.n_k.min(257);
@@ -2552,16 +2466,12 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
     let (q, k, v) = (qs.view(), ks.view(), vs.view());
     let (qf, kf, vf) = (inputs.q.as_ref(), inputs.k.as_ref(), inputs.v.as_ref());
     let opts = inputs.options();
-    let storage = dtype_of::<T>();
+    let storage = T::DTYPE;
     let [n_q, n_k, d_k, d_v] = inputs.dims();
-    let mut g = Gen(case.seed ^ 0x0DD5_EED5);
+    let mut g = Gen::new(case.seed ^ 0x0DD5_EED5);
     // The forward's own result where it succeeds, else (or on request) arbitrary values.
     let forward = if call.forward {
-        match returns("attention_with_lse", || {
-            Attention::head(q, k, v, &opts)
-                .and_then(|call| call.forward(Par::rayon(0)))
-                .map(|f| f.into_parts())
-        })? {
+        match returns("Attention::forward", || forward_head(q, k, v, &opts))? {
             Ok((o, l)) => Some((widen(o.as_ref()), l)),
             Err(_) => None,
         }
@@ -2617,10 +2527,10 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
                  extra: Option<Rejection>,
                  got: Result<[Mat<f32>; 3], attn_core::Error>| {
         let mut want = expect_head_backward(
+            gf,
             qf,
             kf,
             vf,
-            gf,
             of,
             &lse,
             &opts,
@@ -2647,10 +2557,10 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
     // A valid problem too large to run is skipped (the generators keep it rare).
     if matches!(
         expect_head_backward(
+            gf,
             qf,
             kf,
             vf,
-            gf,
             of,
             &lse,
             &opts,
@@ -2702,7 +2612,7 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
                 let mut dk = StoredOut::new(shapes[1].0, shapes[1].1, gview, fill);
                 let mut dv = StoredOut::new(shapes[2].0, shapes[2].1, gview, fill);
                 let (grad, q, k, v, out, lse, opts) = args;
-                let r = returns("attention_backward_into", || {
+                let r = returns("Attention::backward_into", || {
                     Attention::head(q, k, v, opts).and_then(|call| {
                         call.backward_into(
                             ForwardRef::head(out, lse),
@@ -2732,7 +2642,7 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
                 )
             } else {
                 let got = run_into::<T, T>(shapes, gview, args)?;
-                check("attention_backward_into", storage, false, extra, got)
+                check("Attention::backward_into", storage, false, extra, got)
             }
         }
     }
@@ -2845,7 +2755,7 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
         tview(&kd, inputs.k.dims, inputs.k.strides),
         tview(&vd, inputs.v.dims, inputs.v.strides),
     );
-    let storage = dtype_of::<T>();
+    let storage = T::DTYPE;
     let [b, h_q, n_q, _] = qf.dims();
     let d_v = vf.dims()[3];
     let dims = [b, h_q, n_q, d_v];
@@ -2855,23 +2765,19 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
     ) {
         return Ok(());
     }
-    let mut g = Gen(case.head.seed ^ 0xB0B0);
+    let mut g = Gen::new(case.head.seed ^ 0xB0B0);
     let forward = if call.forward {
-        returns("attention_batched_with_lse", || {
-            Attention::batched(q, k, v, &opts)
-                .and_then(|call| call.forward(Par::rayon(0)))
-                .map(|f| f.into_parts())
-        })?
-        .ok()
-        .map(|(o, l)| {
-            (
-                o.into_vec()
-                    .into_iter()
-                    .map(T::to_f32)
-                    .collect::<Vec<f32>>(),
-                l,
-            )
-        })
+        returns("Attention::forward", || forward_batched(q, k, v, &opts))?
+            .ok()
+            .map(|(o, l)| {
+                (
+                    o.into_vec()
+                        .into_iter()
+                        .map(T::to_f32)
+                        .collect::<Vec<f32>>(),
+                    l,
+                )
+            })
     } else {
         None
     };
@@ -2916,10 +2822,10 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
         tview(&out, out_dims, bhsd(out_dims)),
     );
     let want = expect_batched_backward(
+        grad_dims,
         qf.dims(),
         kf.dims(),
         vf.dims(),
-        grad_dims,
         out_dims,
         lse.len(),
         &opts,
@@ -2949,12 +2855,12 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
     };
     match call.into {
         None => {
-            let got = returns("attention_backward_batched", || {
+            let got = returns("Attention::backward", || {
                 Attention::batched(q, k, v, &opts)
                     .and_then(|call| call.backward(ForwardRef::batch(ov, &lse)?, gv, Par::rayon(0)))
             })?;
             check(
-                "attention_backward_batched",
+                "Attention::backward",
                 got.map(|g| [widen_t(g.dq), widen_t(g.dk), widen_t(g.dv)]),
             )
         }
@@ -2982,7 +2888,7 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
                 fn view<G>(buf: &mut [G], d: [usize; 4]) -> Tensor4Mut<'_, G> {
                     Tensor4Mut::new(buf, d, attn_core::Layout::Bshd.strides(d)).expect("fits")
                 }
-                let r = returns("attention_backward_batched_into", || {
+                let r = returns("Attention::backward_into", || {
                     Attention::batched(q, k, v, opts).and_then(|call| {
                         call.backward_into(
                             ForwardRef::batch(out, lse)?,
@@ -3023,7 +2929,7 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
             } else {
                 into::<T, T>(dims, args)?
             };
-            check("attention_backward_batched_into", got)
+            check("Attention::backward_into", got)
         }
     }
 }
@@ -3044,7 +2950,7 @@ fn batched_backward_property(
 }
 
 fn backward_batch(profile: Profile) -> BoxedStrategy<HostileBatch> {
-    hostile_batch(profile)
+    hostile_batch(profile, &tiles())
         .prop_map(|mut c| {
             c.head.n_q = c.head.n_q.min(33);
             c.head.n_k = c.head.n_k.min(65);
@@ -3101,14 +3007,14 @@ fn huge_backward_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
     let lse = vec![0.0f32; n_q.min(8)];
     let opts = inputs.options();
     let want = expect_head_backward(
+        of,
         qf,
         kf,
         vf,
         of,
-        of,
         &lse,
         &opts,
-        &model(dtype_of::<T>()),
+        &model(T::DTYPE),
         true,
         false,
     );
@@ -3166,7 +3072,7 @@ fn multi_head_backward_with_mismatched_activations_is_an_error() {
             any::<u64>(),
         ),
         |&(h_kv, group, d, n, defect, seed)| {
-            let mut g = Gen(seed);
+            let mut g = Gen::new(seed);
             let d_model = 4;
             let layer = |g: &mut Gen, d_k: usize| {
                 let h = h_kv * group;

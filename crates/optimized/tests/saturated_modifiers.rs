@@ -1,5 +1,5 @@
-//! One saturation rule for a score modifier's outputs, in both passes of both engines
-//! (issue 27): a user `ScoreMod` that returns `-inf` (or `+inf`) for every score of a row
+//! One saturation rule for a score modifier's outputs, in both passes of both engines:
+//! a user `ScoreMod` that returns `-inf` (or `+inf`) for every score of a row
 //! gives that row the uniform weights of scores saturated at `∓L` in the forward, and the
 //! gradients of those weights in the backward — the streaming engine's against the
 //! reference's and against finite differences of the reference's forward; a derivative of

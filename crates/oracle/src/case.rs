@@ -16,18 +16,33 @@ use crate::Dtype;
 use crate::bound::ScoreMods;
 use crate::user_mods::{MaskModAt, ScoreModAt, UserMask, UserScore};
 
-/// A small deterministic generator (SplitMix64): the same values on every machine.
+/// A small deterministic generator (SplitMix64): the same values on every machine, for
+/// the values a case builds from its seed.
+///
+/// ```
+/// use attn_oracle::Rng;
+/// let (mut a, mut b) = (Rng::new(7, 1), Rng::new(7, 1));
+/// assert_eq!(a.next_u64(), b.next_u64());
+/// assert!((0.0..1.0).contains(&Rng::from_state(3).unit()));
+/// ```
 #[derive(Debug, Clone)]
-pub(crate) struct Rng(u64);
+pub struct Rng(u64);
 
 impl Rng {
-    pub(crate) fn new(seed: u64, stream: u64) -> Self {
+    /// The generator of stream `stream` of `seed` (one seed, independent streams).
+    pub fn new(seed: u64, stream: u64) -> Self {
         let mut r = Rng(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         r.next_u64();
         r
     }
 
-    pub(crate) fn next_u64(&mut self) -> u64 {
+    /// The generator whose state is `state`, unmixed.
+    pub fn from_state(state: u64) -> Self {
+        Rng(state)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -36,21 +51,22 @@ impl Rng {
     }
 
     /// Uniform in `[0, 1)`.
-    pub(crate) fn unit(&mut self) -> f64 {
+    pub fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// Uniform in `0..n` (`n > 0`).
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
+    pub fn below(&mut self, n: u64) -> u64 {
         ((self.next_u64() as u128 * n as u128) >> 64) as u64
     }
 
-    pub(crate) fn chance(&mut self, percent: u8) -> bool {
+    /// True with probability `percent` %.
+    pub fn chance(&mut self, percent: u8) -> bool {
         self.below(100) < u64::from(percent)
     }
 
     /// Standard normal (Box–Muller).
-    pub(crate) fn normal(&mut self) -> f64 {
+    pub fn normal(&mut self) -> f64 {
         let u1 = 1.0 - self.unit(); // (0, 1]
         let u2 = self.unit();
         (-2.0 * u1.ln()).sqrt() * (2.0 * core::f64::consts::PI * u2).cos()
@@ -74,7 +90,7 @@ pub enum Values {
     Large,
     /// Subnormals of the storage type, both signs, mixed with zeros and `±1`.
     Subnormal,
-    /// `±` the storage type's edge magnitude ([`Dtype::edge_magnitude`]) mixed with `±1`.
+    /// `±` the storage type's edge magnitude ([`edge_magnitude`](crate::edge_magnitude)) mixed with `±1`.
     Edge,
     /// Each entry from one of the kinds above.
     Mixed,
@@ -104,7 +120,7 @@ impl Values {
             Values::Edge => {
                 let s = rng.sign();
                 if rng.below(2) == 0 {
-                    s * dtype.edge_magnitude()
+                    s * crate::edge_magnitude(dtype)
                 } else {
                     s
                 }
@@ -237,6 +253,27 @@ pub struct ModRecipe {
 }
 
 impl ModRecipe {
+    /// `options` with these modifiers, over the built `slopes` and `sinks`.
+    pub(crate) fn apply<'a>(
+        &self,
+        options: Options<'a>,
+        slopes: Option<&'a [f32]>,
+        sinks: Option<&'a [f32]>,
+    ) -> Options<'a> {
+        Options {
+            softcap: self
+                .softcap
+                .map(|c| SoftCap::new(c).expect("generated caps are valid")),
+            alibi: slopes
+                .zip(self.alibi)
+                .map(|(s, a)| Alibi::new(s).with_align(a.align)),
+            sinks,
+            score_mod: self.score_mod.map(UserScore::modifier),
+            mask_mod: self.mask_mod.map(UserMask::modifier),
+            ..options
+        }
+    }
+
     /// No modifier.
     pub const NONE: ModRecipe = ModRecipe {
         softcap: None,
@@ -334,8 +371,7 @@ impl BuiltMasks {
     /// The options of a call: the recipe's scale, causal flag and window, `key_padding`,
     /// these masks and the modifiers, borrowed.
     fn options<'a>(&'a self, r: &MaskRecipe, key_padding: Option<KeyPadding<'a>>) -> Options<'a> {
-        let m = &r.modifiers;
-        Options {
+        let masks = Options {
             scale: r.scale,
             causal: r.causal,
             window: r.window,
@@ -348,19 +384,10 @@ impl BuiltMasks {
                 }
             }),
             additive_mask: self.additive.as_ref().map(|m| m.as_ref()),
-            softcap: m
-                .softcap
-                .map(|c| SoftCap::new(c).expect("generated caps are valid")),
-            alibi: self
-                .slopes
-                .as_deref()
-                .zip(m.alibi)
-                .map(|(s, a)| Alibi::new(s).with_align(a.align)),
-            sinks: self.sinks.as_deref(),
-            score_mod: m.score_mod.map(UserScore::modifier),
-            mask_mod: m.mask_mod.map(UserMask::modifier),
             ..Options::default()
-        }
+        };
+        r.modifiers
+            .apply(masks, self.slopes.as_deref(), self.sinks.as_deref())
     }
 }
 
@@ -819,6 +846,16 @@ pub fn edge_lengths(tiles: &[usize], cap: usize) -> Vec<usize> {
 /// tile `t` (or a prime) picked uniformly, then `t − 1`, `t` or `t + 1`, so that the
 /// largest tiles (where rescaling and split-KV happen) are as likely as the smallest.
 pub fn length(tiles: &[usize], cap: usize) -> BoxedStrategy<usize> {
+    weighted_length(tiles, cap, 1, 1)
+}
+
+/// [`length`] with the odds of a small length and of a tile edge given: `small` to `edge`.
+pub(crate) fn weighted_length(
+    tiles: &[usize],
+    cap: usize,
+    small: u32,
+    edge: u32,
+) -> BoxedStrategy<usize> {
     let mut groups: Vec<Vec<usize>> = tiles
         .iter()
         .chain(&[13, 31, 97])
@@ -832,11 +869,15 @@ pub fn length(tiles: &[usize], cap: usize) -> BoxedStrategy<usize> {
         .collect();
     groups.sort_unstable();
     groups.dedup();
-    let small = 0..=9usize.min(cap);
+    let small_lengths = 0..=9usize.min(cap);
     if groups.is_empty() {
-        small.boxed()
+        small_lengths.boxed()
     } else {
-        prop_oneof![small, select(groups).prop_flat_map(select)].boxed()
+        prop_oneof![
+            small => small_lengths,
+            edge => select(groups).prop_flat_map(select),
+        ]
+        .boxed()
     }
 }
 

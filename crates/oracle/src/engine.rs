@@ -1,12 +1,16 @@
-//! What an engine must provide to be checked: the [`Engine`] trait, its storage type and
-//! error model, and the reference engine as the first implementation.
+//! What an engine must provide to be checked: the [`Engine`] trait (the forward and
+//! backward pass of a [`Call`]), its storage type and error model, and the reference
+//! engine as the first implementation.
 
 use core::ops::Range;
 
-use attn_core::{BoolMask, CuSeqlens, Options, Result, Tensor4, Tensor4Ref, validate_head};
+use attn_core::{
+    BoolMask, CuSeqlens, Error, Forward, ForwardRef, Options, Result, Tensor4, Tensor4Ref,
+    validate_head,
+};
 use faer::{Mat, MatRef};
 
-/// The storage type of an engine's operands.
+/// The storage type of an engine's operands: attn-core's [`Dtype`](attn_core::Dtype).
 ///
 /// The oracle generates f32 inputs and rounds them to this type before *both* the engine
 /// and the reference see them, so that a half-precision engine is compared with the
@@ -18,67 +22,21 @@ use faer::{Mat, MatRef};
 /// assert_eq!(Dtype::Bf16.round(1.0 + 1.0 / 1024.0), 1.0); // bf16 keeps 8 bits
 /// assert_eq!(Dtype::F32.unit_roundoff(), 2f64.powi(-24));
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// IEEE binary32.
-    F32,
-    /// IEEE binary16 (`half::f16`).
-    F16,
-    /// bfloat16 (`half::bf16`).
-    Bf16,
-}
+pub use attn_core::Dtype;
 
-impl Dtype {
-    /// Rounds an f32 to this type (round to nearest even) and widens it back, exactly.
-    pub fn round(self, x: f32) -> f32 {
-        match self {
-            Dtype::F32 => x,
-            Dtype::F16 => half::f16::from_f32(x).to_f32(),
-            Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
-        }
-    }
-
-    /// The unit roundoff `u = 2^-p` (half an ulp of 1).
-    pub fn unit_roundoff(self) -> f64 {
-        match self {
-            Dtype::F32 => 2f64.powi(-24),
-            Dtype::F16 => 2f64.powi(-11),
-            Dtype::Bf16 => 2f64.powi(-8),
-        }
-    }
-
-    /// Half the smallest positive subnormal: the absolute rounding error near zero.
-    pub fn underflow_error(self) -> f64 {
-        match self {
-            Dtype::F32 => 2f64.powi(-150),
-            Dtype::F16 => 2f64.powi(-25),
-            Dtype::Bf16 => 2f64.powi(-134),
-        }
-    }
-
-    /// The smallest positive normal number: below it, rounding is absolute
-    /// ([`Dtype::underflow_error`]) rather than relative.
-    ///
-    /// ```
-    /// use attn_oracle::Dtype;
-    /// assert_eq!(Dtype::F16.smallest_normal(), 2f64.powi(-14));
-    /// assert_eq!(Dtype::Bf16.smallest_normal(), f64::from(f32::MIN_POSITIVE));
-    /// ```
-    pub fn smallest_normal(self) -> f64 {
-        match self {
-            Dtype::F32 | Dtype::Bf16 => 2f64.powi(-126),
-            Dtype::F16 => 2f64.powi(-14),
-        }
-    }
-
-    /// The largest power of two that is safely inside this type's range for the
-    /// adversarial "edge of range" inputs: `65504` for f16 (its largest finite value)
-    /// and `2^50` otherwise (products of two such values stay far from f32 overflow).
-    pub fn edge_magnitude(self) -> f32 {
-        match self {
-            Dtype::F16 => 65504.0,
-            Dtype::F32 | Dtype::Bf16 => 2f32.powi(50),
-        }
+/// The largest power of two that is safely inside `dtype`'s range for the adversarial
+/// "edge of range" inputs: `65504` for f16 (its largest finite value) and `2^50`
+/// otherwise (products of two such values stay far from f32 overflow).
+///
+/// ```
+/// use attn_oracle::{Dtype, edge_magnitude};
+/// assert_eq!(edge_magnitude(Dtype::F16), Dtype::F16.max());
+/// assert_eq!(edge_magnitude(Dtype::Bf16), 2f32.powi(50));
+/// ```
+pub fn edge_magnitude(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::F16 => dtype.max(),
+        Dtype::F32 | Dtype::Bf16 => 2f32.powi(50),
     }
 }
 
@@ -195,75 +153,290 @@ impl MergePlan {
 
 /// The gradients of one head with respect to its operands, each shaped like the operand
 /// (dQ `[n_q, d_k]`, dK `[n_k, d_k]`, dV `[n_k, d_v]`) and widened to f32 as every result
-/// of [`Engine`] is: what [`Engine::attention_backward`] returns. It is the contract's
-/// [`attn_core::Gradients`] in f32 (build one with `Gradients::new(dq, dk, dv)`).
-///
-/// An engine without a backward pass keeps the trait's default, which returns `None`, and
-/// the backward properties skip it; [`ReferenceEngine`] has one:
-///
-/// ```
-/// use attn_core::{Options, Result, Tensor4, Tensor4Ref};
-/// use attn_oracle::{Engine, ErrorModel, Gradients, ReferenceEngine};
-/// use faer::{Mat, MatRef};
-///
-/// struct ForwardOnly;
-/// impl Engine for ForwardOnly {
-///     fn name(&self) -> String { "forward-only".into() }
-///     fn error_model(&self) -> ErrorModel { ReferenceEngine.error_model() }
-///     fn attention_with_lse(&self, q: MatRef<'_, f32>, k: MatRef<'_, f32>, v: MatRef<'_, f32>,
-///                           o: &Options<'_>) -> Result<(Mat<f32>, Vec<f32>)> {
-///         ReferenceEngine.attention_with_lse(q, k, v, o)
-///     }
-///     fn attention_batched(&self, q: Tensor4Ref<'_, f32>, k: Tensor4Ref<'_, f32>,
-///                          v: Tensor4Ref<'_, f32>, o: &Options<'_>) -> Result<Tensor4<f32>> {
-///         ReferenceEngine.attention_batched(q, k, v, o)
-///     }
-/// }
-///
-/// let opts = Options::default();
-/// let x = Mat::<f32>::from_fn(3, 4, |i, j| (i + 2 * j) as f32 / 8.0);
-/// let (out, lse) = ForwardOnly.attention_with_lse(x.as_ref(), x.as_ref(), x.as_ref(), &opts)?;
-/// let grad_out = Mat::<f32>::from_fn(3, 4, |i, j| if i == j { 1.0 } else { 0.0 });
-/// let grads = ForwardOnly.attention_backward(
-///     x.as_ref(), x.as_ref(), x.as_ref(), grad_out.as_ref(), out.as_ref(), &lse, &opts,
-/// );
-/// assert!(grads.is_none()); // no backward pass: the backward properties do not apply
-///
-/// let g: Gradients = ReferenceEngine
-///     .attention_backward(x.as_ref(), x.as_ref(), x.as_ref(), grad_out.as_ref(), out.as_ref(), &lse, &opts)
-///     .expect("the reference has a backward pass")?;
-/// assert_eq!((g.dq.nrows(), g.dk.nrows(), g.dv.ncols()), (3, 3, 4));
-///
-/// let t = Tensor4::<f32>::zeros([1, 2, 3, 4]);
-/// let batched = ForwardOnly.attention_backward_batched(
-///     t.as_ref(), t.as_ref(), t.as_ref(), t.as_ref(), t.as_ref(), &[0.0; 6], &opts,
-/// );
-/// assert!(batched.is_none());
-/// # Ok::<(), attn_core::Error>(())
-/// ```
+/// of [`Engine`] is: the contract's [`attn_core::Gradients`] in f32 (build one with
+/// `Gradients::new(dq, dk, dv)`).
 pub type Gradients = attn_core::Gradients<f32>;
 
-/// The gradients of a batched, grouped-query call, each shaped like its operand: dQ
-/// `[batch, h_q, n_q, d_k]`, dK `[batch, h_kv, n_k, d_k]`, dV `[batch, h_kv, n_k, d_v]`
+/// The gradients of a batched, grouped-query or packed call, each shaped like its operand:
+/// dQ `[batch, h_q, n_q, d_k]`, dK `[batch, h_kv, n_k, d_k]`, dV `[batch, h_kv, n_k, d_v]`
 /// (the gradient of a kv head shared by a group of query heads is the sum over the
-/// group); what [`Engine::attention_backward_batched`] returns: the contract's
-/// [`attn_core::BatchGradients`] in f32. See [`Gradients`].
+/// group): the contract's [`attn_core::BatchGradients`] in f32. See [`Gradients`].
 pub type BatchGradients = attn_core::BatchGradients<f32>;
 
-/// An attention engine under test.
+/// The operands of a [`Call`], `[q, k, v]`: f32 views, already rounded to
+/// [`Engine::storage`].
+#[derive(Debug, Clone, Copy)]
+pub enum Operands<'a> {
+    /// One head: `q : [n_q, d_k]`, `k : [n_k, d_k]`, `v : [n_k, d_v]`.
+    Head([MatRef<'a, f32>; 3]),
+    /// Batched, grouped-query attention over strided `[batch, heads, seq, dim]` views: Q
+    /// `[batch, h_q, n_q, d_k]`, K and V `[batch, h_kv, n_k, d]`.
+    Batched([Tensor4Ref<'a, f32>; 3]),
+    /// A packed batch of sequences of different lengths (varlen): Q `[1, h_q, total_q,
+    /// d_k]`, K and V `[1, h_kv, total_k, d]`, sequence `s` on the rows `seqs.queries(s)`
+    /// of Q and `seqs.keys(s)` of K and V (the offsets, second), attending only within
+    /// itself (causal alignment and windows per sequence).
+    Packed([Tensor4Ref<'a, f32>; 3], CuSeqlens<'a>),
+}
+
+/// One attention call as the oracle hands it to an engine: the operands, the options and,
+/// for one head, the plan to compute it by parts ([`MergePlan`]: partial states over key
+/// ranges, merged). Build it like the engines' own call values ([`Call::head`],
+/// [`Call::batched`], [`Call::packed`], [`Call::split`]); an [`Engine`] runs it forward
+/// and backward.
+///
+/// ```
+/// use attn_core::Options;
+/// use attn_oracle::{Call, MergePlan, ReferenceEngine};
+/// use faer::Mat;
+/// let x = Mat::<f32>::from_fn(3, 4, |i, j| (i + 2 * j) as f32 / 8.0);
+/// let opts = Options::default();
+/// let call = Call::head(x.as_ref(), x.as_ref(), x.as_ref(), &opts);
+/// let (out, lse) = call.forward_head(&ReferenceEngine).expect("a head call runs")?;
+/// let plan = MergePlan::merge(MergePlan::keys(0..1), MergePlan::keys(1..3));
+/// let (parts, _) = call.split(&plan).forward_head(&ReferenceEngine).expect("the reference splits")?;
+/// assert!((out[(2, 1)] - parts[(2, 1)]).abs() < 1e-6);
+/// assert_eq!(lse.len(), 3);
+/// # Ok::<(), attn_core::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// What the call attends over.
+    pub operands: Operands<'a>,
+    /// Masks, modifiers and scale.
+    pub options: Options<'a>,
+    /// For a head call: compute it by parts and merge them as the plan says, then finish
+    /// to the output and LSE. `None`: in one pass.
+    pub plan: Option<&'a MergePlan>,
+}
+
+/// An output of [`Engine::forward`] or an upstream gradient: one head's matrix or a
+/// `[batch, h_q, n_q, d_v]` tensor, as the call's operands.
+#[derive(Debug, Clone, Copy)]
+pub enum View<'a> {
+    /// One head's `[n_q, d_v]`.
+    Head(MatRef<'a, f32>),
+    /// A batch's (or a packed batch's) `[batch, h_q, n_q, d_v]`.
+    Batch(Tensor4Ref<'a, f32>),
+}
+
+/// What a forward pass hands its backward pass: its output and the natural-log LSE of each
+/// output row (attn-core's [`ForwardRef`], over an oracle [`View`]).
+pub type Saved<'a> = ForwardRef<View<'a>, &'a [f32]>;
+
+/// What [`Engine::forward`] returns: the output and the natural-log LSE of each of its rows
+/// (`-inf` for a row with no visible key), for one head or for many (the LSE in
+/// `[batch][h_q][n_q]` order).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// One head: `[n_q, d_v]` and `n_q` LSE entries.
+    Head(Forward<Mat<f32>>),
+    /// Many heads: `[batch, h_q, n_q, d_v]` and `batch · h_q · n_q` LSE entries.
+    Batch(Forward<Tensor4<f32>>),
+}
+
+/// What [`Engine::backward`] returns: the gradients of one head or of many.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Grads {
+    /// One head's.
+    Head(Gradients),
+    /// A batch's (or a packed batch's).
+    Batch(BatchGradients),
+}
+
+fn wrong_kind() -> Error {
+    Error::unsupported("engine result", "of another kind than its call")
+}
+
+impl<'a> Call<'a> {
+    fn new(operands: Operands<'a>, options: &Options<'a>) -> Self {
+        Self {
+            operands,
+            options: *options,
+            plan: None,
+        }
+    }
+
+    /// One head: `q : [n_q, d_k]`, `k : [n_k, d_k]`, `v : [n_k, d_v]`.
+    pub fn head(
+        q: MatRef<'a, f32>,
+        k: MatRef<'a, f32>,
+        v: MatRef<'a, f32>,
+        options: &Options<'a>,
+    ) -> Self {
+        Self::new(Operands::Head([q, k, v]), options)
+    }
+
+    /// Batched, grouped-query attention over strided `[batch, heads, seq, dim]` views.
+    pub fn batched(
+        q: Tensor4Ref<'a, f32>,
+        k: Tensor4Ref<'a, f32>,
+        v: Tensor4Ref<'a, f32>,
+        options: &Options<'a>,
+    ) -> Self {
+        Self::new(Operands::Batched([q, k, v]), options)
+    }
+
+    /// A packed batch of sequences ([`Operands::Packed`]).
+    pub fn packed(
+        q: Tensor4Ref<'a, f32>,
+        k: Tensor4Ref<'a, f32>,
+        v: Tensor4Ref<'a, f32>,
+        seqs: &CuSeqlens<'a>,
+        options: &Options<'a>,
+    ) -> Self {
+        Self::new(Operands::Packed([q, k, v], *seqs), options)
+    }
+
+    /// The same call computed by parts as `plan` says (one head only).
+    pub fn split(self, plan: &'a MergePlan) -> Self {
+        Self {
+            plan: Some(plan),
+            ..self
+        }
+    }
+
+    /// [`Engine::forward`] of a head call: its output and LSE. `None` if the engine does
+    /// not run this call (a split plan without a partial-state API).
+    pub fn forward_head(&self, e: &(impl Engine + ?Sized)) -> Option<Result<(Mat<f32>, Vec<f32>)>> {
+        Some(e.forward(self)?.and_then(Output::into_head))
+    }
+
+    /// [`Engine::forward`] of a batched or packed call: its output and LSE. `None` if the
+    /// engine does not run this call (a packed one without a packed mode).
+    pub fn forward_batch(
+        &self,
+        e: &(impl Engine + ?Sized),
+    ) -> Option<Result<(Tensor4<f32>, Vec<f32>)>> {
+        Some(e.forward(self)?.and_then(Output::into_batch))
+    }
+
+    /// [`Engine::backward`] of a head call, given the upstream gradient and the forward's
+    /// output and LSE. `None` if the engine has no backward pass.
+    pub fn backward_head(
+        &self,
+        e: &(impl Engine + ?Sized),
+        d_out: MatRef<'_, f32>,
+        out: MatRef<'_, f32>,
+        lse: &[f32],
+    ) -> Option<Result<Gradients>> {
+        let fwd = Saved::new(View::Head(out), lse);
+        Some(
+            e.backward(View::Head(d_out), self, fwd)?
+                .and_then(Grads::into_head),
+        )
+    }
+
+    /// [`Engine::backward`] of a batched or packed call, given the upstream gradient and
+    /// the forward's output and LSE (`[batch][h_q][n_q]` order). `None` if the engine has
+    /// no backward pass for this call.
+    pub fn backward_batch(
+        &self,
+        e: &(impl Engine + ?Sized),
+        d_out: Tensor4Ref<'_, f32>,
+        out: Tensor4Ref<'_, f32>,
+        lse: &[f32],
+    ) -> Option<Result<BatchGradients>> {
+        let fwd = Saved::new(View::Batch(out), lse);
+        Some(
+            e.backward(View::Batch(d_out), self, fwd)?
+                .and_then(Grads::into_batch),
+        )
+    }
+}
+
+impl Output {
+    /// One head's output and LSE; an error for a batch's.
+    pub fn into_head(self) -> Result<(Mat<f32>, Vec<f32>)> {
+        match self {
+            Output::Head(f) => Ok(f.into_parts()),
+            Output::Batch(_) => Err(wrong_kind()),
+        }
+    }
+
+    /// A batch's output and LSE; an error for one head's.
+    pub fn into_batch(self) -> Result<(Tensor4<f32>, Vec<f32>)> {
+        match self {
+            Output::Batch(f) => Ok(f.into_parts()),
+            Output::Head(_) => Err(wrong_kind()),
+        }
+    }
+}
+
+impl Grads {
+    /// One head's gradients; an error for a batch's.
+    pub fn into_head(self) -> Result<Gradients> {
+        match self {
+            Grads::Head(g) => Ok(g),
+            Grads::Batch(_) => Err(wrong_kind()),
+        }
+    }
+
+    /// A batch's gradients; an error for one head's.
+    pub fn into_batch(self) -> Result<BatchGradients> {
+        match self {
+            Grads::Batch(g) => Ok(g),
+            Grads::Head(_) => Err(wrong_kind()),
+        }
+    }
+}
+
+/// What a head or batched forward must give: every engine runs them.
+pub(crate) fn required<T>(r: Option<Result<T>>) -> Result<T> {
+    r.unwrap_or_else(|| {
+        Err(Error::unsupported(
+            "engine",
+            "every engine runs head and batched calls forward",
+        ))
+    })
+}
+
+/// An attention engine under test: the forward and backward pass of a [`Call`].
 ///
 /// Inputs are f32 views already rounded to [`Engine::storage`]; an engine with another
 /// storage type converts inside its implementation (exactly, since the values are
 /// representable) and widens its output back to f32. Errors must be the contract's
 /// [`attn_core::Error`] values.
 ///
+/// An engine runs every head and batched call forward; a split plan, a packed batch and
+/// the backward pass are optional: `None` for a call it does not run, and the properties
+/// that need it are skipped. A backward pass too is optional (the default returns `None`):
+///
 /// ```
-/// use attn_oracle::{Engine, ReferenceEngine};
-/// use attn_core::Options;
+/// use attn_core::{Options, Result, Tensor4};
+/// use attn_oracle::{Call, Engine, ErrorModel, Gradients, Output, ReferenceEngine, Saved, View};
 /// use faer::Mat;
-/// let q = Mat::<f32>::from_fn(2, 4, |i, j| (i + j) as f32);
-/// let (o, lse) = ReferenceEngine.attention_with_lse(q.as_ref(), q.as_ref(), q.as_ref(), &Options::default()).unwrap();
-/// assert_eq!((o.nrows(), lse.len()), (2, 2));
+///
+/// struct ForwardOnly;
+/// impl Engine for ForwardOnly {
+///     fn name(&self) -> String { "forward-only".into() }
+///     fn error_model(&self) -> ErrorModel { ReferenceEngine.error_model() }
+///     fn forward(&self, call: &Call<'_>) -> Option<Result<Output>> {
+///         ReferenceEngine.forward(call)
+///     }
+/// }
+///
+/// let opts = Options::default();
+/// let x = Mat::<f32>::from_fn(3, 4, |i, j| (i + 2 * j) as f32 / 8.0);
+/// let call = Call::head(x.as_ref(), x.as_ref(), x.as_ref(), &opts);
+/// let (out, lse) = call.forward_head(&ForwardOnly).expect("every engine runs a head")?;
+/// let grad_out = Mat::<f32>::from_fn(3, 4, |i, j| if i == j { 1.0 } else { 0.0 });
+/// let grads = call.backward_head(&ForwardOnly, grad_out.as_ref(), out.as_ref(), &lse);
+/// assert!(grads.is_none()); // no backward pass: the backward properties do not apply
+///
+/// let g: Gradients = call
+///     .backward_head(&ReferenceEngine, grad_out.as_ref(), out.as_ref(), &lse)
+///     .expect("the reference has a backward pass")?;
+/// assert_eq!((g.dq.nrows(), g.dk.nrows(), g.dv.ncols()), (3, 3, 4));
+///
+/// let t = Tensor4::<f32>::zeros([1, 2, 3, 4]);
+/// let batched = ForwardOnly.backward(
+///     View::Batch(t.as_ref()),
+///     &Call::batched(t.as_ref(), t.as_ref(), t.as_ref(), &opts),
+///     Saved::new(View::Batch(t.as_ref()), &[0.0; 6]),
+/// );
+/// assert!(batched.is_none());
+/// # Ok::<(), attn_core::Error>(())
 /// ```
 pub trait Engine: Sync {
     /// A short name, used in failure reports and regression file names.
@@ -301,129 +474,36 @@ pub trait Engine: Sync {
         false
     }
 
-    /// One head: the output `[n_q, d_v]` and the natural-log LSE of each row
-    /// (`-inf` for a row with no visible key).
-    fn attention_with_lse(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        options: &Options<'_>,
-    ) -> Result<(Mat<f32>, Vec<f32>)>;
+    /// The forward pass of `call`: [`Output::Head`] for [`Operands::Head`] (the output
+    /// `[n_q, d_v]` and the natural-log LSE of each row, `-inf` for a row with no visible
+    /// key), [`Output::Batch`] for the others (`[batch, h_q, n_q, d_v]`, the LSE in
+    /// `[batch][h_q][n_q]` order; a packed call's `[1, h_q, total_q, d_v]`).
+    ///
+    /// A head call with a [`Call::plan`] is computed by parts and merged as the plan says;
+    /// implement it with [`MergePlan::fold`] over the engine's own partial state. `None`
+    /// for a call the engine does not run (a plan or a packed batch; never a plain head
+    /// or batched call): the properties that need it are skipped.
+    fn forward(&self, call: &Call<'_>) -> Option<Result<Output>>;
 
-    /// Batched, grouped-query attention over strided `[batch, heads, seq, dim]` views;
-    /// returns `[batch, h_q, n_q, d_v]`.
-    fn attention_batched(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        options: &Options<'_>,
-    ) -> Result<Tensor4<f32>>;
-
-    /// One head computed by parts and merged as `plan` says, then finished to the output
-    /// and LSE; `None` if the engine has no partial-state API (the merge properties are
-    /// then skipped). Implement it with [`MergePlan::fold`] over the engine's own state.
-    fn attention_split(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        options: &Options<'_>,
-        plan: &MergePlan,
-    ) -> Option<Result<(Mat<f32>, Vec<f32>)>> {
-        let _ = (q, k, v, options, plan);
-        None
-    }
-
-    /// The backward pass of one head: the gradients of a loss with respect to Q, K and V,
-    /// given the upstream gradient `grad_out` (dO, `[n_q, d_v]`) and what
-    /// [`Engine::attention_with_lse`] returned for the same operands and options, the
-    /// output `out` (`[n_q, d_v]`) and the natural-log LSE `lse` (`n_q` values).
+    /// The backward pass of `call`: the gradients of a loss with respect to Q, K and V,
+    /// given the upstream gradient `d_out` (dO, shaped like the output) and what
+    /// [`Engine::forward`] returned for the same call, its output and natural-log LSE
+    /// (`fwd`). The arguments come in the engines' order: the upstream gradient, the
+    /// operands (the call), the forward's output and LSE.
     ///
     /// With `P = exp(scale·QKᵀ + M − LSE)` recomputed and `D_i = Σ_t dO_it·O_it`:
     /// `dV = Pᵀ dO`, `dS = P ∘ (dO Vᵀ − D)`, `dQ = scale·dS K`, `dK = scale·dSᵀ Q`.
     /// A hidden key has `P = 0` and contributes nothing to any gradient; a row that sees
-    /// no key (LSE `-inf`) has `dQ = 0` and adds nothing to dK and dV, never NaN.
+    /// no key (LSE `-inf`) has `dQ = 0` and adds nothing to dK and dV, never NaN. The
+    /// gradients of a kv head shared by a group of query heads are summed over the group.
     /// Invalid operands are `Some(Err(_))` with the contract's [`attn_core::Error`].
     ///
-    /// `None` (the default) if the engine has no backward pass: the backward properties
-    /// skip such an engine, as the merge properties skip one without
-    /// [`Engine::attention_split`]. The oracle passes the engine's own forward result
-    /// (from [`Engine::attention_with_lse`]) as `out` and `lse`, and holds the gradients to
-    /// the backward bound ([`crate::bound::head_backward_bound`]), which accounts for the
-    /// forward's error in them.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        grad_out: MatRef<'_, f32>,
-        out: MatRef<'_, f32>,
-        lse: &[f32],
-        options: &Options<'_>,
-    ) -> Option<Result<Gradients>> {
-        let _ = (q, k, v, grad_out, out, lse, options);
-        None
-    }
-
-    /// [`Engine::attention_backward`] over strided `[batch, heads, seq, dim]` views with
-    /// grouped-query heads, as [`Engine::attention_batched`]: `grad_out` and `out` are
-    /// `[batch, h_q, n_q, d_v]` and `lse` holds the `batch·h_q·n_q` LSE values in
-    /// `[batch][h_q][n_q]` order. The gradients of a kv head shared by a group of query
-    /// heads are summed over the group. `None` (the default) if the engine has no
-    /// batched backward pass.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward_batched(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        grad_out: Tensor4Ref<'_, f32>,
-        out: Tensor4Ref<'_, f32>,
-        lse: &[f32],
-        options: &Options<'_>,
-    ) -> Option<Result<BatchGradients>> {
-        let _ = (q, k, v, grad_out, out, lse, options);
-        None
-    }
-
-    /// A packed batch of sequences of different lengths (varlen): Q `[1, h_q, total_q,
-    /// d_k]`, K and V `[1, h_kv, total_k, d]` (strided views), sequence `s` on the rows
-    /// `seqs.queries(s)` of Q and `seqs.keys(s)` of K and V, attending only within itself
-    /// (causal alignment and windows per sequence). Returns the output
-    /// `[1, h_q, total_q, d_v]` and the LSE in `[h_q][total_q]` order. `None` (the
-    /// default) if the engine has no packed mode: the packed properties skip it.
-    fn attention_packed(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        seqs: &CuSeqlens<'_>,
-        options: &Options<'_>,
-    ) -> Option<Result<(Tensor4<f32>, Vec<f32>)>> {
-        let _ = (q, k, v, seqs, options);
-        None
-    }
-
-    /// The backward pass of [`Engine::attention_packed`]: `grad_out` and `out` are
-    /// `[1, h_q, total_q, d_v]`, `lse` the `[h_q][total_q]` values; the gradients are
-    /// packed like their operands (a kv head's summed over its query heads). `None` (the
-    /// default) if the engine has no packed backward pass.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward_packed(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        grad_out: Tensor4Ref<'_, f32>,
-        out: Tensor4Ref<'_, f32>,
-        lse: &[f32],
-        seqs: &CuSeqlens<'_>,
-        options: &Options<'_>,
-    ) -> Option<Result<BatchGradients>> {
-        let _ = (q, k, v, grad_out, out, lse, seqs, options);
+    /// `None` (the default) if the engine has no backward pass for this kind of call: the
+    /// backward properties skip it. The oracle passes the engine's own forward result and
+    /// holds the gradients to the backward bound ([`crate::bound::head_backward_bound`]),
+    /// which accounts for the forward's error in them.
+    fn backward(&self, d_out: View<'_>, call: &Call<'_>, fwd: Saved<'_>) -> Option<Result<Grads>> {
+        let _ = (d_out, call, fwd);
         None
     }
 }
@@ -432,10 +512,9 @@ pub trait Engine: Sync {
 ///
 /// Its partial states are f64 `(O normalised, LSE)` pairs merged in f64, so the merge
 /// properties check the oracle's own plumbing against the textbook. Its backward pass is
-/// `attn_reference::attention_backward{,_batched}`: the f64 formula on its own exact
-/// forward (the given `out` and `lse` are checked for shape, not used), rounded to f32
-/// once, so the backward properties check the oracle's plumbing and the reference's
-/// invariants.
+/// `attn_reference`'s: the f64 formula on its own exact forward (the
+/// given output and LSE are checked for shape, not used), rounded to f32 once, so the
+/// backward properties check the oracle's plumbing and the reference's invariants.
 ///
 /// ```
 /// use attn_oracle::{check_engine, ReferenceEngine, SuiteConfig};
@@ -477,6 +556,40 @@ fn merge_ref(a: RefState, b: RefState) -> RefState {
     out
 }
 
+/// The reference's head call computed by parts as `plan` says, merged in f64.
+fn reference_split(
+    q: MatRef<'_, f32>,
+    k: MatRef<'_, f32>,
+    v: MatRef<'_, f32>,
+    options: &Options<'_>,
+    plan: &MergePlan,
+) -> Result<Forward<Mat<f32>>> {
+    let shape = validate_head(q, k, v, options)?;
+    let (n_q, n_k, d_v) = (shape.n_q, shape.n_k, shape.d_v);
+    let state = plan.fold(
+        &mut |range: Range<usize>| {
+            let allow = Mat::from_fn(n_q, n_k, |i, j| {
+                range.contains(&j) && options.bool_mask.is_none_or(|b| b.allows(i, j))
+            });
+            let mut opts = *options;
+            opts.bool_mask = Some(BoolMask::allow(allow.as_ref()));
+            let m = attn_reference::Attention::head(q, k, v, &opts)
+                .and_then(|call| call.materialized())?;
+            Ok(RefState {
+                o: m.output,
+                lse: m.lse,
+            })
+        },
+        &mut || RefState {
+            o: Mat::zeros(n_q, d_v),
+            lse: vec![f64::NEG_INFINITY; n_q],
+        },
+        &mut merge_ref,
+    )?;
+    let o = Mat::from_fn(n_q, d_v, |i, j| state.o[(i, j)] as f32);
+    Forward::head(o, state.lse.iter().map(|&x| x as f32).collect())
+}
+
 impl Engine for ReferenceEngine {
     fn name(&self) -> String {
         "reference".into()
@@ -494,132 +607,45 @@ impl Engine for ReferenceEngine {
         true
     }
 
-    fn attention_with_lse(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        options: &Options<'_>,
-    ) -> Result<(Mat<f32>, Vec<f32>)> {
-        let m = attn_reference::Attention::head(q, k, v, options)
-            .and_then(|call| call.materialized())?;
-        let o = Mat::from_fn(m.output.nrows(), m.output.ncols(), |i, j| {
-            m.output[(i, j)] as f32
-        });
-        Ok((o, m.lse.iter().map(|&x| x as f32).collect()))
+    fn forward(&self, call: &Call<'_>) -> Option<Result<Output>> {
+        use attn_reference::Attention;
+        let options = &call.options;
+        Some(match (call.operands, call.plan) {
+            (Operands::Head([q, k, v]), Some(plan)) => {
+                reference_split(q, k, v, options, plan).map(Output::Head)
+            }
+            (Operands::Head([q, k, v]), None) => Attention::head(q, k, v, options)
+                .and_then(|c| c.forward())
+                .map(Output::Head),
+            (Operands::Batched([q, k, v]), _) => Attention::batched(q, k, v, options)
+                .and_then(|c| c.forward())
+                .map(Output::Batch),
+            (Operands::Packed([q, k, v], seqs), _) => Attention::packed(q, k, v, &seqs, options)
+                .and_then(|c| c.forward())
+                .map(Output::Batch),
+        })
     }
 
-    fn attention_batched(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        options: &Options<'_>,
-    ) -> Result<Tensor4<f32>> {
-        attn_reference::Attention::batched(q, k, v, options)
-            .and_then(|call| call.forward())
-            .map(|f| f.into_output())
-    }
-
-    fn attention_split(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        options: &Options<'_>,
-        plan: &MergePlan,
-    ) -> Option<Result<(Mat<f32>, Vec<f32>)>> {
-        let run = || -> Result<(Mat<f32>, Vec<f32>)> {
-            let shape = validate_head(q, k, v, options)?;
-            let (n_q, n_k, d_v) = (shape.n_q, shape.n_k, shape.d_v);
-            let state = plan.fold(
-                &mut |range: Range<usize>| {
-                    let allow = Mat::from_fn(n_q, n_k, |i, j| {
-                        range.contains(&j) && options.bool_mask.is_none_or(|b| b.allows(i, j))
-                    });
-                    let mut opts = *options;
-                    opts.bool_mask = Some(BoolMask::allow(allow.as_ref()));
-                    let m = attn_reference::Attention::head(q, k, v, &opts)
-                        .and_then(|call| call.materialized())?;
-                    Ok(RefState {
-                        o: m.output,
-                        lse: m.lse,
-                    })
-                },
-                &mut || RefState {
-                    o: Mat::zeros(n_q, d_v),
-                    lse: vec![f64::NEG_INFINITY; n_q],
-                },
-                &mut merge_ref,
-            )?;
-            let o = Mat::from_fn(n_q, d_v, |i, j| state.o[(i, j)] as f32);
-            Ok((o, state.lse.iter().map(|&x| x as f32).collect()))
-        };
-        Some(run())
-    }
-
-    fn attention_backward(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        grad_out: MatRef<'_, f32>,
-        out: MatRef<'_, f32>,
-        lse: &[f32],
-        options: &Options<'_>,
-    ) -> Option<Result<Gradients>> {
-        Some(attn_reference::attention_backward(
-            grad_out, q, k, v, out, lse, options,
-        ))
-    }
-
-    fn attention_backward_batched(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        grad_out: Tensor4Ref<'_, f32>,
-        out: Tensor4Ref<'_, f32>,
-        lse: &[f32],
-        options: &Options<'_>,
-    ) -> Option<Result<BatchGradients>> {
-        Some(
-            attn_reference::Attention::batched(q, k, v, options).and_then(|call| {
-                call.backward(attn_reference::ForwardRef::batch(out, lse)?, grad_out)
-            }),
-        )
-    }
-
-    fn attention_packed(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        seqs: &CuSeqlens<'_>,
-        options: &Options<'_>,
-    ) -> Option<Result<(Tensor4<f32>, Vec<f32>)>> {
-        Some(
-            attn_reference::Attention::packed(q, k, v, seqs, options)
-                .and_then(|call| call.forward())
-                .map(|f| f.into_parts()),
-        )
-    }
-
-    fn attention_backward_packed(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        grad_out: Tensor4Ref<'_, f32>,
-        out: Tensor4Ref<'_, f32>,
-        lse: &[f32],
-        seqs: &CuSeqlens<'_>,
-        options: &Options<'_>,
-    ) -> Option<Result<BatchGradients>> {
-        Some(
-            attn_reference::Attention::packed(q, k, v, seqs, options).and_then(|call| {
-                call.backward(attn_reference::ForwardRef::batch(out, lse)?, grad_out)
-            }),
-        )
+    fn backward(&self, d_out: View<'_>, call: &Call<'_>, fwd: Saved<'_>) -> Option<Result<Grads>> {
+        use attn_reference::Attention;
+        let options = &call.options;
+        let lse = fwd.lse;
+        Some(match (call.operands, d_out, fwd.output) {
+            (Operands::Head([q, k, v]), View::Head(d_out), View::Head(out)) => {
+                attn_reference::attention_backward(d_out, q, k, v, out, lse, options)
+                    .map(Grads::Head)
+            }
+            (Operands::Batched([q, k, v]), View::Batch(d_out), View::Batch(out)) => {
+                Attention::batched(q, k, v, options)
+                    .and_then(|c| c.backward(ForwardRef::batch(out, lse)?, d_out))
+                    .map(Grads::Batch)
+            }
+            (Operands::Packed([q, k, v], seqs), View::Batch(d_out), View::Batch(out)) => {
+                Attention::packed(q, k, v, &seqs, options)
+                    .and_then(|c| c.backward(ForwardRef::batch(out, lse)?, d_out))
+                    .map(Grads::Batch)
+            }
+            _ => Err(wrong_kind()),
+        })
     }
 }

@@ -22,22 +22,18 @@
 //! `attn_oracle::engine_suite!(MyKernel);` makes one `#[test]` per property.
 //!
 //! ```
-//! use attn_core::{Options, Result, Tensor4, Tensor4Ref};
-//! use attn_oracle::{check_property, Engine, ErrorModel, Property, ReferenceEngine, SuiteConfig};
-//! use faer::{Mat, MatRef};
+//! use attn_core::Result;
+//! use attn_oracle::{check_property, Call, Engine, ErrorModel, Output, Property, ReferenceEngine, SuiteConfig};
 //!
 //! struct MyKernel;
 //! impl Engine for MyKernel {
 //!     fn name(&self) -> String { "my-kernel".into() }
 //!     // f32 scores and accumulators, an exp accurate to 2 ulp, no split-KV.
 //!     fn error_model(&self) -> ErrorModel { ErrorModel::f32_streaming(2.0, None) }
-//!     fn attention_with_lse(&self, q: MatRef<'_, f32>, k: MatRef<'_, f32>, v: MatRef<'_, f32>,
-//!                           o: &Options<'_>) -> Result<(Mat<f32>, Vec<f32>)> {
-//!         ReferenceEngine.attention_with_lse(q, k, v, o)
-//!     }
-//!     fn attention_batched(&self, q: Tensor4Ref<'_, f32>, k: Tensor4Ref<'_, f32>,
-//!                          v: Tensor4Ref<'_, f32>, o: &Options<'_>) -> Result<Tensor4<f32>> {
-//!         ReferenceEngine.attention_batched(q, k, v, o)
+//!     // Every call, forward: one head, a batch, packed, by parts (`None` for a call it
+//!     // does not run). A backward pass is `Engine::backward`.
+//!     fn forward(&self, call: &Call<'_>) -> Option<Result<Output>> {
+//!         ReferenceEngine.forward(call)
 //!     }
 //! }
 //! check_property(&MyKernel, Property::MaskedWeightsAreZero, &SuiteConfig::quick(8)).unwrap();
@@ -45,43 +41,42 @@
 //!
 //! # The properties
 //!
-//! | issue | test (= [`Property::name`]) | what it proves |
-//! |---|---|---|
-//! | 1 | `rows_sum_to_one_and_weights_lie_in_unit_interval` | with `V = I` the output is the weights: rows sum to 1 within the (tight) step-7 bound, weights in `[0, 1]` |
-//! | 2 | `masked_weights_are_exactly_zero` | every key hidden by causal TL/BR, window, padding, boolean allow/block or additive `-inf` has weight exactly 0 |
-//! | 2 | `hidden_keys_never_reach_the_output` | a NaN/±Inf K and V row does not reach the rows that cannot see it |
-//! | 3 | `fully_masked_row_is_zero_not_nan` | rows with no visible key (and `n_k = 0`) are exactly 0 with LSE `-inf`, single-head and batched |
-//! | 4 | `unscaled_softmax_entropy_collapses_scaled_does_not` (+ `tests/statistics.rs`) | the √d_k variance argument and its consequence (see [`stats`]) |
-//! | 5 | `single_head_matches_reference_within_derived_bound`, `batched_gqa_any_layout_matches_reference` | equivalence on tile-straddling shapes, `n_q ≠ n_k`, `d_v ≠ d_k`, GQA, both layouts and padded strides, every mask |
-//! | 6 | `adding_a_row_constant_changes_nothing`, `permuting_keys_and_values_changes_nothing`, `scaling_v_scales_the_output`, `batched_heads_equal_per_head_calls` (+ attn-optimized's `tests/multi_head_layer.rs`) | the invariances |
-//! | 7 | `merging_an_empty_state_is_the_identity_bit_for_bit`, `merge_is_associative_within_bound`, `splitting_keys_anywhere_equals_one_pass` | partial states, through [`Engine::attention_split`] |
-//! | 8 | `output_bits_do_not_depend_on_thread_count` | identical bits with 1, 2 and 3 rayon threads |
-//! | 9 | `adversarial_values_stay_finite_and_within_bound` | logits to ±1e4, scale × 1000, subnormals, ties, identical keys, `-inf`/±1e4 biases, edge-of-range values |
-//! | — | `malformed_input_is_the_reference_error` | the same [`attn_core::Error`] as the reference, never a panic |
-//!
-//! | 16 | every forward property above | its cases draw soft-caps (`c ∈ [0.5, 50]`), ALiBi slopes (per head or per (batch, head), either alignment, zeros among them), sinks (`-inf` among them) and user score and mask modifiers ([`user_mods`]); backward cases do not yet ([`BACKWARD_MODIFIERS`]) |
-//! | 16 | `softcapped_scores_never_exceed_the_cap` | the reference's capped scores lie in `[−c, c]`; the engine's LSE in the range they allow, its weights within `e^{2c}` of each other |
-//! | 16 | `zero_alibi_slopes_are_no_alibi_bit_for_bit`, `neg_inf_sinks_are_no_sinks_bit_for_bit` | the identities, single head and batched |
-//! | 16 | `a_sink_takes_its_share_and_fills_empty_rows` | the reference's weights sum to `1 − exp(σ − LSE)` (f64 rounding); a row that sees nothing has output 0 and LSE `σ` exactly |
-//! | 16 | `a_user_softcap_is_the_builtin` | a user `ScoreMod` computing `SoftCap::apply_f32` is within the bound of the built-in's reference, and bit for bit the built-in where [`Engine::user_score_mod_bits_match_builtins`] |
-//! | 16 | `a_user_causal_mask_is_causal_top_left` | a user `MaskMod` re-implementing causal top-left: bit for bit `Causal::TopLeft` where [`Engine::user_mask_mod_bits_match_structural`] (prefill), within the bound otherwise; no block it calls hidden is computed |
-//! | 14 | `gradients_match_reference_within_derived_bound`, `batched_gqa_gradients_match_reference` | dQ, dK, dV within the derived backward bound of the f64 reference, given the engine's own forward output and LSE: every mask kind, `n_q ≠ n_k`, `d_v ≠ d_k`, GQA/MQA, both layouts and padded strides |
-//! | 14 | `score_gradient_rows_sum_to_zero` | the reference's rows of `dS` sum to 0 (f64 bound); the engine's columns of dK sum to 0 within the sum of their bounds |
-//! | 14 | `keys_no_query_sees_get_exactly_zero_gradient` | a key hidden from every query (padding, boolean column, `-inf` column) has dK = dV = 0 exactly with NaN/±Inf in its K, V rows and in a query's Q, dO rows, whose poison reaches nothing it cannot see |
-//! | 14 | `fully_masked_rows_have_zero_query_gradient` | rows with no visible key have dQ = 0 exactly, no gradient is NaN, single-head and batched |
-//! | 14 | `gqa_gradients_are_group_sums_of_mha` | grouped-query dK, dV ≡ the group sums of the multi-head gradients with K, V replicated, within the bounds |
-//! | 14 | `scaling_grad_out_scales_gradients_bit_for_bit` | `dO ↦ 2^k·dO` scales every gradient by `2^k` exactly |
-//! | 14 | `gradient_bits_do_not_depend_on_thread_count` | identical gradient bits with 1, 2 and 3 rayon threads, single-head and batched (groups up to 4 heads) |
+//! | test (= [`Property::name`]) | what it proves |
+//! |---|---|
+//! | `rows_sum_to_one_and_weights_lie_in_unit_interval` | with `V = I` the output is the weights: rows sum to 1 within the (tight) step-7 bound, weights in `[0, 1]` |
+//! | `masked_weights_are_exactly_zero` | every key hidden by causal TL/BR, window, padding, boolean allow/block or additive `-inf` has weight exactly 0 |
+//! | `hidden_keys_never_reach_the_output` | a NaN/±Inf K and V row does not reach the rows that cannot see it |
+//! | `fully_masked_row_is_zero_not_nan` | rows with no visible key (and `n_k = 0`) are exactly 0 with LSE `-inf`, single-head and batched |
+//! | `unscaled_softmax_entropy_collapses_scaled_does_not` (+ `tests/statistics.rs`) | the √d_k variance argument and its consequence (see [`stats`]) |
+//! | `single_head_matches_reference_within_derived_bound`, `batched_gqa_any_layout_matches_reference` | equivalence on tile-straddling shapes, `n_q ≠ n_k`, `d_v ≠ d_k`, GQA, both layouts and padded strides, every mask |
+//! | `adding_a_row_constant_changes_nothing`, `permuting_keys_and_values_changes_nothing`, `scaling_v_scales_the_output`, `batched_heads_equal_per_head_calls` (+ attn-optimized's `tests/multi_head_layer.rs`) | the invariances |
+//! | `merging_an_empty_state_is_the_identity_bit_for_bit`, `merge_is_associative_within_bound`, `splitting_keys_anywhere_equals_one_pass` | partial states, through a [`Call`] with a split plan ([`Call::split`]) |
+//! | `output_bits_do_not_depend_on_thread_count` | identical bits with 1, 2 and 3 rayon threads |
+//! | `adversarial_values_stay_finite_and_within_bound` | logits to ±1e4, scale × 1000, subnormals, ties, identical keys, `-inf`/±1e4 biases, edge-of-range values |
+//! | `malformed_input_is_the_reference_error` | the same [`attn_core::Error`] as the reference, never a panic |
+//! | every forward property above | its cases draw soft-caps (`c ∈ [0.5, 50]`), ALiBi slopes (per head or per (batch, head), either alignment, zeros among them), sinks (`-inf` among them) and user score and mask modifiers ([`user_mods`]); backward cases do not yet ([`BACKWARD_MODIFIERS`]) |
+//! | `softcapped_scores_never_exceed_the_cap` | the reference's capped scores lie in `[−c, c]`; the engine's LSE in the range they allow, its weights within `e^{2c}` of each other |
+//! | `zero_alibi_slopes_are_no_alibi_bit_for_bit`, `neg_inf_sinks_are_no_sinks_bit_for_bit` | the identities, single head and batched |
+//! | `a_sink_takes_its_share_and_fills_empty_rows` | the reference's weights sum to `1 − exp(σ − LSE)` (f64 rounding); a row that sees nothing has output 0 and LSE `σ` exactly |
+//! | `a_user_softcap_is_the_builtin` | a user `ScoreMod` computing `SoftCap::apply_f32` is within the bound of the built-in's reference, and bit for bit the built-in where [`Engine::user_score_mod_bits_match_builtins`] |
+//! | `a_user_causal_mask_is_causal_top_left` | a user `MaskMod` re-implementing causal top-left: bit for bit `Causal::TopLeft` where [`Engine::user_mask_mod_bits_match_structural`] (prefill), within the bound otherwise; no block it calls hidden is computed |
+//! | `gradients_match_reference_within_derived_bound`, `batched_gqa_gradients_match_reference` | dQ, dK, dV within the derived backward bound of the f64 reference, given the engine's own forward output and LSE: every mask kind, `n_q ≠ n_k`, `d_v ≠ d_k`, GQA/MQA, both layouts and padded strides |
+//! | `score_gradient_rows_sum_to_zero` | the reference's rows of `dS` sum to 0 (f64 bound); the engine's columns of dK sum to 0 within the sum of their bounds |
+//! | `keys_no_query_sees_get_exactly_zero_gradient` | a key hidden from every query (padding, boolean column, `-inf` column) has dK = dV = 0 exactly with NaN/±Inf in its K, V rows and in a query's Q, dO rows, whose poison reaches nothing it cannot see |
+//! | `fully_masked_rows_have_zero_query_gradient` | rows with no visible key have dQ = 0 exactly, no gradient is NaN, single-head and batched |
+//! | `gqa_gradients_are_group_sums_of_mha` | grouped-query dK, dV ≡ the group sums of the multi-head gradients with K, V replicated, within the bounds |
+//! | `scaling_grad_out_scales_gradients_bit_for_bit` | `dO ↦ 2^k·dO` scales every gradient by `2^k` exactly |
+//! | `gradient_bits_do_not_depend_on_thread_count` | identical gradient bits with 1, 2 and 3 rayon threads, single-head and batched (groups up to 4 heads) |
 //!
 //! The backward properties ([`Property::is_backward`]) run for an engine whose
-//! [`Engine::attention_backward`] returns `Some` (the batched ones for
-//! [`Engine::attention_backward_batched`]); an engine without a backward pass keeps the
-//! defaults, which return `None`, and those properties are skipped with a note, as the
-//! merge properties are for an engine without [`Engine::attention_split`].
+//! [`Engine::backward`] returns `Some` for a head call (the batched ones for a batched
+//! call); an engine without a backward pass keeps the default, which returns `None`, and
+//! those properties are skipped with a note, as the merge properties are for an engine
+//! whose [`Engine::forward`] returns `None` for a split plan.
 //!
 //! Hostile inputs have their own module, [`hostile`]: generators of shapes up to `usize::MAX`
 //! (broadcast views), every stride sign, options and values at their extremes, and the checks
-//! of what every call must return on them (issue 13's robustness suite; attn-optimized runs
+//! of what every call must return on them (the robustness suite; attn-optimized runs
 //! them on all its entry points in `tests/robustness.rs`).
 //!
 //! # Case counts and deep runs
@@ -97,7 +92,7 @@
 //! (`cargo test -p attn-optimized --test conformance`); the 8 backward properties add
 //! about 3 s of CPU time for the reference and about 3.5 s for the three streaming engines
 //! together.
-//! Issue 16's six modifier properties run 128 cases each (every other forward property's
+//! The six modifier properties run 128 cases each (every other forward property's
 //! cases draw modifiers too, at no extra count). With them, on a 2-core machine with other
 //! work running, test binaries built, the reference's whole suite took 46 s and
 //! attn-optimized's (three storage types, 108 tests) 60 s.
@@ -125,11 +120,12 @@ pub mod user_mods;
 pub use case::{
     AdditiveRecipe, AlibiRecipe, BACKWARD_MODIFIERS, BatchCase, BatchInputs, Bias, BoolRecipe,
     BuiltMasks, HeadCase, HeadInputs, HeadSlot, KeyPattern, MaskRecipe, ModRecipe, OwnedTensor,
-    Shapes, Sinks, Slopes, TensorLayout, Values, adversarial_case, batch_case, edge_lengths,
+    Rng, Shapes, Sinks, Slopes, TensorLayout, Values, adversarial_case, batch_case, edge_lengths,
     head_case, head_case_with, length, masks, modifiers, width,
 };
 pub use engine::{
-    BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan, ReferenceEngine,
+    BatchGradients, Call, Compute, Dtype, Engine, ErrorModel, Gradients, Grads, MergePlan,
+    Operands, Output, ReferenceEngine, Saved, View, edge_magnitude,
 };
 pub use properties::{
     BatchGradCase, Defect, GradCase, KeyHider, Mask4Case, Mask4Recipe, PackedCase, RowHider,

@@ -17,8 +17,10 @@
 use attn_core::Options;
 use faer::Mat;
 
+use crate::Call;
 use crate::Engine;
 use crate::case::Rng;
+use crate::engine::required;
 
 /// Chebyshev multiplier: a deviation of 10 standard deviations has probability ≤ 1 %.
 pub const CHEBYSHEV_K: f64 = 10.0;
@@ -139,9 +141,9 @@ pub fn mean_entropy(
         scale,
         ..Options::default()
     };
-    let (w, _) = engine
-        .attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-        .map_err(|e| e.to_string())?;
+    let (w, _) =
+        required(Call::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts).forward_head(engine))
+            .map_err(|e| e.to_string())?;
     let h: f64 = (0..n_q)
         .map(|i| {
             (0..n_k)

@@ -221,13 +221,13 @@ impl Property {
             Property::BatchedBackwardEquivalence
             | Property::GqaGradientsAreGroupSums
             | Property::BackwardDeterminism => 32,
-            // Issue 17: batched and packed cases of several heads each, kept few so that
+            // Batched and packed cases of several heads each, kept few so that
             // the suite's runtime stays moderate.
             Property::PerHeadMasks
             | Property::BroadcastMaskIsShared
             | Property::PackedSequences => 64,
             Property::PerHeadMaskGradients | Property::PackedGradients => 24,
-            // Issue 16: every other forward property draws modifiers too; these target
+            // Every other forward property draws modifiers too; these target
             // one identity each, two or four engine calls per case.
             Property::SoftCapBoundsScores
             | Property::ZeroSlopesAreNoAlibi

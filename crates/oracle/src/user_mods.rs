@@ -38,11 +38,11 @@ fn cap() -> SoftCap {
 
 impl ScoreMod for Capped {
     #[inline(always)]
-    fn score(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
-        cap().apply_f32(s).0
+    fn score(&self, s: f32, b: usize, h: usize, i: usize, j: usize) -> f32 {
+        UserSoftCap(cap()).score(s, b, h, i, j)
     }
-    fn derivative(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
-        cap().apply_f32(s).1
+    fn derivative(&self, s: f32, b: usize, h: usize, i: usize, j: usize) -> f32 {
+        UserSoftCap(cap()).derivative(s, b, h, i, j)
     }
 }
 

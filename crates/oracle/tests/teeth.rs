@@ -3,11 +3,12 @@
 //! that should catch it. Run with `--nocapture` to see each failure and its shrunk input.
 
 use attn_core::{
-    HeadMask, HeadModifiers, Options, Result, ScoreTile, Tensor4, Tensor4Ref, validate_batch,
-    validate_batch_backward, validate_head, validate_head_backward,
+    Forward, HeadMask, HeadModifiers, Options, Result, ScoreTile, Tensor4, Tensor4Ref,
+    validate_batch, validate_batch_backward, validate_head, validate_head_backward,
 };
 use attn_oracle::{
-    BatchGradients, Compute, Dtype, Engine, ErrorModel, Failure, Gradients, Property, SuiteConfig,
+    BatchGradients, Call, Compute, Dtype, Engine, ErrorModel, Failure, Gradients, Grads, Operands,
+    Output, Property, Saved, SuiteConfig, View,
 };
 use faer::{Mat, MatRef};
 
@@ -275,10 +276,10 @@ impl Toy {
     #[allow(clippy::too_many_arguments)]
     fn head_backward(
         &self,
+        grad_out: MatRef<'_, f32>,
         q: MatRef<'_, f32>,
         k: MatRef<'_, f32>,
         v: MatRef<'_, f32>,
-        grad_out: MatRef<'_, f32>,
         out: MatRef<'_, f32>,
         lse: &[f32],
         options: &Options<'_>,
@@ -405,32 +406,64 @@ impl Engine for Toy {
         true
     }
 
-    fn attention_with_lse(
+    fn forward(&self, call: &Call<'_>) -> Option<Result<Output>> {
+        let options = &call.options;
+        match (call.operands, call.plan) {
+            (Operands::Head([q, k, v]), None) => Some(self.forward_head(q, k, v, options)),
+            (Operands::Batched([q, k, v]), _) => Some(self.forward_batched(q, k, v, options)),
+            _ => None, // no partial states, no packed mode
+        }
+    }
+
+    fn backward(&self, d_out: View<'_>, call: &Call<'_>, fwd: Saved<'_>) -> Option<Result<Grads>> {
+        let (options, lse) = (&call.options, fwd.lse);
+        match (call.operands, d_out, fwd.output) {
+            (Operands::Head([q, k, v]), View::Head(grad_out), View::Head(out)) => {
+                let run = || {
+                    validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
+                    let key_length = options.key_length(0);
+                    self.head_backward(grad_out, q, k, v, out, lse, options, key_length)
+                };
+                Some(run().map(Grads::Head))
+            }
+            (Operands::Batched([q, k, v]), View::Batch(grad_out), View::Batch(out)) => Some(
+                self.backward_batched(grad_out, q, k, v, out, lse, options)
+                    .map(Grads::Batch),
+            ),
+            _ => None,
+        }
+    }
+}
+
+impl Toy {
+    fn forward_head(
         &self,
         q: MatRef<'_, f32>,
         k: MatRef<'_, f32>,
         v: MatRef<'_, f32>,
         options: &Options<'_>,
-    ) -> Result<(Mat<f32>, Vec<f32>)> {
+    ) -> Result<Output> {
         validate_head(q, k, v, options)?;
-        self.head(q, k, v, options, options.key_length(0), (0, 0, 1))
+        let (o, lse) = self.head(q, k, v, options, options.key_length(0), (0, 0, 1))?;
+        Forward::head(o, lse).map(Output::Head)
     }
 
-    fn attention_batched(
+    fn forward_batched(
         &self,
         q: Tensor4Ref<'_, f32>,
         k: Tensor4Ref<'_, f32>,
         v: Tensor4Ref<'_, f32>,
         options: &Options<'_>,
-    ) -> Result<Tensor4<f32>> {
+    ) -> Result<Output> {
         let shape = validate_batch(q, k, v, options)?;
         let mut out = Tensor4::zeros([shape.batch, shape.h_q, shape.head.n_q, shape.head.d_v]);
+        let mut lse = Vec::with_capacity(shape.batch * shape.h_q * shape.head.n_q);
         for b in 0..shape.batch {
             for h in 0..shape.h_q {
                 let kv = shape.kv_head(h);
                 let (n_q, n_k) = (shape.head.n_q, shape.head.n_k);
                 let single = head_options(self.0, options, (b, h), n_q, n_k)?;
-                let (o, _) = self.head(
+                let (o, l) = self.head(
                     q.head(b, h)?,
                     k.head(b, kv)?,
                     v.head(b, kv)?,
@@ -440,78 +473,60 @@ impl Engine for Toy {
                 )?;
                 let mut view = out.as_mut();
                 view.head_mut(b, h)?.copy_from(&o);
+                lse.extend(l);
             }
         }
-        Ok(out)
+        Forward::batch(out, lse).map(Output::Batch)
     }
 
-    fn attention_backward(
+    #[allow(clippy::too_many_arguments)]
+    fn backward_batched(
         &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        grad_out: MatRef<'_, f32>,
-        out: MatRef<'_, f32>,
-        lse: &[f32],
-        options: &Options<'_>,
-    ) -> Option<Result<Gradients>> {
-        let run = || {
-            validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
-            self.head_backward(q, k, v, grad_out, out, lse, options, options.key_length(0))
-        };
-        Some(run())
-    }
-
-    fn attention_backward_batched(
-        &self,
+        grad_out: Tensor4Ref<'_, f32>,
         q: Tensor4Ref<'_, f32>,
         k: Tensor4Ref<'_, f32>,
         v: Tensor4Ref<'_, f32>,
-        grad_out: Tensor4Ref<'_, f32>,
         out: Tensor4Ref<'_, f32>,
         lse: &[f32],
         options: &Options<'_>,
-    ) -> Option<Result<BatchGradients>> {
-        let run = || {
-            let (shape, _) = validate_batch_backward(q, k, v, grad_out, out, lse.len(), options)?;
-            let (n_q, n_k) = (shape.head.n_q, shape.head.n_k);
-            let (d_k, d_v) = (shape.head.d_k, shape.head.d_v);
-            let mut dq = Tensor4::zeros([shape.batch, shape.h_q, n_q, d_k]);
-            let mut dk = Tensor4::zeros([shape.batch, shape.h_kv, n_k, d_k]);
-            let mut dv = Tensor4::zeros([shape.batch, shape.h_kv, n_k, d_v]);
-            for b in 0..shape.batch {
-                let mut heads = Vec::with_capacity(shape.h_q);
-                for h in 0..shape.h_q {
-                    let kv = shape.kv_head(h);
-                    let at = (b * shape.h_q + h) * n_q;
-                    let single = head_options(self.0, options, (b, h), n_q, n_k)?;
-                    let g = self.head_backward(
-                        q.head(b, h)?,
-                        k.head(b, kv)?,
-                        v.head(b, kv)?,
-                        grad_out.head(b, h)?,
-                        out.head(b, h)?,
-                        &lse[at..at + n_q],
-                        &single,
-                        options.key_length(b),
-                    )?;
-                    dq.as_mut().head_mut(b, h)?.copy_from(&g.dq);
-                    heads.push(g);
-                }
-                for kv in 0..shape.h_kv {
-                    let group: Vec<&Gradients> = (0..shape.h_q)
-                        .filter(|&h| shape.kv_head(h) == kv)
-                        .map(|h| &heads[h])
-                        .collect();
-                    let sk = self.group_sum(&group.iter().map(|g| &g.dk).collect::<Vec<_>>());
-                    let sv = self.group_sum(&group.iter().map(|g| &g.dv).collect::<Vec<_>>());
-                    dk.as_mut().head_mut(b, kv)?.copy_from(&sk);
-                    dv.as_mut().head_mut(b, kv)?.copy_from(&sv);
-                }
+    ) -> Result<BatchGradients> {
+        let (shape, _) = validate_batch_backward(q, k, v, grad_out, out, lse.len(), options)?;
+        let (n_q, n_k) = (shape.head.n_q, shape.head.n_k);
+        let (d_k, d_v) = (shape.head.d_k, shape.head.d_v);
+        let mut dq = Tensor4::zeros([shape.batch, shape.h_q, n_q, d_k]);
+        let mut dk = Tensor4::zeros([shape.batch, shape.h_kv, n_k, d_k]);
+        let mut dv = Tensor4::zeros([shape.batch, shape.h_kv, n_k, d_v]);
+        for b in 0..shape.batch {
+            let mut heads = Vec::with_capacity(shape.h_q);
+            for h in 0..shape.h_q {
+                let kv = shape.kv_head(h);
+                let at = (b * shape.h_q + h) * n_q;
+                let single = head_options(self.0, options, (b, h), n_q, n_k)?;
+                let g = self.head_backward(
+                    grad_out.head(b, h)?,
+                    q.head(b, h)?,
+                    k.head(b, kv)?,
+                    v.head(b, kv)?,
+                    out.head(b, h)?,
+                    &lse[at..at + n_q],
+                    &single,
+                    options.key_length(b),
+                )?;
+                dq.as_mut().head_mut(b, h)?.copy_from(&g.dq);
+                heads.push(g);
             }
-            Ok(BatchGradients::new(dq, dk, dv))
-        };
-        Some(run())
+            for kv in 0..shape.h_kv {
+                let group: Vec<&Gradients> = (0..shape.h_q)
+                    .filter(|&h| shape.kv_head(h) == kv)
+                    .map(|h| &heads[h])
+                    .collect();
+                let sk = self.group_sum(&group.iter().map(|g| &g.dk).collect::<Vec<_>>());
+                let sv = self.group_sum(&group.iter().map(|g| &g.dv).collect::<Vec<_>>());
+                dk.as_mut().head_mut(b, kv)?.copy_from(&sk);
+                dv.as_mut().head_mut(b, kv)?.copy_from(&sv);
+            }
+        }
+        Ok(BatchGradients::new(dq, dk, dv))
     }
 }
 
@@ -573,105 +588,37 @@ fn toy_engine_without_bugs_passes_every_property() {
     );
 }
 
-#[test]
-fn skipped_rescale_is_caught() {
-    caught_by(
-        Bug::SkipRescale,
-        &[Property::Equivalence, Property::BatchedEquivalence],
-    );
+/// One test per planted bug: it must fail at least the properties listed.
+macro_rules! caught {
+    ($($test:ident: $bug:ident => [$($property:ident),+];)*) => {
+        $(
+            #[test]
+            fn $test() {
+                caught_by(Bug::$bug, &[$(Property::$property),+]);
+            }
+        )*
+    };
 }
 
-#[test]
-fn causal_off_by_one_is_caught() {
-    caught_by(
-        Bug::CausalOffByOne,
-        &[Property::MaskedWeightsAreZero, Property::Equivalence],
-    );
-}
-
-#[test]
-fn softmax_along_the_wrong_axis_is_caught() {
-    caught_by(
-        Bug::WrongAxis,
-        &[Property::RowsSumToOne, Property::Equivalence],
-    );
-}
-
-#[test]
-fn missing_empty_row_guard_is_caught() {
-    caught_by(Bug::NoEmptyRowGuard, &[Property::FullyMaskedRows]);
-}
-
-#[test]
-fn zero_times_hidden_value_is_caught() {
-    caught_by(Bug::ZeroTimesHiddenV, &[Property::HiddenKeysNeverLeak]);
-}
-
-#[test]
-fn missing_max_subtraction_is_caught() {
-    caught_by(
-        Bug::NoMaxSubtraction,
-        &[Property::Adversarial, Property::RowShift],
-    );
-}
-
-#[test]
-fn missing_d_term_is_caught() {
-    caught_by(
-        Bug::MissingD,
-        &[
-            Property::BackwardEquivalence,
-            Property::BatchedBackwardEquivalence,
-            Property::ScoreGradientRowsSumToZero,
-        ],
-    );
-}
-
-#[test]
-fn transposed_score_gradient_is_caught() {
-    caught_by(
-        Bug::TransposedDs,
-        &[
-            Property::BackwardEquivalence,
-            Property::BatchedBackwardEquivalence,
-        ],
-    );
-}
-
-#[test]
-fn forgotten_scale_in_the_backward_is_caught() {
-    caught_by(
-        Bug::ForgottenScale,
-        &[
-            Property::BackwardEquivalence,
-            Property::BatchedBackwardEquivalence,
-        ],
-    );
-}
-
-#[test]
-fn mask_skipped_in_the_recompute_is_caught() {
-    caught_by(
-        Bug::MaskSkippedInRecompute,
-        &[Property::BackwardEquivalence, Property::BackwardHiddenKeys],
-    );
-}
-
-#[test]
-fn masks_of_the_wrong_head_are_caught() {
-    caught_by(Bug::FirstHeadMask, &[Property::PerHeadMasks]);
-}
-
-#[test]
-fn an_ignored_sink_is_caught() {
-    caught_by(
-        Bug::IgnoreSink,
-        &[
-            Property::SinkTakesItsShare,
-            Property::Equivalence,
-            Property::RowsSumToOne,
-        ],
-    );
+caught! {
+    skipped_rescale_is_caught: SkipRescale => [Equivalence, BatchedEquivalence];
+    causal_off_by_one_is_caught: CausalOffByOne => [MaskedWeightsAreZero, Equivalence];
+    softmax_along_the_wrong_axis_is_caught: WrongAxis => [RowsSumToOne, Equivalence];
+    missing_empty_row_guard_is_caught: NoEmptyRowGuard => [FullyMaskedRows];
+    zero_times_hidden_value_is_caught: ZeroTimesHiddenV => [HiddenKeysNeverLeak];
+    missing_max_subtraction_is_caught: NoMaxSubtraction => [Adversarial, RowShift];
+    missing_d_term_is_caught: MissingD =>
+        [BackwardEquivalence, BatchedBackwardEquivalence, ScoreGradientRowsSumToZero];
+    transposed_score_gradient_is_caught: TransposedDs =>
+        [BackwardEquivalence, BatchedBackwardEquivalence];
+    forgotten_scale_in_the_backward_is_caught: ForgottenScale =>
+        [BackwardEquivalence, BatchedBackwardEquivalence];
+    mask_skipped_in_the_recompute_is_caught: MaskSkippedInRecompute =>
+        [BackwardEquivalence, BackwardHiddenKeys];
+    masks_of_the_wrong_head_are_caught: FirstHeadMask => [PerHeadMasks];
+    an_ignored_sink_is_caught: IgnoreSink => [SinkTakesItsShare, Equivalence, RowsSumToOne];
+    unskipped_hidden_user_blocks_are_caught: UnskippedUserBlocks => [UserCausalMaskIsTopLeft];
+    group_sum_in_thread_order_is_caught: GroupSumInThreadOrder => [BackwardDeterminism];
 }
 
 /// Fails unless at least one of `any` catches `bug`: for bugs that only cases of some
@@ -697,17 +644,4 @@ fn alibi_aligned_top_left_is_caught() {
             Property::RowShift,
         ],
     );
-}
-
-#[test]
-fn unskipped_hidden_user_blocks_are_caught() {
-    caught_by(
-        Bug::UnskippedUserBlocks,
-        &[Property::UserCausalMaskIsTopLeft],
-    );
-}
-
-#[test]
-fn group_sum_in_thread_order_is_caught() {
-    caught_by(Bug::GroupSumInThreadOrder, &[Property::BackwardDeterminism]);
 }

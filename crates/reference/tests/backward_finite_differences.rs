@@ -26,10 +26,13 @@
 //! magnitude 1 the tolerance is about `1e-8`, the gradients about `1e-2` to `1`: a
 //! missing term, a wrong sign or a transposition misses by orders of magnitude.
 
+mod common;
+
 use attn_reference::{
     Attention, BoolMask, Causal, ForwardRef, Layout, Materialized, Options, SlidingWindow,
     Tensor4Ref,
 };
+use common::Rng;
 use faer::{Mat, MatRef};
 
 /// The step: `2⁻¹⁶`.
@@ -39,29 +42,6 @@ const U: f64 = f64::EPSILON / 2.0;
 
 fn gamma(n: f64) -> f64 {
     n * U / (1.0 - n * U)
-}
-
-/// SplitMix64: the same values on every machine.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// A multiple of `2⁻²⁰` in `[−1, 1]`: `x ± H` is exact.
-    fn entry(&mut self) -> f64 {
-        ((self.next() % (2 * (1 << 20) + 1)) as f64 - (1 << 20) as f64) / (1 << 20) as f64
-    }
-
-    fn mat(&mut self, rows: usize, cols: usize) -> Mat<f64> {
-        let data: Vec<f64> = (0..rows * cols).map(|_| self.entry()).collect();
-        Mat::from_fn(rows, cols, |i, j| data[i * cols + j])
-    }
 }
 
 /// `Σ_ic dO_ic·O_ic` in f64.
@@ -331,7 +311,7 @@ fn additive_mask() {
         if rng.next().is_multiple_of(5) {
             f32::NEG_INFINITY
         } else {
-            (rng.entry() * 3.0) as f32
+            (rng.entry(1.0) * 3.0) as f32
         }
     });
     let opts = Options::default().with_additive_mask(bias.as_ref());
@@ -393,7 +373,7 @@ fn check_batched(
 ) {
     let [n_q, n_k, d_k, d_v] = dims;
     let mut rng = Rng(seed);
-    let mut vec = |n: usize| (0..n).map(|_| rng.entry()).collect::<Vec<f64>>();
+    let mut vec = |n: usize| (0..n).map(|_| rng.entry(1.0)).collect::<Vec<f64>>();
     let (q, k, v, dout) = (
         vec(batch * h_q * n_q * d_k),
         vec(batch * h_kv * n_k * d_k),

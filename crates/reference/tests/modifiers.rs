@@ -1,4 +1,4 @@
-//! The score modifiers in the reference (issue 16, forward): soft-capping, ALiBi and sink
+//! The score modifiers in the reference (forward): soft-capping, ALiBi and sink
 //! logits, by their definitions.
 
 use attn_core::{Alibi, Causal, Error, Layout, Options, SoftCap, Tensor4Ref};

@@ -1,4 +1,4 @@
-//! The reference's backward pass through the score modifiers (issue 16) against central
+//! The reference's backward pass through the score modifiers against central
 //! finite differences of its own f64 forward.
 //!
 //! For a fixed upstream gradient `dO`, `L = Σ dO·O` has `∂L/∂X = dX` for `X ∈ {Q, K, V}`
@@ -20,11 +20,14 @@
 //! below, the teeth: `3.5e-2` for a soft-cap, `8.5e-3` for the cubic user modifier), a
 //! wrong sign by `2|g|`.
 
+mod common;
+
 use attn_core::{
     Alibi, BatchGradients, Causal, CuSeqlens, Layout, MaskMod, Options, ScoreMod, SlidingWindow,
     SoftCap, Tensor4Ref, TileCoverage,
 };
 use attn_reference::{Attention, BoolMask, ForwardRef, attention_backward};
+use common::Rng;
 use core::ops::Range;
 use faer::Mat;
 
@@ -33,31 +36,19 @@ const H_F32: f64 = 1.0 / 32.0;
 const TOL: f64 = 1e-7;
 const TOL_F32: f64 = 1e-5;
 
-/// SplitMix64: the same values on every machine.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// A multiple of `2⁻²⁰` in `[−amp, amp]` (`amp` a power of two).
-    fn entry(&mut self, amp: f64) -> f64 {
-        amp * (((self.next() % (2 * (1 << 20) + 1)) as f64 - (1 << 20) as f64) / (1 << 20) as f64)
-    }
-
-    fn vec(&mut self, n: usize, amp: f64) -> Vec<f64> {
-        (0..n).map(|_| self.entry(amp)).collect()
-    }
-
-    /// A sink logit: a multiple of `2⁻¹⁰` in `[−2, 2]`, so `σ ± h` is exact in f32.
-    fn sink(&mut self) -> f32 {
-        ((self.next() % 4097) as f32 - 2048.0) / 1024.0
-    }
+/// One head's gradients for the upstream gradient `d_out`: the free `attention_backward` on
+/// the call's own forward output and LSE.
+fn forward_backward(
+    [q, k, v]: [&Mat<f64>; 3],
+    d_out: &Mat<f64>,
+    opts: &Options<'_>,
+) -> attn_core::Gradients<f64> {
+    let (q, k, v) = (q.as_ref(), k.as_ref(), v.as_ref());
+    let (out, lse) = Attention::head(q, k, v, opts)
+        .and_then(|call| call.forward())
+        .map(|f| f.into_parts())
+        .unwrap();
+    attention_backward(d_out.as_ref(), q, k, v, out.as_ref(), &lse, opts).unwrap()
 }
 
 /// `s + 0.05·s² − 0.01·s³`, a smooth user modifier with its exact derivative (f32).
@@ -425,20 +416,7 @@ fn a_single_head_call_is_the_batched_call_of_one_head() {
         mat(&p.d_out, 5, 2),
     );
     let opts = build(p.sinks.as_deref());
-    let (out, lse) = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-        .and_then(|call| call.forward())
-        .map(|f| f.into_parts())
-        .unwrap();
-    let one = attention_backward(
-        g.as_ref(),
-        q.as_ref(),
-        k.as_ref(),
-        v.as_ref(),
-        out.as_ref(),
-        &lse,
-        &opts,
-    )
-    .unwrap();
+    let one = forward_backward([&q, &k, &v], &g, &opts);
     let batched = p.gradients(build);
     let flat = |m: &Mat<f64>| {
         (0..m.nrows())
@@ -603,20 +581,7 @@ fn the_boolean_mask_with_a_soft_cap_matches_finite_differences() {
             .map(|ic| out[ic] * g[ic])
             .sum::<f64>()
     };
-    let (out, lse) = Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-        .and_then(|call| call.forward())
-        .map(|f| f.into_parts())
-        .unwrap();
-    let grads = attention_backward(
-        g.as_ref(),
-        q.as_ref(),
-        k.as_ref(),
-        v.as_ref(),
-        out.as_ref(),
-        &lse,
-        &opts,
-    )
-    .unwrap();
+    let grads = forward_backward([&q, &k, &v], &g, &opts);
     let ok = |got: f64, r: f64| assert!((got - r).abs() <= TOL * (1.0 + got.abs()), "{got} {r}");
     for i in 0..n_q {
         for c in 0..d {

@@ -17,6 +17,28 @@ pub fn mat<T: Element>(rows: usize, cols: usize, seed: u64, amp: f32) -> Mat<T> 
     })
 }
 
+/// Deterministic pseudo-random values in `[-amp, amp]` (xorshift), rounded to `T`.
+pub fn data<T: Element>(len: usize, seed: u64, amp: f32) -> Vec<T> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            T::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp)
+        })
+        .collect()
+}
+
+/// `f` run in a rayon pool of `threads` threads.
+pub fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+        .install(f)
+}
+
 /// The largest magnitude of `m`.
 pub fn max_abs<T: Element>(m: MatRef<'_, T>) -> f32 {
     let mut x = 0.0f32;

@@ -1,16 +1,23 @@
 //! The streaming engine as an [`attn_oracle::Engine`], for each storage type: what the
 //! oracle's suite (`tests/conformance.rs`) and the layer test (`tests/multi_head_layer.rs`)
-//! check.
+//! check; and the conversions between the oracle's f32 operands and the engine's storage
+//! type, which the robustness suite (`tests/robustness.rs`) shares.
+
+// Each test binary that includes this module uses a part of it.
+#![allow(dead_code)]
 
 use core::marker::PhantomData;
 use core::ops::Range;
 
-use attn_core::{CuSeqlens, Options, Result, Tensor4, Tensor4Ref, validate_head};
+use attn_core::{Dtype, Forward, Result, Tensor4, Tensor4Ref, validate_head};
 use attn_optimized::{
-    Attention, Element, ForwardRef, GradientsMut, KEY_TILE, Par, PartialState, QUERY_TILE,
-    SPLIT_KEYS, TilePlan,
+    Attention, Batch, Element, ForwardRef, GradientsMut, KEY_TILE, OneHead, Par, PartialState,
+    QUERY_TILE, SPLIT_KEYS, TilePlan,
 };
-use attn_oracle::{BatchGradients, Compute, Dtype, Engine, ErrorModel, Gradients, MergePlan};
+use attn_oracle::{
+    BatchGradients, Call, Compute, Engine, ErrorModel, Gradients, Grads, MergePlan, Operands,
+    Output, Saved, View,
+};
 use faer::{Mat, MatRef};
 
 /// `attn-optimized` with storage type `T` (`f32`, `half::f16` or `half::bf16`): inputs
@@ -26,24 +33,43 @@ impl<T> OptimizedEngine<T> {
     }
 }
 
-fn dtype<T: Element>() -> Dtype {
-    match T::NAME {
-        "f16" => Dtype::F16,
-        "bf16" => Dtype::Bf16,
-        _ => Dtype::F32,
+/// The streaming engine's error model with output type `output`.
+pub fn model(output: Dtype) -> ErrorModel {
+    ErrorModel {
+        // Cephes' degree-6 exp2 polynomial: ≤ 2 ulp (attn_optimized::exp).
+        compute: Compute::F32 {
+            exp_ulps: 2.0,
+            split_keys: Some(SPLIT_KEYS),
+        },
+        output,
     }
 }
 
-fn narrow<T: Element>(m: MatRef<'_, f32>) -> Mat<T> {
+/// The lengths around which the streaming engine changes behaviour: row kernels up to 4
+/// queries, 8-row and 16-key tile granularity, 64-key row blocks, the query and key
+/// tiles, and the split-KV chunk.
+pub fn tiles() -> Vec<usize> {
+    vec![4, 8, 16, 64, QUERY_TILE, KEY_TILE, SPLIT_KEYS]
+}
+
+/// `m` in `T`.
+pub fn narrow<T: Element>(m: MatRef<'_, f32>) -> Mat<T> {
     Mat::from_fn(m.nrows(), m.ncols(), |i, j| T::from_f32(m[(i, j)]))
 }
 
-fn widen<T: Element>(m: MatRef<'_, T>) -> Mat<f32> {
+/// `m` widened to f32.
+pub fn widen<T: Element>(m: MatRef<'_, T>) -> Mat<f32> {
     Mat::from_fn(m.nrows(), m.ncols(), |i, j| m[(i, j)].to_f32())
 }
 
+/// `t` widened to f32.
+pub fn widen_tensor<T: Element>(t: Tensor4<T>) -> Result<Tensor4<f32>> {
+    let dims = t.dims();
+    Tensor4::from_vec(t.into_vec().into_iter().map(T::to_f32).collect(), dims)
+}
+
 /// The same dims and strides as `t`, in `T`; elements outside the view are NaN.
-fn narrow_tensor<T: Element>(t: Tensor4Ref<'_, f32>) -> Result<Vec<T>> {
+pub fn narrow_tensor<T: Element>(t: Tensor4Ref<'_, f32>) -> Result<Vec<T>> {
     let (dims, s) = (t.dims(), t.strides());
     let [b, h, n, d] = dims;
     let len = if dims.contains(&0) {
@@ -65,30 +91,139 @@ fn narrow_tensor<T: Element>(t: Tensor4Ref<'_, f32>) -> Result<Vec<T>> {
     Ok(data)
 }
 
+/// A view of `data` (built by [`narrow_tensor`] from `like`) with `like`'s dims and strides.
+fn view<'a, T>(data: &'a [T], like: Tensor4Ref<'_, f32>) -> Result<Tensor4Ref<'a, T>> {
+    Tensor4Ref::new(data, like.dims(), like.strides())
+}
+
+/// A head call's operands in `T`.
+struct HeadIn<T> {
+    q: Mat<T>,
+    k: Mat<T>,
+    v: Mat<T>,
+}
+
+impl<T: Element> HeadIn<T> {
+    fn new(q: MatRef<'_, f32>, k: MatRef<'_, f32>, v: MatRef<'_, f32>) -> Self {
+        Self {
+            q: narrow(q),
+            k: narrow(k),
+            v: narrow(v),
+        }
+    }
+}
+
+/// A batched or packed call's operands in `T`, with the f32 views they came from.
+struct BatchIn<'a, T> {
+    data: [Vec<T>; 3],
+    like: [Tensor4Ref<'a, f32>; 3],
+}
+
+impl<'a, T: Element> BatchIn<'a, T> {
+    fn new(q: Tensor4Ref<'a, f32>, k: Tensor4Ref<'a, f32>, v: Tensor4Ref<'a, f32>) -> Result<Self> {
+        let [qd, kd, vd] = [q, k, v].map(narrow_tensor::<T>);
+        Ok(Self {
+            data: [qd?, kd?, vd?],
+            like: [q, k, v],
+        })
+    }
+
+    fn views(&self) -> Result<[Tensor4Ref<'_, T>; 3]> {
+        let [q, k, v] = &self.data;
+        Ok([
+            view(q, self.like[0])?,
+            view(k, self.like[1])?,
+            view(v, self.like[2])?,
+        ])
+    }
+}
+
+impl<T: Element> OptimizedEngine<T> {
+    fn head_forward(
+        &self,
+        call: &Call<'_>,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+    ) -> Result<Output> {
+        let options = &call.options;
+        if let Some(plan) = call.plan {
+            return self.split(q, k, v, options, plan);
+        }
+        let x = HeadIn::<T>::new(q, k, v);
+        let (o, lse) = Attention::head(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), options)
+            .and_then(|call| call.forward(Par::rayon(0)))?
+            .into_parts();
+        Forward::head(widen(o.as_ref()), lse).map(Output::Head)
+    }
+
+    fn split(
+        &self,
+        q: MatRef<'_, f32>,
+        k: MatRef<'_, f32>,
+        v: MatRef<'_, f32>,
+        options: &attn_core::Options<'_>,
+        plan: &MergePlan,
+    ) -> Result<Output> {
+        let shape = validate_head(q, k, v, options)?;
+        let x = HeadIn::<T>::new(q, k, v);
+        let state = plan.fold(
+            &mut |r: Range<usize>| {
+                Attention::keys_of(
+                    x.q.as_ref(),
+                    x.k.as_ref().subrows(r.start, r.len()),
+                    x.v.as_ref().subrows(r.start, r.len()),
+                    r,
+                    shape.n_k,
+                    options,
+                )
+                .and_then(|call| call.partial_state(Par::rayon(0)))
+            },
+            &mut || PartialState::empty(shape.n_q, shape.d_v),
+            &mut |a: PartialState, b: PartialState| {
+                a.merge(&b)
+                    .expect("states of the same head have the same shape")
+            },
+        )?;
+        let (o, lse) = state.into_parts();
+        Forward::head(o, lse).map(Output::Head)
+    }
+}
+
+/// The engine's call over a batch or packed batch's operands in `U`.
+fn batch_call<'c, U: Element>(
+    call: &Call<'c>,
+    [q, k, v]: [Tensor4Ref<'c, U>; 3],
+) -> Result<Attention<'c, U, Batch>> {
+    match call.operands {
+        Operands::Packed(_, seqs) => Attention::packed(q, k, v, &seqs, &call.options),
+        _ => Attention::batched(q, k, v, &call.options),
+    }
+}
+
+/// The forward pass of a batch or packed batch over its operands in `U`, widened.
+fn batch_forward<U: Element>(call: &Call<'_>, qkv: [Tensor4Ref<'_, U>; 3]) -> Result<Output> {
+    let (o, lse) = batch_call(call, qkv)
+        .and_then(|c| c.forward(Par::rayon(0)))?
+        .into_parts();
+    Forward::batch(widen_tensor(o)?, lse).map(Output::Batch)
+}
+
 impl<T: Element> Engine for OptimizedEngine<T> {
     fn name(&self) -> String {
         format!("optimized-{}", T::NAME)
     }
 
     fn storage(&self) -> Dtype {
-        dtype::<T>()
+        T::DTYPE
     }
 
     fn error_model(&self) -> ErrorModel {
-        ErrorModel {
-            // Cephes' degree-6 exp2 polynomial: ≤ 2 ulp (attn_optimized::exp).
-            compute: Compute::F32 {
-                exp_ulps: 2.0,
-                split_keys: Some(SPLIT_KEYS),
-            },
-            output: dtype::<T>(),
-        }
+        model(T::DTYPE)
     }
 
     fn tile_lengths(&self) -> Vec<usize> {
-        // Row kernels up to 4 queries, 8-row and 16-key tile granularity, 64-key row
-        // blocks, the query and key tiles, and the split-KV chunk.
-        vec![4, 8, 16, 64, QUERY_TILE, KEY_TILE, SPLIT_KEYS]
+        tiles()
     }
 
     // The built-in soft-cap is `SoftCap::apply_f32` on the same scores a user's ScoreMod sees.
@@ -103,216 +238,78 @@ impl<T: Element> Engine for OptimizedEngine<T> {
         n_q == 0 || n_q - (n_q.div_ceil(br) - 1) * br > 4
     }
 
-    fn attention_with_lse(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        options: &Options<'_>,
-    ) -> Result<(Mat<f32>, Vec<f32>)> {
-        if T::NAME == "f32" {
-            return Attention::head(q, k, v, options)
-                .and_then(|call| call.forward(Par::rayon(0)))
-                .map(|f| f.into_parts());
-        }
-        let (qt, kt, vt) = (narrow::<T>(q), narrow::<T>(k), narrow::<T>(v));
-        let (o, lse) = Attention::head(qt.as_ref(), kt.as_ref(), vt.as_ref(), options)
-            .and_then(|call| call.forward(Par::rayon(0)))
-            .map(|f| f.into_parts())?;
-        Ok((widen(o.as_ref()), lse))
-    }
-
-    fn attention_batched(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        options: &Options<'_>,
-    ) -> Result<Tensor4<f32>> {
-        if T::NAME == "f32" {
-            return Attention::batched(q, k, v, options)
-                .and_then(|call| call.forward(Par::rayon(0)))
-                .map(|f| f.into_output());
-        }
-        let (qd, kd, vd) = (
-            narrow_tensor::<T>(q)?,
-            narrow_tensor::<T>(k)?,
-            narrow_tensor::<T>(v)?,
-        );
-        let o = Attention::batched(
-            Tensor4Ref::new(&qd, q.dims(), q.strides())?,
-            Tensor4Ref::new(&kd, k.dims(), k.strides())?,
-            Tensor4Ref::new(&vd, v.dims(), v.strides())?,
-            options,
-        )
-        .and_then(|call| call.forward(Par::rayon(0)))
-        .map(|f| f.into_output())?;
-        let dims = o.dims();
-        Tensor4::from_vec(o.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)
-    }
-
-    fn attention_split(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        options: &Options<'_>,
-        plan: &MergePlan,
-    ) -> Option<Result<(Mat<f32>, Vec<f32>)>> {
-        let run = || -> Result<(Mat<f32>, Vec<f32>)> {
-            let shape = validate_head(q, k, v, options)?;
-            let (qt, kt, vt) = (narrow::<T>(q), narrow::<T>(k), narrow::<T>(v));
-            let state = plan.fold(
-                &mut |r: Range<usize>| {
-                    Attention::keys_of(
-                        qt.as_ref(),
-                        kt.as_ref().subrows(r.start, r.len()),
-                        vt.as_ref().subrows(r.start, r.len()),
-                        r,
-                        shape.n_k,
-                        options,
-                    )
-                    .and_then(|call| call.partial_state(Par::rayon(0)))
-                },
-                &mut || PartialState::empty(shape.n_q, shape.d_v),
-                &mut |a: PartialState, b: PartialState| {
-                    a.merge(&b)
-                        .expect("states of the same head have the same shape")
-                },
-            )?;
-            Ok(state.into_parts())
-        };
-        Some(run())
-    }
-
-    fn attention_backward(
-        &self,
-        q: MatRef<'_, f32>,
-        k: MatRef<'_, f32>,
-        v: MatRef<'_, f32>,
-        grad_out: MatRef<'_, f32>,
-        out: MatRef<'_, f32>,
-        lse: &[f32],
-        options: &Options<'_>,
-    ) -> Option<Result<Gradients>> {
-        // Operands in T; the gradients are written in f32 by the `_into` form (T's own
-        // rounding is checked by the engine's tests: half gradients are the f32 ones
-        // rounded once).
-        let run = || -> Result<Gradients> {
-            let t = |m: MatRef<'_, f32>| narrow::<T>(m);
-            let (qt, kt, vt, dot, ot) = (t(q), t(k), t(v), t(grad_out), t(out));
-            let mut dq = Mat::<f32>::zeros(q.nrows(), q.ncols());
-            let mut dk = Mat::<f32>::zeros(k.nrows(), k.ncols());
-            let mut dv = Mat::<f32>::zeros(v.nrows(), v.ncols());
-            Attention::head(qt.as_ref(), kt.as_ref(), vt.as_ref(), options).and_then(|call| {
-                call.backward_into(
-                    ForwardRef::head(ot.as_ref(), lse),
-                    dot.as_ref(),
-                    GradientsMut {
-                        dq: dq.as_mut(),
-                        dk: dk.as_mut(),
-                        dv: dv.as_mut(),
-                    },
-                    Par::rayon(0),
-                )
-            })?;
-            Ok(Gradients::new(dq, dk, dv))
-        };
-        Some(run())
-    }
-
-    fn attention_backward_batched(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        grad_out: Tensor4Ref<'_, f32>,
-        out: Tensor4Ref<'_, f32>,
-        lse: &[f32],
-        options: &Options<'_>,
-    ) -> Option<Result<BatchGradients>> {
-        let run = || -> Result<BatchGradients> {
-            let data = [q, k, v, grad_out, out].map(narrow_tensor::<T>);
-            let [qd, kd, vd, dod, od] = data;
-            let (qd, kd, vd, dod, od) = (qd?, kd?, vd?, dod?, od?);
-            fn view<'a, T>(d: &'a [T], t: Tensor4Ref<'_, f32>) -> Result<Tensor4Ref<'a, T>> {
-                Tensor4Ref::new(d, t.dims(), t.strides())
+    fn forward(&self, call: &Call<'_>) -> Option<Result<Output>> {
+        Some(match call.operands {
+            Operands::Head([q, k, v]) if T::DTYPE == Dtype::F32 && call.plan.is_none() => {
+                // f32 operands run as they are, without a copy.
+                Attention::<f32, OneHead>::head(q, k, v, &call.options)
+                    .and_then(|c| c.forward(Par::rayon(0)))
+                    .map(Output::Head)
             }
-            let g = Attention::batched(view(&qd, q)?, view(&kd, k)?, view(&vd, v)?, options)
-                .and_then(|call| {
-                    call.backward(
-                        ForwardRef::batch(view(&od, out)?, lse)?,
-                        view(&dod, grad_out)?,
-                        Par::rayon(0),
-                    )
-                })?;
-            let wide = |t: Tensor4<T>| {
-                let dims = t.dims();
-                Tensor4::from_vec(t.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)
-            };
-            Ok(BatchGradients::new(wide(g.dq)?, wide(g.dk)?, wide(g.dv)?))
-        };
-        Some(run())
-    }
-
-    fn attention_packed(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        seqs: &CuSeqlens<'_>,
-        options: &Options<'_>,
-    ) -> Option<Result<(Tensor4<f32>, Vec<f32>)>> {
-        let run = || -> Result<(Tensor4<f32>, Vec<f32>)> {
-            let [qd, kd, vd] = [q, k, v].map(narrow_tensor::<T>);
-            let (qd, kd, vd) = (qd?, kd?, vd?);
-            let (o, lse) = Attention::packed(
-                Tensor4Ref::new(&qd, q.dims(), q.strides())?,
-                Tensor4Ref::new(&kd, k.dims(), k.strides())?,
-                Tensor4Ref::new(&vd, v.dims(), v.strides())?,
-                seqs,
-                options,
-            )
-            .and_then(|call| call.forward(Par::rayon(0)))
-            .map(|f| f.into_parts())?;
-            let dims = o.dims();
-            let o =
-                Tensor4::from_vec(o.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)?;
-            Ok((o, lse))
-        };
-        Some(run())
-    }
-
-    fn attention_backward_packed(
-        &self,
-        q: Tensor4Ref<'_, f32>,
-        k: Tensor4Ref<'_, f32>,
-        v: Tensor4Ref<'_, f32>,
-        grad_out: Tensor4Ref<'_, f32>,
-        out: Tensor4Ref<'_, f32>,
-        lse: &[f32],
-        seqs: &CuSeqlens<'_>,
-        options: &Options<'_>,
-    ) -> Option<Result<BatchGradients>> {
-        let run = || -> Result<BatchGradients> {
-            let [qd, kd, vd, dod, od] = [q, k, v, grad_out, out].map(narrow_tensor::<T>);
-            let (qd, kd, vd, dod, od) = (qd?, kd?, vd?, dod?, od?);
-            fn view<'a, T>(d: &'a [T], t: Tensor4Ref<'_, f32>) -> Result<Tensor4Ref<'a, T>> {
-                Tensor4Ref::new(d, t.dims(), t.strides())
+            Operands::Head([q, k, v]) => self.head_forward(call, q, k, v),
+            Operands::Batched(qkv) if T::DTYPE == Dtype::F32 => batch_forward(call, qkv),
+            Operands::Batched([q, k, v]) | Operands::Packed([q, k, v], _) => {
+                BatchIn::<T>::new(q, k, v).and_then(|x| batch_forward(call, x.views()?))
             }
-            let g = Attention::packed(view(&qd, q)?, view(&kd, k)?, view(&vd, v)?, seqs, options)
-                .and_then(|call| {
-                call.backward(
-                    ForwardRef::batch(view(&od, out)?, lse)?,
-                    view(&dod, grad_out)?,
-                    Par::rayon(0),
-                )
-            })?;
-            let wide = |t: Tensor4<T>| {
-                let dims = t.dims();
-                Tensor4::from_vec(t.into_vec().into_iter().map(|x| x.to_f32()).collect(), dims)
-            };
-            Ok(BatchGradients::new(wide(g.dq)?, wide(g.dk)?, wide(g.dv)?))
+        })
+    }
+
+    fn backward(&self, d_out: View<'_>, call: &Call<'_>, fwd: Saved<'_>) -> Option<Result<Grads>> {
+        let options = &call.options;
+        let lse = fwd.lse;
+        let run = || -> Result<Grads> {
+            match (call.operands, d_out, fwd.output) {
+                (Operands::Head([q, k, v]), View::Head(grad_out), View::Head(out)) => {
+                    // Operands in T; the gradients are written in f32 by the `_into` form
+                    // (T's own rounding is checked by the engine's tests: half gradients
+                    // are the f32 ones rounded once).
+                    let x = HeadIn::<T>::new(q, k, v);
+                    let (dot, ot) = (narrow::<T>(grad_out), narrow::<T>(out));
+                    let mut dq = Mat::<f32>::zeros(q.nrows(), q.ncols());
+                    let mut dk = Mat::<f32>::zeros(k.nrows(), k.ncols());
+                    let mut dv = Mat::<f32>::zeros(v.nrows(), v.ncols());
+                    Attention::head(x.q.as_ref(), x.k.as_ref(), x.v.as_ref(), options).and_then(
+                        |c| {
+                            c.backward_into(
+                                ForwardRef::head(ot.as_ref(), lse),
+                                dot.as_ref(),
+                                GradientsMut {
+                                    dq: dq.as_mut(),
+                                    dk: dk.as_mut(),
+                                    dv: dv.as_mut(),
+                                },
+                                Par::rayon(0),
+                            )
+                        },
+                    )?;
+                    Ok(Grads::Head(Gradients::new(dq, dk, dv)))
+                }
+                (
+                    Operands::Batched([q, k, v]) | Operands::Packed([q, k, v], _),
+                    View::Batch(grad_out),
+                    View::Batch(out),
+                ) => {
+                    let x = BatchIn::<T>::new(q, k, v)?;
+                    let [dod, od] = [grad_out, out].map(narrow_tensor::<T>);
+                    let (dod, od) = (dod?, od?);
+                    let g = batch_call(call, x.views()?).and_then(|c| {
+                        c.backward(
+                            ForwardRef::batch(view(&od, out)?, lse)?,
+                            view(&dod, grad_out)?,
+                            Par::rayon(0),
+                        )
+                    })?;
+                    Ok(Grads::Batch(BatchGradients::new(
+                        widen_tensor(g.dq)?,
+                        widen_tensor(g.dk)?,
+                        widen_tensor(g.dv)?,
+                    )))
+                }
+                _ => Err(attn_core::Error::unsupported(
+                    "engine call",
+                    "a gradient and output of another kind than the operands",
+                )),
+            }
         };
         Some(run())
     }

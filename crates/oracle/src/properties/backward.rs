@@ -1,12 +1,12 @@
-//! The properties of the backward pass (issue 14), for engines whose
-//! [`Engine::attention_backward`] (and, for the batched ones,
-//! [`Engine::attention_backward_batched`]) returns `Some`: gradients within the derived
-//! bound of the f64 reference, the zero row sums of the score gradient, hidden keys and
-//! empty rows exactly 0, grouped-query gradients as sums over the group, exact scaling in
-//! the upstream gradient, and bits independent of the thread count.
+//! The properties of the backward pass, for engines whose
+//! [`Engine::backward`] of a head call (and, for the batched ones, of a batched call)
+//! returns `Some`: gradients within the derived bound of the f64 reference, the zero row
+//! sums of the score gradient, hidden keys and empty rows exactly 0, grouped-query
+//! gradients as sums over the group, exact scaling in the upstream gradient, and bits
+//! independent of the thread count.
 //!
 //! Every check gives the engine's backward pass its own forward result (output and LSE
-//! from [`Engine::attention_with_lse`], per head for a batched call), as a training step
+//! of a head call's [`Engine::forward`], per head for a batched call), as a training step
 //! would, and first checks that forward against its bound: the backward bound rests on it.
 
 use attn_core::{KeyPadding, Options, Tensor4, Tensor4Ref};
@@ -20,6 +20,7 @@ use super::common::{
     Check, RowHider, all_rows, compare_head, compare_matrix, engine_err, fail, masked_rows_case,
     masked_rows_inputs, pools, run_head, scale_of, views,
 };
+use crate::Call;
 use crate::bound::{
     BatchGradientBound, GradientBound, SAFETY, U64, batch_backward_bound, gamma,
     head_backward_bound,
@@ -29,6 +30,7 @@ use crate::case::{
     Values, batch_case, batch_for_backward, for_backward, head_case, head_case_with, masks,
     operand, ordinary_values,
 };
+use crate::engine::required;
 use crate::suite::record_tightness;
 use crate::{BatchGradients, Dtype, Engine, Gradients};
 
@@ -39,8 +41,8 @@ use crate::{BatchGradients, Dtype, Engine, Gradients};
 pub(crate) fn supports_backward(engine: &dyn Engine) -> bool {
     let z = Mat::<f32>::zeros(1, 1);
     let z = z.as_ref();
-    engine
-        .attention_backward(z, z, z, z, z, &[0.0], &Options::default())
+    Call::head(z, z, z, &Options::default())
+        .backward_head(engine, z, z, &[0.0])
         .is_some()
 }
 
@@ -48,8 +50,8 @@ pub(crate) fn supports_backward(engine: &dyn Engine) -> bool {
 pub(crate) fn supports_backward_batched(engine: &dyn Engine) -> bool {
     let z = Tensor4::<f32>::zeros([1, 1, 1, 1]);
     let z = z.as_ref();
-    engine
-        .attention_backward_batched(z, z, z, z, z, &[0.0], &Options::default())
+    Call::batched(z, z, z, &Options::default())
+        .backward_batch(engine, z, z, &[0.0])
         .is_some()
 }
 
@@ -185,8 +187,8 @@ fn backward(
     lse: &[f32],
 ) -> Result<Gradients, TestCaseError> {
     let (q, k, v) = views(inputs);
-    engine
-        .attention_backward(q, k, v, grad_out, out, lse, &inputs.options())
+    Call::head(q, k, v, &inputs.options())
+        .backward_head(engine, grad_out, out, lse)
         .ok_or_else(|| fail("the engine stopped supporting the backward pass"))?
         .map_err(|e| engine_err("backward call", e))
 }
@@ -415,16 +417,8 @@ impl BatchRun {
         k: Tensor4Ref<'_, f32>,
         v: Tensor4Ref<'_, f32>,
     ) -> Result<BatchGradients, TestCaseError> {
-        let g = engine
-            .attention_backward_batched(
-                self.inputs.q.view(),
-                k,
-                v,
-                self.grad_out.view(),
-                self.out.as_ref(),
-                &self.lse,
-                &self.inputs.options(),
-            )
+        let g = Call::batched(self.inputs.q.view(), k, v, &self.inputs.options())
+            .backward_batch(engine, self.grad_out.view(), self.out.as_ref(), &self.lse)
             .ok_or_else(|| fail("the engine stopped supporting the batched backward pass"))?
             .map_err(|e| engine_err("batched backward call", e))?;
         let [batch, h_q, n_q, d_k] = self.inputs.q.dims;
@@ -444,8 +438,8 @@ impl BatchRun {
     }
 }
 
-/// The engine's forward result for a batched problem, head by head through
-/// [`Engine::attention_with_lse`] (the batched API returns no LSE): the output
+/// The engine's forward result for a batched problem, head by head through head calls
+/// (the forward whose bound each head's backward bound rests on): the output
 /// `[batch, h_q, n_q, d_v]` and the LSE in `[batch][h_q][n_q]` order.
 fn batched_forward(
     engine: &dyn Engine,
@@ -461,14 +455,16 @@ fn batched_forward(
         single.key_padding = opts.key_length(b).map(KeyPadding::Uniform);
         for h in 0..h_q {
             let kv = h / (h_q / h_kv);
-            let (o, l) = engine
-                .attention_with_lse(
+            let (o, l) = required(
+                Call::head(
                     inputs.q.view().head(b, h).expect("in range"),
                     inputs.k.view().head(b, kv).expect("in range"),
                     inputs.v.view().head(b, kv).expect("in range"),
                     &single,
                 )
-                .map_err(|e| engine_err("single-head call on a strided view", e))?;
+                .forward_head(engine),
+            )
+            .map_err(|e| engine_err("single-head call on a strided view", e))?;
             let mut view = out.as_mut();
             view.head_mut(b, h)
                 .map_err(|e| fail(e.to_string()))?
@@ -834,16 +830,8 @@ pub(crate) fn fully_masked_rows(
         tensor(&run.inputs.v, n_k, d_v),
     );
     let (dout, out) = (tensor(&run.grad_out, n_q, d_v), tensor(&run.out, n_q, d_v));
-    let bg = engine
-        .attention_backward_batched(
-            q.view(),
-            k.view(),
-            v.view(),
-            dout.view(),
-            out.view(),
-            &run.lse,
-            &run.inputs.options(),
-        )
+    let bg = Call::batched(q.view(), k.view(), v.view(), &run.inputs.options())
+        .backward_batch(engine, dout.view(), out.view(), &run.lse)
         .ok_or_else(|| fail("the engine stopped supporting the batched backward pass"))?
         .map_err(|e| engine_err("batched backward call", e))?;
     let dq = bg.dq.as_ref().head(0, 0).map_err(|e| fail(e.to_string()))?;
@@ -1118,16 +1106,8 @@ pub(crate) fn determinism(engine: &dyn Engine, (case, batch): (GradCase, BatchGr
         .iter()
         .map(|pool| {
             pool.install(|| {
-                engine
-                    .attention_backward_batched(
-                        inputs.q.view(),
-                        inputs.k.view(),
-                        inputs.v.view(),
-                        dout.view(),
-                        out.as_ref(),
-                        &lse,
-                        &opts,
-                    )
+                Call::batched(inputs.q.view(), inputs.k.view(), inputs.v.view(), &opts)
+                    .backward_batch(engine, dout.view(), out.as_ref(), &lse)
                     .ok_or_else(|| fail("the engine stopped supporting the batched backward pass"))?
                     .map_err(|e| engine_err("batched backward call", e))
             })

@@ -11,8 +11,10 @@ use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::TestCaseError;
 
+use crate::Call;
 use crate::bound::{BatchGradientBound, HeadBound, head_bound_with};
 use crate::case::{AdditiveRecipe, Bias, BoolRecipe, HeadCase, HeadInputs, Shapes, head_case};
+use crate::engine::required;
 use crate::suite::record_tightness;
 use crate::{Dtype, Engine};
 
@@ -183,8 +185,7 @@ pub(crate) fn run_head(
     inputs: &HeadInputs,
 ) -> Result<(Mat<f32>, Vec<f32>), TestCaseError> {
     let (q, k, v) = views(inputs);
-    engine
-        .attention_with_lse(q, k, v, &inputs.options())
+    required(Call::head(q, k, v, &inputs.options()).forward_head(engine))
         .map_err(|e| engine_err("single-head call", e))
 }
 

@@ -13,11 +13,13 @@ use super::common::{
     Check, all_rows, batch_shapes, bound, compare_head, engine_err, equivalent, fail,
     matches_reference, pools, reference, run_head, scale_of, sees_nothing, views,
 };
+use crate::Call;
 use crate::bound::{HeadBound, head_bound_with};
 use crate::case::{
     BatchCase, BatchInputs, Bias, HeadCase, HeadInputs, HeadSlot, Rng, Shapes, batch_case,
     elementwise_masks, head_case, head_case_with, masks, ordinary_values,
 };
+use crate::engine::required;
 use crate::suite::record_tightness;
 use crate::{Engine, MergePlan};
 
@@ -176,14 +178,17 @@ fn check_batched_output(
 
 pub(crate) fn batched_equivalence(engine: &dyn Engine, case: BatchCase) -> Check {
     let inputs = case.build(engine.storage());
-    let out = engine
-        .attention_batched(
+    let out = required(
+        Call::batched(
             inputs.q.view(),
             inputs.k.view(),
             inputs.v.view(),
             &inputs.options(),
         )
-        .map_err(|e| engine_err("batched call", e))?;
+        .forward_batch(engine),
+    )
+    .map(|(t, _)| t)
+    .map_err(|e| engine_err("batched call", e))?;
     check_batched_output(engine, &inputs, &out, &batch_reference(&inputs))
 }
 
@@ -402,9 +407,12 @@ pub(crate) fn value_scaling(engine: &dyn Engine, (case, alpha): (HeadCase, f32))
 pub(crate) fn heads_are_independent(engine: &dyn Engine, case: BatchCase) -> Check {
     let inputs = case.build(engine.storage());
     let opts = inputs.options();
-    let out = engine
-        .attention_batched(inputs.q.view(), inputs.k.view(), inputs.v.view(), &opts)
-        .map_err(|e| engine_err("batched call", e))?;
+    let out = required(
+        Call::batched(inputs.q.view(), inputs.k.view(), inputs.v.view(), &opts)
+            .forward_batch(engine),
+    )
+    .map(|(t, _)| t)
+    .map_err(|e| engine_err("batched call", e))?;
     let refs = batch_reference(&inputs);
     check_batched_output(engine, &inputs, &out, &refs)?;
     let [batch, h_q, _, _] = inputs.q.dims;
@@ -422,8 +430,7 @@ pub(crate) fn heads_are_independent(engine: &dyn Engine, case: BatchCase) -> Che
                 inputs.k.view().head(b, kv).expect("in range"),
                 inputs.v.view().head(b, kv).expect("in range"),
             );
-            let (o, lse) = engine
-                .attention_with_lse(q, k, v, &single)
+            let (o, lse) = required(Call::head(q, k, v, &single).forward_head(engine))
                 .map_err(|e| engine_err("single-head call on a strided view", e))?;
             let bd = batch_head_bound(engine, &inputs, b, h, r);
             let what = format!("single-head call on batch entry {b}, query head {h}");
@@ -441,14 +448,9 @@ pub(crate) fn heads_are_independent(engine: &dyn Engine, case: BatchCase) -> Che
 pub(crate) fn supports_split(engine: &dyn Engine) -> bool {
     let z = Mat::<f32>::zeros(1, 1);
     let opts = Options::default();
-    engine
-        .attention_split(
-            z.as_ref(),
-            z.as_ref(),
-            z.as_ref(),
-            &opts,
-            &MergePlan::keys(0..1),
-        )
+    Call::head(z.as_ref(), z.as_ref(), z.as_ref(), &opts)
+        .split(&MergePlan::keys(0..1))
+        .forward_head(engine)
         .is_some()
 }
 
@@ -482,8 +484,9 @@ fn split(
     plan: &MergePlan,
 ) -> Result<(Mat<f32>, Vec<f32>), TestCaseError> {
     let (q, k, v) = views(inputs);
-    engine
-        .attention_split(q, k, v, &inputs.options(), plan)
+    Call::head(q, k, v, &inputs.options())
+        .split(plan)
+        .forward_head(engine)
         .ok_or_else(|| fail("the engine stopped supporting partial states"))?
         .map_err(|e| engine_err("split computation", e))
 }
@@ -710,7 +713,11 @@ pub(crate) fn determinism(engine: &dyn Engine, (case, batch): (HeadCase, BatchCa
         .iter()
         .map(|pool| {
             pool.install(|| {
-                engine.attention_batched(inputs.q.view(), inputs.k.view(), inputs.v.view(), &opts)
+                required(
+                    Call::batched(inputs.q.view(), inputs.k.view(), inputs.v.view(), &opts)
+                        .forward_batch(engine),
+                )
+                .map(|(t, _)| t)
             })
         })
         .collect::<Result<_, _>>()

@@ -9,15 +9,15 @@
 //!   partial states, determinism);
 //! - `robustness`: the forward pass at the edges of its input (non-finite values in hidden
 //!   rows, rows that see nothing, adversarial magnitudes, malformed calls);
-//! - `backward`: the backward pass ([`Engine::attention_backward`] and
-//!   [`Engine::attention_backward_batched`], issue 14), skipped for engines whose backward
-//!   methods return `None`, as the merge properties are without `attention_split`;
-//! - `per_head`: masks per batch entry and head (`[B, H, n_q, n_k]` views, issue 17),
+//! - `backward`: the backward pass ([`Engine::backward`] of head and batched calls),
+//!   skipped for engines whose backward pass returns `None`, as the merge properties are
+//!   for engines that run no split plan;
+//! - `per_head`: masks per batch entry and head (`[B, H, n_q, n_k]` views),
 //!   forward and backward;
-//! - `modifiers`: the score modifiers' own identities (issue 16; every other forward
+//! - `modifiers`: the score modifiers' own identities (every other forward
 //!   property's cases draw modifiers too);
 //! - `packed`: packed batches of sequences of different lengths
-//!   ([`Engine::attention_packed`], [`Engine::attention_backward_packed`], issue 17),
+//!   ([`Engine::forward`] and [`Engine::backward`] of packed calls),
 //!   skipped for engines without them.
 
 mod backward;

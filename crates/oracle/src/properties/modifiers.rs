@@ -1,4 +1,4 @@
-//! The properties of the score modifiers (issue 16), forward pass: a soft-cap bounds the
+//! The properties of the score modifiers, forward pass: a soft-cap bounds the
 //! scores; a zero ALiBi slope and a `-inf` sink are exactly nothing; a sink takes its share
 //! `p_sink = exp(σ − LSE)` of every row, and a row that sees nothing has output 0 and LSE
 //! `σ`; a user score modifier re-implementing the soft-cap and a user mask re-implementing
@@ -21,12 +21,15 @@ use super::common::{
     Check, RowHider, all_rows, batch_shapes, bound, compare_head, engine_err, equivalent, fail,
     masked_rows_case, masked_rows_inputs, reference, run_head, sees_nothing, views,
 };
+use crate::Call;
 use crate::Engine;
 use crate::bound::{SAFETY, ScoreMods, U64, UserModBound, gamma, head_bound_with};
 use crate::case::{
     AlibiRecipe, BatchCase, HeadCase, ModRecipe, Shapes, Sinks, Slopes, batch_case, head_case,
 };
+use crate::engine::required;
 use crate::user_mods::TopLeftMask;
+use crate::user_mods::UserSoftCap;
 
 fn bits(m: MatRef<'_, f32>) -> Vec<u32> {
     (0..m.nrows())
@@ -78,8 +81,8 @@ fn run_batched(
     let mut c = case.clone();
     edit(&mut c.head.masks.modifiers);
     let x = c.build(engine.storage());
-    engine
-        .attention_batched(x.q.view(), x.k.view(), x.v.view(), &x.options())
+    required(Call::batched(x.q.view(), x.k.view(), x.v.view(), &x.options()).forward_batch(engine))
+        .map(|(t, _)| t)
         .map_err(|e| engine_err("batched call", e))
 }
 
@@ -291,19 +294,6 @@ pub(crate) fn sink_share(
 // ---------------------------------------------------------------------------------------
 // A user score modifier re-implementing the soft-cap.
 
-/// The soft-cap as a user would write it.
-#[derive(Debug)]
-struct UserCap(SoftCap);
-
-impl ScoreMod for UserCap {
-    fn score(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
-        self.0.apply_f32(s).0
-    }
-    fn derivative(&self, s: f32, _: usize, _: usize, _: usize, _: usize) -> f32 {
-        self.0.apply_f32(s).1
-    }
-}
-
 /// A single-head and a batched case and a cap; without soft-cap, user score modifier and
 /// ALiBi (which the built-in soft-cap precedes and a user's modifier follows).
 pub(crate) fn user_cap_case(shapes: &Shapes) -> BoxedStrategy<(HeadCase, BatchCase, f32)> {
@@ -332,14 +322,13 @@ pub(crate) fn user_softcap(
     (case, batch, cap): (HeadCase, BatchCase, f32),
 ) -> Check {
     let c = SoftCap::new(cap).expect("a valid cap");
-    let user = UserCap(c);
+    let user = UserSoftCap(c);
     let inputs = case.build(engine.storage());
     let (q, k, v) = views(&inputs);
     let builtin_opts = inputs.options().with_softcap(c);
     let user_opts = with_user(inputs.options(), &user);
     let run = |o: &Options<'_>| {
-        engine
-            .attention_with_lse(q, k, v, o)
+        required(Call::head(q, k, v, o).forward_head(engine))
             .map_err(|e| engine_err("single-head call", e))
     };
     let (builtin, mine) = (run(&builtin_opts)?, run(&user_opts)?);
@@ -385,8 +374,8 @@ pub(crate) fn user_softcap(
     same_head_bits("a user soft-cap against the built-in", &mine, &builtin)?;
     let x = batch.build(engine.storage());
     let run = |o: &Options<'_>| {
-        engine
-            .attention_batched(x.q.view(), x.k.view(), x.v.view(), o)
+        required(Call::batched(x.q.view(), x.k.view(), x.v.view(), o).forward_batch(engine))
+            .map(|(t, _)| t)
             .map_err(|e| engine_err("batched call", e))
     };
     same_tensor_bits(
@@ -447,8 +436,7 @@ pub(crate) fn user_causal(engine: &dyn Engine, case: HeadCase) -> Check {
     let watched = Watched::default();
     let user = inputs.options().with_mask_mod(&watched);
     let run = |o: &Options<'_>| {
-        engine
-            .attention_with_lse(q, k, v, o)
+        required(Call::head(q, k, v, o).forward_head(engine))
             .map_err(|e| engine_err("single-head call", e))
     };
     let (a, b) = (run(&structural)?, run(&user)?);

@@ -1,4 +1,4 @@
-//! The properties of packed batches of sequences of different lengths (varlen, issue 17):
+//! The properties of packed batches of sequences of different lengths (varlen):
 //! a packed call equals each sequence computed on its own — within the derived bound of
 //! the reference always, and bit for bit when every sequence has the same shape (the
 //! tiles of a packed call and of a call on one of its sequences then coincide) — for
@@ -7,7 +7,7 @@
 
 use core::ops::Range;
 
-use attn_core::{Alibi, Causal, CuSeqlens, Options, SlidingWindow, SoftCap, Tensor4, Tensor4Ref};
+use attn_core::{Alibi, Causal, CuSeqlens, Options, SlidingWindow, Tensor4, Tensor4Ref};
 use faer::MatRef;
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -16,26 +16,27 @@ use proptest::test_runner::TestCaseError;
 use super::common::{
     Check, all_rows, compare_batched_gradients, compare_head, engine_err, fail, scale_of,
 };
+use crate::Call;
 use crate::bound::{ScoreMods, batch_backward_bound, head_bound_with};
 use crate::case::{
     BACKWARD_MODIFIERS, HeadSlot, ModRecipe, OwnedTensor, Rng, TensorLayout, modifiers,
 };
-use crate::user_mods::{MaskModAt, ScoreModAt, UserMask, UserScore};
+use crate::user_mods::{MaskModAt, ScoreModAt};
 use crate::{BatchGradients, Engine};
 
 /// Whether the engine has a packed mode (asked on one empty sequence).
 pub(crate) fn supports_packed(engine: &dyn Engine) -> bool {
     let z = Tensor4::<f32>::zeros([1, 1, 0, 1]);
     let seqs = CuSeqlens::new(&[0], &[0]).expect("valid offsets");
-    engine
-        .attention_packed(
-            z.as_ref(),
-            z.as_ref(),
-            z.as_ref(),
-            &seqs,
-            &Options::default(),
-        )
-        .is_some()
+    Call::packed(
+        z.as_ref(),
+        z.as_ref(),
+        z.as_ref(),
+        &seqs,
+        &Options::default(),
+    )
+    .forward_batch(engine)
+    .is_some()
 }
 
 /// Whether the engine has a packed backward pass.
@@ -43,8 +44,8 @@ pub(crate) fn supports_packed_backward(engine: &dyn Engine) -> bool {
     let z = Tensor4::<f32>::zeros([1, 1, 0, 1]);
     let z = z.as_ref();
     let seqs = CuSeqlens::new(&[0], &[0]).expect("valid offsets");
-    engine
-        .attention_backward_packed(z, z, z, z, z, &[], &seqs, &Options::default())
+    Call::packed(z, z, z, &seqs, &Options::default())
+        .backward_batch(engine, z, z, &[])
         .is_some()
 }
 
@@ -199,23 +200,14 @@ impl PackedInputs {
     }
 
     fn options(&self) -> Options<'_> {
-        let m = &self.case.modifiers;
-        Options {
+        let masks = Options {
             causal: self.case.causal,
             window: self.case.window,
-            softcap: m
-                .softcap
-                .map(|c| SoftCap::new(c).expect("generated caps are valid")),
-            alibi: self
-                .slopes
-                .as_deref()
-                .zip(m.alibi)
-                .map(|(s, a)| Alibi::new(s).with_align(a.align)),
-            sinks: self.sinks.as_deref(),
-            score_mod: m.score_mod.map(UserScore::modifier),
-            mask_mod: m.mask_mod.map(UserMask::modifier),
             ..Options::default()
-        }
+        };
+        self.case
+            .modifiers
+            .apply(masks, self.slopes.as_deref(), self.sinks.as_deref())
     }
 
     /// The bound's view of head `h` of sequence `s` (`single`: its single-head options).
@@ -319,8 +311,8 @@ fn packed_forward(
     seqs: &CuSeqlens<'_>,
     opts: &Options<'_>,
 ) -> Result<(Tensor4<f32>, Vec<f32>), TestCaseError> {
-    engine
-        .attention_packed(q, k, v, seqs, opts)
+    Call::packed(q, k, v, seqs, opts)
+        .forward_batch(engine)
         .ok_or_else(|| fail("the engine stopped supporting packed calls"))?
         .map_err(|e| engine_err("packed call", e))
 }
@@ -423,8 +415,8 @@ fn packed_backward(
     seqs: &CuSeqlens<'_>,
     opts: &Options<'_>,
 ) -> Result<BatchGradients, TestCaseError> {
-    engine
-        .attention_backward_packed(q, k, v, grad_out, out, lse, seqs, opts)
+    Call::packed(q, k, v, seqs, opts)
+        .backward_batch(engine, grad_out, out, lse)
         .ok_or_else(|| fail("the engine stopped supporting the packed backward pass"))?
         .map_err(|e| engine_err("packed backward call", e))
 }

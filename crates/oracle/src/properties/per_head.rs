@@ -1,4 +1,4 @@
-//! The properties of masks that differ per batch entry and head (issue 17): `[B, H, n_q,
+//! The properties of masks that differ per batch entry and head: `[B, H, n_q,
 //! n_k]` views broadcast along every subset of their axes (by a stride of 0 or a length
 //! of 1, key- or query-contiguous) give each head the mask its explicit `[n_q, n_k]`
 //! matrix gives a single-head reference call, forward and backward; a 4-D view broadcast
@@ -12,6 +12,7 @@ use proptest::prelude::*;
 use super::common::{
     Check, all_rows, compare_batched_gradients, compare_head, engine_err, fail, scale_of,
 };
+use crate::Call;
 use crate::Engine;
 use crate::bound::{
     BatchGradientBound, batch_backward_bound, head_backward_bound, head_bound_with,
@@ -20,6 +21,7 @@ use crate::case::{
     BACKWARD_MODIFIERS, BatchCase, BatchInputs, HeadSlot, OwnedTensor, Rng, Shapes, TensorLayout,
     batch_case, batch_for_backward,
 };
+use crate::engine::required;
 
 /// How a case's `[B, H, n_q, n_k]` masks are laid out and filled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -265,9 +267,10 @@ fn per_head_masks_once(engine: &dyn Engine, case: &Mask4Case) -> Check {
     let built = Built4::of(case, engine);
     let opts = built.options();
     let x = &built.inputs;
-    let out = engine
-        .attention_batched(x.q.view(), x.k.view(), x.v.view(), &opts)
-        .map_err(|e| engine_err("batched call with 4-D masks", e))?;
+    let out =
+        required(Call::batched(x.q.view(), x.k.view(), x.v.view(), &opts).forward_batch(engine))
+            .map(|(t, _)| t)
+            .map_err(|e| engine_err("batched call with 4-D masks", e))?;
     let [batch, h_q, _, _] = x.q.dims;
     for b in 0..batch {
         for h in 0..h_q {
@@ -365,8 +368,8 @@ pub(crate) fn broadcast_is_shared(
         four.additive_mask_4d = Some(view(a, dims, n_k));
     }
     let run = |o: &Options<'_>| {
-        engine
-            .attention_batched(x.q.view(), x.k.view(), x.v.view(), o)
+        required(Call::batched(x.q.view(), x.k.view(), x.v.view(), o).forward_batch(engine))
+            .map(|(t, _)| t)
             .map_err(|e| engine_err("batched call", e))
     };
     let (o2, o4) = (run(&two)?, run(&four)?);
@@ -384,16 +387,8 @@ pub(crate) fn broadcast_is_shared(
         .map(|f| f.into_parts())
         .expect("generated inputs are valid");
     let grads = |o: &Options<'_>| {
-        engine
-            .attention_backward_batched(
-                x.q.view(),
-                x.k.view(),
-                x.v.view(),
-                out.as_ref(),
-                out.as_ref(),
-                &lse,
-                o,
-            )
+        Call::batched(x.q.view(), x.k.view(), x.v.view(), o)
+            .backward_batch(engine, out.as_ref(), out.as_ref(), &lse)
             .map(|g| g.map_err(|e| engine_err("batched backward call", e)))
     };
     if let (Some(g2), Some(g4)) = (grads(&two), grads(&four)) {
@@ -457,8 +452,7 @@ pub(crate) fn per_head_mask_gradients(
             let (bits, bias) = built.head_masks(b, h);
             let single = head_options(&opts, b, &bits, &bias);
             let [q, k, v] = heads(x, b, h);
-            let (o, l) = engine
-                .attention_with_lse(q, k, v, &single)
+            let (o, l) = required(Call::head(q, k, v, &single).forward_head(engine))
                 .map_err(|e| engine_err("single-head call", e))?;
             out.as_mut()
                 .head_mut(b, h)
@@ -515,14 +509,11 @@ pub(crate) fn per_head_mask_gradients(
         }
         bound
     };
-    let Some(g) = engine.attention_backward_batched(
-        x.q.view(),
-        x.k.view(),
-        x.v.view(),
+    let Some(g) = Call::batched(x.q.view(), x.k.view(), x.v.view(), &opts).backward_batch(
+        engine,
         grad_out.view(),
         out.as_ref(),
         &lse,
-        &opts,
     ) else {
         return Err(fail(
             "the engine stopped supporting the batched backward pass",

@@ -11,8 +11,10 @@ use super::common::{
     Check, RowHider, bound, compare_head, engine_err, equivalent, fail, masked_rows_inputs,
     matches_reference, reference, run_head, sees_nothing,
 };
+use crate::Call;
 use crate::Engine;
 use crate::case::{HeadCase, Rng, Shapes, head_case};
+use crate::engine::required;
 
 // ---------------------------------------------------------------------------------------
 // 2: poisoned hidden keys.
@@ -100,8 +102,8 @@ pub(crate) fn fully_masked_rows(engine: &dyn Engine, (case, hider): (HeadCase, R
     let q = Tensor4Ref::from_layout(&qd, [1, 1, n_q, d_k], bhsd).expect("fits");
     let k = Tensor4Ref::from_layout(&kd, [1, 1, n_k, d_k], bhsd).expect("fits");
     let v = Tensor4Ref::from_layout(&vd, [1, 1, n_k, d_v], bhsd).expect("fits");
-    let t = engine
-        .attention_batched(q, k, v, &inputs.options())
+    let t = required(Call::batched(q, k, v, &inputs.options()).forward_batch(engine))
+        .map(|(t, _)| t)
         .map_err(|e| engine_err("batched call", e))?;
     let head = t.as_ref().head(0, 0).map_err(|e| fail(e.to_string()))?;
     for i in (0..n_q).filter(|&i| sees_nothing(&r, i)) {
@@ -224,7 +226,8 @@ pub(crate) fn malformed_input(
         }
     };
     if !batched {
-        let e = engine.attention_with_lse(q.as_ref(), k.as_ref(), v.as_ref(), &opts);
+        let e =
+            required(Call::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts).forward_head(engine));
         let r = attn_reference::attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts);
         return report(e.map(|_| ()), r.map(|_| ()));
     }
@@ -244,7 +247,7 @@ pub(crate) fn malformed_input(
     let qt = Tensor4Ref::from_layout(&qd, [batch, h_q, n_q, d_k], l).expect("fits");
     let kt = Tensor4Ref::from_layout(&kd, [kv_batch, h_kv, n_k, d_k], l).expect("fits");
     let vt = Tensor4Ref::from_layout(&vd, [kv_batch, h_kv, n_k, d_v], l).expect("fits");
-    let e = engine.attention_batched(qt, kt, vt, &opts);
+    let e = required(Call::batched(qt, kt, vt, &opts).forward_batch(engine)).map(|(t, _)| t);
     let r = attn_reference::Attention::batched(qt, kt, vt, &opts)
         .and_then(|call| call.forward())
         .map(|f| f.into_output());
