@@ -18,32 +18,19 @@
 
 mod common;
 
-use std::ops::Range;
 use std::time::Duration;
 
 use attn_benches::protocol::median;
 use attn_benches::roof::pool;
-use attn_core::{Alibi, MaskMod, ScoreMod, ScoreTile, SoftCap, TileCoverage};
+use attn_core::{Alibi, ScoreMod, ScoreTile, SoftCap};
 use attn_optimized::{Attention, Causal, Layout, Options, Par, Tensor4Ref};
+use attn_oracle::user_mods::{TopLeftMask, UserSoftCap};
 use criterion::Criterion;
 
 fn values(n: usize, seed: usize) -> Vec<f32> {
     (0..n)
         .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 1000.0) - 0.5)
         .collect()
-}
-
-/// The soft-cap as a user writes it: the built-in's own f32 arithmetic.
-#[derive(Debug)]
-struct UserSoftCap(SoftCap);
-
-impl ScoreMod for UserSoftCap {
-    fn score(&self, s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
-        self.0.apply_f32(s).0
-    }
-    fn derivative(&self, s: f32, _b: usize, _h: usize, _i: usize, _j: usize) -> f32 {
-        self.0.apply_f32(s).1
-    }
 }
 
 /// ALiBi as a user writes it, naively: `s − m_h·|i + off − j|`, the slope looked up per
@@ -84,25 +71,6 @@ impl ScoreMod for NaiveUserAlibi<'_> {
     }
     fn derivative(&self, s: f32, b: usize, h: usize, i: usize, j: usize) -> f32 {
         self.0.derivative(s, b, h, i, j)
-    }
-}
-
-/// Causal (top-left) as a user mask, with an exact answer per block.
-#[derive(Debug)]
-struct UserCausal;
-
-impl MaskMod for UserCausal {
-    fn visible(&self, _b: usize, _h: usize, i: usize, j: usize) -> bool {
-        j <= i
-    }
-    fn coverage(&self, _b: usize, _h: usize, q: Range<usize>, k: Range<usize>) -> TileCoverage {
-        if k.start > q.end - 1 {
-            TileCoverage::Hidden
-        } else if k.end - 1 <= q.start {
-            TileCoverage::Full
-        } else {
-            TileCoverage::Partial
-        }
     }
 }
 
@@ -162,7 +130,7 @@ fn main() {
         ("causal_softcap", causal.with_softcap(cap)),
         ("causal_alibi", causal.with_alibi(Alibi::new(&slopes))),
         ("causal_sink", causal.with_sinks(&sinks)),
-        ("user_causal_mask", plain.with_mask_mod(&UserCausal)),
+        ("user_causal_mask", plain.with_mask_mod(&TopLeftMask)),
     ];
     let index = |name: &str| {
         kernels

@@ -83,11 +83,11 @@ const DEPENDENCY_RULES: &[DepRule] = &[
         normal: &["attn-core"],
         dev: &["attn-reference", "attn-oracle"],
     },
-    // Measures engines; never used by them.
+    // Measures engines; never used by them. Its benches time the oracle's user modifiers.
     DepRule {
         krate: "attn-benches",
         normal: &["attn-core", "attn-reference", "attn-optimized"],
-        dev: &[],
+        dev: &["attn-oracle"],
     },
     DepRule {
         krate: "xtask",
