@@ -104,18 +104,36 @@ fn main() -> Result<()> {
     let additive = (g.tensor(&[h, l, s])? * 0.5)?;
     let masks: Vec<(&str, AttentionOptions)> = vec![
         ("none", AttentionOptions::default()),
-        ("causal", AttentionOptions::default().with_causal(Causal::TopLeft)),
+        (
+            "causal",
+            AttentionOptions::default().with_causal(Causal::TopLeft),
+        ),
         (
             "window",
             AttentionOptions::default()
                 .with_causal(Causal::BottomRight)
                 .with_window(SlidingWindow::new(Some(4), Some(0), Causal::BottomRight)),
         ),
-        ("lengths", AttentionOptions::default().with_key_lengths(vec![13, 6])),
-        ("allow", AttentionOptions::default().with_allow_mask(shared.clone())),
-        ("allow_bh", AttentionOptions::default().with_allow_mask(per_head.clone())),
-        ("block_b", AttentionOptions::default().with_block_mask(per_batch.clone())),
-        ("add_h", AttentionOptions::default().with_additive_mask(additive.clone())),
+        (
+            "lengths",
+            AttentionOptions::default().with_key_lengths(vec![13, 6]),
+        ),
+        (
+            "allow",
+            AttentionOptions::default().with_allow_mask(shared.clone()),
+        ),
+        (
+            "allow_bh",
+            AttentionOptions::default().with_allow_mask(per_head.clone()),
+        ),
+        (
+            "block_b",
+            AttentionOptions::default().with_block_mask(per_batch.clone()),
+        ),
+        (
+            "add_h",
+            AttentionOptions::default().with_additive_mask(additive.clone()),
+        ),
         (
             "add_h_bf16",
             AttentionOptions::default().with_additive_mask(additive.to_dtype(DType::BF16)?),
@@ -136,7 +154,11 @@ fn main() -> Result<()> {
                     let o = scaled_dot_product_attention(&q, kk, vv, &opts)?;
                     out.push(format!("candle/forward/{tag}"), &[&o])?;
                     // Tracked: the op keeps the LSE, and the backward reads it.
-                    let (xq, xk, xv) = (Var::from_tensor(&q)?, Var::from_tensor(kk)?, Var::from_tensor(vv)?);
+                    let (xq, xk, xv) = (
+                        Var::from_tensor(&q)?,
+                        Var::from_tensor(kk)?,
+                        Var::from_tensor(vv)?,
+                    );
                     let o = scaled_dot_product_attention(&xq, &xk, &xv, &opts)?;
                     let wl = match layout {
                         Layout::Bhsd => w.clone(),
@@ -159,7 +181,8 @@ fn main() -> Result<()> {
             }
         }
         // [B, S, H, D] leaves seen through transposes.
-        let leaf = |t: &Tensor| -> Result<Var> { Var::from_tensor(&t.transpose(1, 2)?.contiguous()?) };
+        let leaf =
+            |t: &Tensor| -> Result<Var> { Var::from_tensor(&t.transpose(1, 2)?.contiguous()?) };
         let (xq, xk, xv) = (leaf(&q)?, leaf(&k)?, leaf(&v)?);
         let opts = AttentionOptions::default()
             .with_causal(Causal::BottomRight)
