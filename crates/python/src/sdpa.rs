@@ -671,7 +671,13 @@ fn no_autograd_when_packed(packed: bool) -> PyResult<()> {
 ///
 /// Beyond torch: ``causal_alignment="bottom_right"`` (with ``is_causal=True``) aligns the
 /// causal mask to the last key, as decoding and FlashAttention ≥ 2.1 do (query ``i`` sees
-/// keys ``j <= i + S - L``).
+/// keys ``j <= i + S - L``). ``cu_seqlens_q`` and ``cu_seqlens_k`` (both or neither) make
+/// the call a packed batch of sequences of different lengths, flash-attn's varlen layout:
+/// ``query`` ``(total_q, Hq, E)``, ``key`` ``(total_k, Hkv, E)``, ``value``
+/// ``(total_k, Hkv, Ev)``, sequence ``i`` on the rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``
+/// (and ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``), attending within itself; the result is
+/// ``(total_q, Hq, Ev)``, the LSE of ``attention_with_lse`` ``(Hq, total_q)``. No
+/// ``attn_mask`` and no autograd route with them.
 ///
 /// Where attn differs from torch:
 ///
