@@ -105,9 +105,10 @@
 
 use std::sync::OnceLock;
 
+use attn_core::filled;
 use attn_optimized::{
-    Attention, BoolMask4, Element, ForwardRef, KeyPadding, Mask4Ref, Options, Par, Tensor4Mut,
-    Tensor4Ref,
+    Attention, Batch, BoolMask4, CuSeqlens, Element, ForwardRef, KeyPadding, Mask4Ref, Options,
+    Par, Tensor4Mut, Tensor4Ref,
 };
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout as CandleLayout, Shape, Storage, Tensor};
@@ -122,9 +123,11 @@ pub use attn_optimized::{Causal, Layout, SlidingWindow};
 pub use candle_core;
 pub use candle_core::{Error, Result};
 
-/// The knobs of [`scaled_dot_product_attention`] that are not tensors of the op: the scale,
-/// the structural masks, the element-wise mask tensors and the output layout. All
-/// constraints combine: a key is visible only if every one of them allows it.
+/// The knobs of [`scaled_dot_product_attention`] that are not tensors of the op: attn's
+/// [`Options`] (the scale, the structural masks, the score modifiers: set one by one here, or
+/// given whole with [`AttentionOptions::from`]), the element-wise mask tensors, key lengths,
+/// the packed sequences and the output layout. All constraints combine: a key is visible
+/// only if every one of them allows it.
 ///
 /// ```
 /// use attn_candle::candle_core::{Device, Tensor};
@@ -143,13 +146,37 @@ pub use candle_core::{Error, Result};
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct AttentionOptions {
-    scale: Option<f32>,
-    causal: Option<Causal>,
-    window: Option<SlidingWindow>,
+    /// attn's options; the tensors and owned lengths below are added to them per call.
+    base: Options<'static>,
     key_lengths: Option<KeyLengths>,
     bool_mask: Option<(Polarity, Tensor)>,
     additive_mask: Option<Tensor>,
     output_layout: Option<Layout>,
+    /// `cu_seqlens_q` and `cu_seqlens_k` of a packed batch.
+    packed: Option<(Vec<usize>, Vec<usize>)>,
+}
+
+/// attn's options as the op's: every option attn has that is not a tensor (soft-capping,
+/// ALiBi slopes, sink logits, user modifiers held for `'static`, ...), to which the
+/// setters of [`AttentionOptions`] add.
+///
+/// ```
+/// use attn_candle::attn_optimized::{Options, SoftCap};
+/// use attn_candle::candle_core::{Device, Tensor};
+/// use attn_candle::{scaled_dot_product_attention, AttentionOptions, Causal};
+/// let opts = Options::default().with_causal(Causal::TopLeft).with_softcap(SoftCap::new(30.0)?);
+/// let x = Tensor::ones((1, 2, 3, 8), attn_candle::candle_core::DType::F32, &Device::Cpu)?;
+/// let out = scaled_dot_product_attention(&x, &x, &x, &AttentionOptions::from(opts))?;
+/// assert_eq!(out.dims(), &[1, 2, 3, 8]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+impl From<Options<'static>> for AttentionOptions {
+    fn from(base: Options<'static>) -> Self {
+        Self {
+            base,
+            ..Self::default()
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -168,7 +195,7 @@ impl AttentionOptions {
     /// Multiplies `Q Kᵀ`; the default is `1/√d_k`. It must be positive with
     /// `scale · log2(e)` a finite f32 (checked when the op runs).
     pub fn with_scale(mut self, scale: f32) -> Self {
-        self.scale = Some(scale);
+        self.base = self.base.with_scale(scale);
         self
     }
 
@@ -176,13 +203,13 @@ impl AttentionOptions {
     /// [`Causal::TopLeft`] is PyTorch's `is_causal`, [`Causal::BottomRight`] aligns the last
     /// query with the last key (decoding against a cache).
     pub fn with_causal(mut self, causal: Causal) -> Self {
-        self.causal = Some(causal);
+        self.base = self.base.with_causal(causal);
         self
     }
 
     /// Adds a sliding window around the aligned diagonal.
     pub fn with_window(mut self, window: SlidingWindow) -> Self {
-        self.window = Some(window);
+        self.base = self.base.with_window(window);
         self
     }
 
@@ -233,9 +260,46 @@ impl AttentionOptions {
         self
     }
 
+    /// A packed batch of sequences of different lengths (FlashAttention's varlen): `q`
+    /// is `[1, h_q, total_q, d_k]`, `k` and `v` `[1, h_kv, total_k, d]` (FlashAttention's
+    /// `[total, heads, dim]` is `x.unsqueeze(0)?.transpose(1, 2)?`, a view), sequence `s` on
+    /// the rows `cu_seqlens_q[s]..cu_seqlens_q[s + 1]` of `q` and
+    /// `cu_seqlens_k[s]..cu_seqlens_k[s + 1]` of `k` and `v`, each attending only within
+    /// itself (the causal alignment and window applied per sequence). The output is
+    /// `[1, h_q, total_q, d_v]` (or its `Bshd` form). Element-wise masks and key lengths are
+    /// errors with it; the offsets are checked when the op runs.
+    ///
+    /// ```
+    /// use attn_candle::candle_core::{Device, Tensor};
+    /// use attn_candle::{scaled_dot_product_attention, AttentionOptions, Causal};
+    /// let dev = Device::Cpu;
+    /// // 7 tokens, 2 heads, 8 features: sequences of 3 and 4 tokens.
+    /// let x = Tensor::arange(0f32, 112., &dev)?.affine(1e-2, 0.)?.reshape((7, 2, 8))?;
+    /// let x = x.unsqueeze(0)?.transpose(1, 2)?; // [1, 2, 7, 8]
+    /// let opts = AttentionOptions::default()
+    ///     .with_causal(Causal::TopLeft)
+    ///     .with_cu_seqlens(vec![0, 3, 7], vec![0, 3, 7]);
+    /// let out = scaled_dot_product_attention(&x, &x, &x, &opts)?;
+    /// // The second sequence alone gives the same rows.
+    /// let second = x.narrow(2, 3, 4)?;
+    /// let alone = scaled_dot_product_attention(&second, &second, &second, &AttentionOptions::default().with_causal(Causal::TopLeft))?;
+    /// let diff = (out.narrow(2, 3, 4)? - alone)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff < 1e-6);
+    /// # Ok::<(), attn_candle::Error>(())
+    /// ```
+    pub fn with_cu_seqlens(mut self, cu_seqlens_q: Vec<usize>, cu_seqlens_k: Vec<usize>) -> Self {
+        self.packed = Some((cu_seqlens_q, cu_seqlens_k));
+        self
+    }
+
     /// The scale set with [`AttentionOptions::with_scale`], if any.
     pub fn scale(&self) -> Option<f32> {
-        self.scale
+        self.base.scale
+    }
+
+    /// attn's options, without the tensors (masks) and lengths the op adds to them.
+    pub fn options(&self) -> &Options<'static> {
+        &self.base
     }
 }
 
@@ -316,10 +380,9 @@ fn check_operand(name: &str, t: &Tensor) -> Result<()> {
 /// The op: the options, the element-wise masks ready to be viewed, and the LSE the
 /// forward leaves for the backward.
 struct Sdpa {
-    scale: Option<f32>,
-    causal: Option<Causal>,
-    window: Option<SlidingWindow>,
+    base: Options<'static>,
     key_lengths: Option<KeyLengths>,
+    packed: Option<(Vec<usize>, Vec<usize>)>,
     /// The boolean mask's distinct entries as `bool`, with its polarity.
     bool_mask: Option<(Polarity, Compact<bool>)>,
     additive_mask: Option<Additive>,
@@ -403,10 +466,9 @@ impl Sdpa {
             }
         };
         Ok(Self {
-            scale: options.scale,
-            causal: options.causal,
-            window: options.window,
+            base: options.base,
             key_lengths: options.key_lengths.clone(),
+            packed: options.packed.clone(),
             bool_mask,
             additive_mask,
             output_layout: options.output_layout.unwrap_or(Layout::Bhsd),
@@ -448,18 +510,33 @@ impl Sdpa {
             }
         };
         let opts = Options {
-            scale: self.scale,
-            causal: self.causal,
-            window: self.window,
             key_padding: self.key_lengths.as_ref().map(|k| match k {
                 KeyLengths::Uniform(len) => KeyPadding::Uniform(*len),
                 KeyLengths::PerBatch(lens) => KeyPadding::PerBatch(lens),
             }),
             bool_mask_4d: bool_mask,
             additive_mask_4d: additive,
-            ..Options::default()
+            ..self.base
         };
         f(&opts)
+    }
+
+    /// The engine's call over the op's operands: batched, or packed when the options
+    /// carry the sequences' offsets.
+    fn call<'a, T: Element>(
+        &'a self,
+        q: Tensor4Ref<'a, T>,
+        k: Tensor4Ref<'a, T>,
+        v: Tensor4Ref<'a, T>,
+        opts: &Options<'a>,
+    ) -> Result<Attention<'a, T, Batch>> {
+        match &self.packed {
+            None => Attention::batched(q, k, v, opts),
+            Some((cu_q, cu_k)) => {
+                CuSeqlens::new(cu_q, cu_k).and_then(|seqs| Attention::packed(q, k, v, &seqs, opts))
+            }
+        }
+        .map_err(attn)
     }
 
     fn forward<T: Element + candle_core::WithDType>(
@@ -472,54 +549,32 @@ impl Sdpa {
         let q = operand::<T>("q", q.0, q.1, Layout::Bhsd, &mut qb)?;
         let k = operand::<T>("k", k.0, k.1, Layout::Bhsd, &mut kb)?;
         let v = operand::<T>("v", v.0, v.1, Layout::Bhsd, &mut vb)?;
-        let [b, h, n, _] = q.dims();
-        let d_v = v.dims()[3];
-        let shape = match self.output_layout {
-            Layout::Bhsd => Shape::from((b, h, n, d_v)),
-            Layout::Bshd => Shape::from((b, n, h, d_v)),
-        };
         self.with_options(|opts| {
-            let out = match (self.keep_lse, self.output_layout) {
-                (false, Layout::Bhsd) => Attention::batched(q, k, v, opts).and_then(|call| call.forward(Par::rayon(0))).map(|f| f.into_output()).map_err(attn)?,
-                (false, Layout::Bshd) => {
-                    // Counted with checks: attn has not validated the shapes yet.
-                    let count = [b, h, n, d_v]
-                        .iter()
-                        .try_fold(1usize, |c, &x| c.checked_mul(x))
-                        .ok_or_else(|| {
-                            Error::Msg(format!(
-                                "attn-candle: an output of [{b}, {n}, {h}, {d_v}] elements overflows usize"
-                            ))
-                        })?;
-                    let mut out = zeroed::<T>(count)?;
-                    let view = Tensor4Mut::from_layout(&mut out, [b, h, n, d_v], Layout::Bshd)
-                        .map_err(attn)?;
-                    Attention::batched(q, k, v, opts).and_then(|call| call.forward_into(view, None, Par::rayon(0))).map_err(attn)?;
-                    return Ok(out);
-                }
-                (true, _) => {
-                    let (out, lse) = Attention::batched(q, k, v, opts).and_then(|call| call.forward(Par::rayon(0))).map(|f| f.into_parts()).map_err(attn)?;
-                    // A fresh op runs its forward once; a second value would be the same.
-                    let _ = self.lse.set(lse);
-                    out
-                }
+            let call = self.call(q, k, v, opts)?;
+            let [b, h, n, d_v] = call.out_dims();
+            let shape = match self.output_layout {
+                Layout::Bhsd => Shape::from((b, h, n, d_v)),
+                Layout::Bshd => Shape::from((b, n, h, d_v)),
             };
-            match self.output_layout {
-                Layout::Bhsd => Ok(out.into_vec()),
-                // With the LSE: attn returns [B,H,S,D]; one O(n·d) transposing copy.
-                Layout::Bshd => {
-                    let (src, mut t) = (out.as_slice(), zeroed::<T>(out.as_slice().len())?);
-                    if d_v > 0 {
-                        for (r, row) in src.chunks_exact(d_v).enumerate() {
-                            let (bi, hi, si) = (r / (h * n), r / n % h, r % n);
-                            t[((bi * n + si) * h + hi) * d_v..][..d_v].copy_from_slice(row);
-                        }
-                    }
-                    Ok(t)
-                }
+            let count = |dims: &[usize]| dims.iter().try_fold(1usize, |c, &x| c.checked_mul(x));
+            // Written in the asked layout by the engine, the LSE beside it when kept.
+            let out_len = count(&[b, h, n, d_v]);
+            let mut out = filled("attention output", out_len, T::from_f32(0.0)).map_err(attn)?;
+            let view = Tensor4Mut::from_layout(&mut out, [b, h, n, d_v], self.output_layout)
+                .map_err(attn)?;
+            if self.keep_lse {
+                let mut lse = filled("LSE", count(&[b, h, n]), 0.0f32).map_err(attn)?;
+                let lse_view =
+                    Tensor4Mut::from_layout(&mut lse, [b, h, n, 1], Layout::Bhsd).map_err(attn)?;
+                call.forward_into(view, Some(lse_view), Par::rayon(0))
+                    .map_err(attn)?;
+                // A fresh op runs its forward once; a second value would be the same.
+                let _ = self.lse.set(lse);
+            } else {
+                call.forward_into(view, None, Par::rayon(0)).map_err(attn)?;
             }
+            Ok((out, shape))
         })
-        .map(|out| (out, shape))
     }
 
     fn backward<T: Element + candle_core::WithDType>(
@@ -549,20 +604,17 @@ impl Sdpa {
             gb,
         )?;
         let g = self.with_options(|opts| {
+            let call = self.call(qv, kv, vv, opts)?;
             let recomputed;
             let lse = match self.lse.get() {
                 Some(lse) => lse,
                 None => {
-                    recomputed = Attention::batched(qv, kv, vv, opts)
-                        .and_then(|call| call.forward(Par::rayon(0)))
-                        .map(|f| f.into_parts())
-                        .map_err(attn)?
-                        .1;
+                    recomputed = call.forward(Par::rayon(0)).map_err(attn)?.into_parts().1;
                     &recomputed
                 }
             };
-            Attention::batched(qv, kv, vv, opts)
-                .and_then(|call| call.backward(ForwardRef::batch(ov, lse)?, gv, Par::rayon(0)))
+            ForwardRef::batch(ov, lse)
+                .and_then(|fwd| call.backward(fwd, gv, Par::rayon(0)))
                 .map_err(attn)
         })?;
         let dev = q.device();
@@ -649,18 +701,6 @@ fn cpu<'a>(storage: &'a Storage, name: &str) -> Result<&'a CpuStorage> {
 
 fn cpu_slice<'a, T: candle_core::WithDType>(name: &str, storage: &'a Storage) -> Result<&'a [T]> {
     cpu(storage, name)?.as_slice::<T>()
-}
-
-/// A zero-filled buffer of `n` elements, or an error if the allocator refuses it.
-fn zeroed<T: Element>(n: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| {
-        Error::Msg(format!(
-            "attn-candle: cannot allocate the attention output ({n} elements)"
-        ))
-    })?;
-    v.resize(n, T::from_f32(0.0));
-    Ok(v)
 }
 
 /// An attn view of a 4-D candle tensor whose logical dims are in `order` (`Bhsd`:

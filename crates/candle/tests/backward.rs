@@ -250,3 +250,64 @@ fn gradients_of_zero_length_sequences_are_zero() {
     let g = out.sum_all().unwrap().backward().unwrap();
     assert!(flat(g.get(&k).unwrap()).iter().all(|&x| x == 0.0));
 }
+
+/// A packed batch (`cu_seqlens`): the output and the gradients are those of each sequence
+/// run through the op on its own (GQA, causal per sequence, a sequence without queries,
+/// the output in both layouts), and the op's errors name the offsets.
+#[test]
+fn packed_batches_match_their_sequences_run_alone() {
+    let (cu_q, cu_k) = (vec![0, 3, 3, 10], vec![0, 5, 7, 16]);
+    let (h_q, h_kv, d) = (4, 2, 8);
+    let q = Var::from_tensor(&tensor(&[1, h_q, 10, d], 1, 1.0)).unwrap();
+    let k = Var::from_tensor(&tensor(&[1, h_kv, 16, d], 2, 1.0)).unwrap();
+    let v = Var::from_tensor(&tensor(&[1, h_kv, 16, d], 3, 1.0)).unwrap();
+    let w = tensor(&[1, h_q, 10, d], 4, 1.0);
+    let causal = AttentionOptions::default().with_causal(Causal::BottomRight);
+    for layout in [Layout::Bhsd, Layout::Bshd] {
+        let opts = causal
+            .clone()
+            .with_cu_seqlens(cu_q.clone(), cu_k.clone())
+            .with_output_layout(layout);
+        let out = scaled_dot_product_attention(&q, &k, &v, &opts).unwrap();
+        let out = match layout {
+            Layout::Bhsd => out,
+            Layout::Bshd => out.transpose(1, 2).unwrap(),
+        };
+        assert_eq!(out.dims(), &[1, h_q, 10, d]);
+        let got = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut loss = Tensor::zeros((), DType::F32, &CPU).unwrap();
+        let mut alone = Vec::new();
+        for s in 0..3 {
+            let (q0, nq) = (cu_q[s], cu_q[s + 1] - cu_q[s]);
+            let (k0, nk) = (cu_k[s], cu_k[s + 1] - cu_k[s]);
+            let (qs, ks, vs) = (
+                q.narrow(2, q0, nq).unwrap(),
+                k.narrow(2, k0, nk).unwrap(),
+                v.narrow(2, k0, nk).unwrap(),
+            );
+            let o = scaled_dot_product_attention(&qs, &ks, &vs, &causal).unwrap();
+            let part = (&o * w.narrow(2, q0, nq).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            loss = (loss + part).unwrap();
+            alone.push(o);
+        }
+        let alone = Tensor::cat(&alone, 2).unwrap();
+        assert!(max_rel(&out, &alone) < 1e-6, "{layout:?}: output");
+        let want = loss.backward().unwrap();
+        for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+            let (g, wg) = (got.get(x).unwrap(), want.get(x).unwrap());
+            assert!(max_rel(g, wg) < 1e-5, "{layout:?}: {name}");
+        }
+    }
+    let bad = causal
+        .clone()
+        .with_cu_seqlens(vec![0, 3, 9], vec![0, 5, 16]);
+    let err = scaled_dot_product_attention(&q, &k, &v, &bad).unwrap_err();
+    assert!(err.to_string().contains("cu_seqlens_q"), "{err}");
+    let masked = AttentionOptions::default()
+        .with_cu_seqlens(cu_q, cu_k)
+        .with_allow_mask(Tensor::ones((10, 16), DType::U8, &CPU).unwrap());
+    assert!(scaled_dot_product_attention(&q, &k, &v, &masked).is_err());
+}

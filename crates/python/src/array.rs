@@ -16,27 +16,32 @@ use pyo3::types::{PyCapsule, PyDict, PyType};
 use numpy::npyffi::NPY_TYPES;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 
+pub(crate) use attn_core::Dtype as Float;
+
 use crate::dlpack;
 use crate::output::SendPtr;
 
-/// Element types attn reads.
+/// Element types attn reads: the storage types of attn-core's [`Float`] (f32, f16, bf16),
+/// boolean masks, and anything else by name (for the error).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Dtype {
-    F32,
-    F16,
-    BF16,
+    /// A floating-point storage type attn computes on.
+    Float(Float),
     Bool,
     /// Anything else, by name (for the error).
     Other(String),
 }
 
 impl Dtype {
+    /// The float types, as they are matched on.
+    pub(crate) const F32: Dtype = Dtype::Float(Float::F32);
+    pub(crate) const F16: Dtype = Dtype::Float(Float::F16);
+    pub(crate) const BF16: Dtype = Dtype::Float(Float::Bf16);
+
     /// The name NumPy and torch users know.
     pub(crate) fn name(&self) -> &str {
         match self {
-            Dtype::F32 => "float32",
-            Dtype::F16 => "float16",
-            Dtype::BF16 => "bfloat16",
+            Dtype::Float(f) => float_name(*f),
             Dtype::Bool => "bool",
             Dtype::Other(name) => name,
         }
@@ -45,11 +50,19 @@ impl Dtype {
     /// Bytes per element (0 for the unsupported ones, which are never read).
     pub(crate) fn size(&self) -> usize {
         match self {
-            Dtype::F32 => 4,
-            Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::Float(f) => f.bytes(),
             Dtype::Bool => 1,
             Dtype::Other(_) => 0,
         }
+    }
+}
+
+/// The name NumPy and torch give a float type.
+pub(crate) fn float_name(f: Float) -> &'static str {
+    match f {
+        Float::F32 => "float32",
+        Float::F16 => "float16",
+        Float::Bf16 => "bfloat16",
     }
 }
 
@@ -140,15 +153,10 @@ fn numpy_dtype(arr: &Bound<'_, PyUntypedArray>) -> Dtype {
     }
 }
 
-/// `n` zeroed elements, or a `MemoryError` naming `what` (never an abort) when `n` overflowed
-/// (`None`) or cannot be allocated.
-pub(crate) fn zeroed<T: Clone + Default>(what: &str, n: Option<usize>) -> PyResult<Vec<T>> {
-    let fail = || PyMemoryError::new_err(format!("could not allocate {what}"));
-    let n = n.ok_or_else(fail)?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| fail())?;
-    v.resize(n, T::default());
-    Ok(v)
+/// `n` zeroed elements (`None`: a count that overflowed), or a `MemoryError` naming `what`
+/// (never an abort): attn-core's [`attn_core::zeroed`] in Python's terms.
+pub(crate) fn zeroed<T: Clone + Default>(what: &'static str, n: Option<usize>) -> PyResult<Vec<T>> {
+    attn_core::zeroed(what, n).map_err(crate::to_py_err)
 }
 
 /// The product of `dims`, `None` when it overflows.

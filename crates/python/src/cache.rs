@@ -1,14 +1,14 @@
 //! `attn.KVCache`: attn's [`KvCache`] for decoding from Python.
 
-use attn_core::{Causal, Options, Tensor4, Tensor4Ref};
+use attn_core::{Causal, Options, Tensor4Ref};
 use attn_optimized::{Growth, KvCache};
 use half::{bf16, f16};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::array::{Array, Dtype, is_torch_tensor};
-use crate::output::{SendPtr, Storage, check_returnable, finish};
+use crate::array::{Array, Dtype, Float, float_name, is_torch_tensor};
+use crate::output::{Storage, check_returnable, finish};
 use crate::to_py_err;
 
 /// The cache in its storage type.
@@ -43,9 +43,9 @@ macro_rules! typed {
 }
 
 /// The dtype a user names: ``"float32"``, ``numpy.float16``, ``torch.bfloat16``, ….
-fn dtype_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Dtype> {
+fn dtype_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Float> {
     let Some(obj) = obj else {
-        return Ok(Dtype::F32);
+        return Ok(Float::F32);
     };
     let name = if let Ok(s) = obj.extract::<String>() {
         s
@@ -59,9 +59,9 @@ fn dtype_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Dtype> {
             .to_string()
     };
     match name.trim_start_matches("torch.") {
-        "float32" | "float" => Ok(Dtype::F32),
-        "float16" | "half" => Ok(Dtype::F16),
-        "bfloat16" => Ok(Dtype::BF16),
+        "float32" | "float" => Ok(Float::F32),
+        "float16" | "half" => Ok(Float::F16),
+        "bfloat16" => Ok(Float::Bf16),
         other => Err(PyTypeError::new_err(format!(
             "KVCache dtype {other}: attn caches float32, float16 or bfloat16"
         ))),
@@ -89,17 +89,17 @@ fn dtype_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Dtype> {
 #[derive(Debug)]
 pub(crate) struct PyKvCache {
     inner: Inner,
-    dtype: Dtype,
+    dtype: Float,
 }
 
 /// A `(batch, heads, tokens, d)` input of the cache's dtype, as the engine's view.
-fn tokens<'py>(name: &'static str, obj: &Bound<'py, PyAny>, dtype: &Dtype) -> PyResult<Array<'py>> {
+fn tokens<'py>(name: &'static str, obj: &Bound<'py, PyAny>, dtype: Float) -> PyResult<Array<'py>> {
     let a = Array::extract(name, obj)?;
-    if &a.dtype != dtype {
+    if a.dtype != Dtype::Float(dtype) {
         return Err(PyTypeError::new_err(format!(
             "{name} has dtype {} but the cache holds {}",
             a.dtype.name(),
-            dtype.name()
+            float_name(dtype)
         )));
     }
     if a.ndim() != 4 {
@@ -160,35 +160,31 @@ fn attend_typed<'py, T: Storage>(
 ) -> PyResult<Bound<'py, PyAny>> {
     // SAFETY: `q` was read as this cache's dtype, `T`, and lives through the call.
     let view = unsafe { view4::<T>(q) }?;
-    let (out, lse): (Tensor4<T>, Vec<f32>) = py
-        .detach(|| {
-            if with_lse {
-                cache
-                    .attention(view, opts)
-                    .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-                    .map(|f| f.into_parts())
-            } else {
-                cache
-                    .attention(view, opts)
-                    .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-                    .map(|f| f.into_output())
-                    .map(|o| (o, Vec::new()))
+    let call = cache.attention(view, opts).map_err(to_py_err)?;
+    let dims = call.out_dims();
+    let (arr, ptr) = T::zeros(py, &dims)?;
+    let lse = with_lse.then(|| f32::zeros(py, &dims[..3])).transpose()?;
+    let lse_ptr = lse.as_ref().map(|(_, p)| *p);
+    py.detach(|| {
+        // SAFETY: `arr` (and `lse`) are our own compact arrays of the call's output (and
+        // LSE) dims, just allocated, touched by nothing else during the call.
+        let out = unsafe { crate::sdpa::view_mut(ptr, 0, dims, crate::sdpa::compact3(dims)) }?;
+        let lse = match lse_ptr {
+            None => None,
+            Some(p) => {
+                let ld = [dims[0], dims[1], dims[2], 1];
+                // SAFETY: as above.
+                Some(unsafe { crate::sdpa::view_mut(p, 0, ld, crate::sdpa::compact3(ld)) }?)
             }
-        })
-        .map_err(to_py_err)?;
-    let dims = out.dims();
-    let (arr, ptr): (_, SendPtr<T>) = T::zeros(py, &dims)?;
-    let src = out.as_slice();
-    // SAFETY: `arr` is our own compact array of `dims`, as many elements as `src`.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), ptr.as_mut(), src.len()) };
-    let out = finish(arr, q.kind, &T::DTYPE)?;
-    if !with_lse {
+        };
+        call.forward_into::<T>(out, lse, attn_optimized::Par::rayon(0))
+    })
+    .map_err(to_py_err)?;
+    let out = finish(arr, q.kind, T::DTYPE)?;
+    let Some((larr, _)) = lse else {
         return Ok(out);
-    }
-    let (larr, lptr) = f32::zeros(py, &dims[..3])?;
-    // SAFETY: as above, `dims[0] · dims[1] · dims[2]` f32 values.
-    unsafe { std::ptr::copy_nonoverlapping(lse.as_ptr(), lptr.as_mut(), lse.len()) };
-    let lse = finish(larr, q.kind, &Dtype::F32)?;
+    };
+    let lse = finish(larr, q.kind, Float::F32)?;
     Ok(PyTuple::new(py, [out, lse])?.into_any())
 }
 
@@ -201,8 +197,8 @@ impl PyKvCache {
         with_lse: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = query.py();
-        let q = tokens("query", query, &self.dtype)?;
-        check_returnable(q.kind, &q.dtype)?;
+        let q = tokens("query", query, self.dtype)?;
+        check_returnable(q.kind, self.dtype)?;
         let mut opts = Options::default();
         if is_causal {
             opts = opts.with_causal(Causal::BottomRight);
@@ -225,8 +221,8 @@ impl PyKvCache {
         value: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let py = key.py();
-        let k = tokens("key", key, &self.dtype)?;
-        let v = tokens("value", value, &self.dtype)?;
+        let k = tokens("key", key, self.dtype)?;
+        let v = tokens("value", value, self.dtype)?;
         if is_torch_tensor(key)? != is_torch_tensor(value)? {
             return Err(PyTypeError::new_err(
                 "key and value must both be torch tensors, or both NumPy arrays",
@@ -270,17 +266,17 @@ impl PyKvCache {
         let dtype = dtype_of(dtype)?;
         let d_v = value_dim.unwrap_or(head_dim);
         let inner = match dtype {
-            Dtype::F32 => Inner::F32(
+            Float::F32 => Inner::F32(
                 KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
                     .map_err(to_py_err)?
                     .with_growth(growth),
             ),
-            Dtype::F16 => Inner::F16(
+            Float::F16 => Inner::F16(
                 KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
                     .map_err(to_py_err)?
                     .with_growth(growth),
             ),
-            _ => Inner::BF16(
+            Float::Bf16 => Inner::BF16(
                 KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
                     .map_err(to_py_err)?
                     .with_growth(growth),
@@ -372,14 +368,14 @@ impl PyKvCache {
     /// The storage dtype's name.
     #[getter]
     fn dtype(&self) -> &str {
-        self.dtype.name()
+        float_name(self.dtype)
     }
 
     fn __repr__(&self) -> String {
         let (b, h, c, d) = self.shape();
         format!(
             "KVCache(batch={b}, kv_heads={h}, capacity={c}, head_dim={d}, dtype={:?}, lens={:?})",
-            self.dtype.name(),
+            float_name(self.dtype),
             self.lens()
         )
     }

@@ -6,7 +6,9 @@
 //! by attn's streaming engine ([`attn_optimized`]):
 //!
 //! - `scaled_dot_product_attention`, `attention_with_lse` and `attention_backward`
-//!   (`sdpa.rs`), planned as batched engine calls over strided views (`plan.rs`);
+//!   (`sdpa.rs`), planned as batched engine calls over strided views (`plan.rs`), or as one
+//!   packed call for a batch of sequences of different lengths (`cu_seqlens_q`,
+//!   `cu_seqlens_k`: `packed.rs`);
 //! - `KVCache`, the engine's [`attn_optimized::KvCache`] for decoding (`cache.rs`);
 //! - inputs read in place (`array.rs`): NumPy arrays through NumPy's C API, torch tensors
 //!   and any other CPU producer through DLPack (`dlpack.rs`, the consumer);
@@ -24,6 +26,7 @@ mod array;
 mod cache;
 mod dlpack;
 mod output;
+mod packed;
 mod plan;
 mod sdpa;
 

@@ -13,7 +13,7 @@ use pyo3::sync::PyOnceLock;
 
 use attn_optimized::Element;
 
-use crate::array::{Dtype, Kind};
+use crate::array::{Float, Kind};
 
 /// A raw pointer that may cross into the computation while the GIL is released.
 #[derive(Debug)]
@@ -40,10 +40,9 @@ impl<T> SendPtr<T> {
     }
 }
 
-/// The storage types attn computes in, and how their NumPy arrays are made.
+/// The storage types attn computes in (their dtype is [`Element::DTYPE`]), and how their
+/// NumPy arrays are made.
 pub(crate) trait Storage: Element {
-    /// The dtype of the inputs of this type.
-    const DTYPE: Dtype;
     /// A zeroed, C-contiguous NumPy array of this type (`int16` holding the bits for
     /// bf16, which NumPy does not have) and the address of its first element; NumPy's
     /// `MemoryError` (or `ValueError` for a size beyond any array) when it cannot be made.
@@ -87,7 +86,6 @@ fn zeros_of<'py, N: numpy::Element, T>(
 }
 
 impl Storage for f32 {
-    const DTYPE: Dtype = Dtype::F32;
     fn zeros<'py>(
         py: Python<'py>,
         shape: &[usize],
@@ -97,7 +95,6 @@ impl Storage for f32 {
 }
 
 impl Storage for f16 {
-    const DTYPE: Dtype = Dtype::F16;
     fn zeros<'py>(
         py: Python<'py>,
         shape: &[usize],
@@ -107,7 +104,6 @@ impl Storage for f16 {
 }
 
 impl Storage for bf16 {
-    const DTYPE: Dtype = Dtype::BF16;
     fn zeros<'py>(
         py: Python<'py>,
         shape: &[usize],
@@ -134,8 +130,8 @@ fn torch_attr<'py>(py: Python<'py>, name: &'static str) -> PyResult<Bound<'py, P
 }
 
 /// Checks that a result of `dtype` can be returned in `kind`.
-pub(crate) fn check_returnable(kind: Kind, dtype: &Dtype) -> PyResult<()> {
-    if *dtype == Dtype::BF16 && kind != Kind::Torch {
+pub(crate) fn check_returnable(kind: Kind, dtype: Float) -> PyResult<()> {
+    if dtype == Float::Bf16 && kind != Kind::Torch {
         return Err(PyTypeError::new_err(
             "bfloat16 inputs need torch tensors: NumPy has no bfloat16 for the result",
         ));
@@ -148,14 +144,14 @@ pub(crate) fn check_returnable(kind: Kind, dtype: &Dtype) -> PyResult<()> {
 pub(crate) fn finish<'py>(
     arr: Bound<'py, PyAny>,
     kind: Kind,
-    dtype: &Dtype,
+    dtype: Float,
 ) -> PyResult<Bound<'py, PyAny>> {
     if kind != Kind::Torch {
         return Ok(arr);
     }
     let py = arr.py();
     let t = torch_attr(py, "from_numpy")?.call1((arr,))?;
-    if *dtype == Dtype::BF16 {
+    if dtype == Float::Bf16 {
         t.call_method1("view", (torch_attr(py, "bfloat16")?,))
     } else {
         Ok(t)

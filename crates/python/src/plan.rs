@@ -6,11 +6,11 @@
 //! fewer heads than the query, query head `i` reading kv head `i / (Hq / Hkv)`.
 //!
 //! An engine call covers `[B, H, L, E]`: `B` is the second-to-last leading axis and `H` the
-//! head axis; the axes before `B` are looped over, one call per index, and so are `B` and `H`
-//! when the mask differs along them (attn's masks are one `[L, S]` matrix shared by a call).
-//! Broadcast axes are stride-0 views: nothing is copied to broadcast.
+//! head axis; the axes before `B` are looped over, one call per index. The mask of a call is
+//! its `[B, H, L, S]` view (attn-core's 4-D masks), whatever it differs along. Broadcast axes
+//! are stride-0 views: nothing is copied to broadcast.
 
-use attn_core::Causal;
+use attn_core::Options;
 use pyo3::PyResult;
 use pyo3::exceptions::{PyMemoryError, PyValueError};
 
@@ -30,8 +30,6 @@ pub(crate) struct MaskPlan {
     pub lead: Vec<isize>,
     pub row: isize,
     pub col: isize,
-    /// Boolean (True = take part) rather than additive.
-    pub boolean: bool,
 }
 
 /// One engine call: the index of its first position along the leading axes, and its
@@ -63,14 +61,12 @@ pub(crate) struct Plan {
     pub kv_heads: usize,
     head_axis: Option<usize>,
     batch_axis: Option<usize>,
-    loop_batch: bool,
-    loop_head: bool,
     pub q: Strides,
     pub k: Strides,
     pub v: Strides,
     pub mask: Option<MaskPlan>,
-    pub causal: Option<Causal>,
-    pub scale: Option<f32>,
+    /// The options every call shares (scale, causal mask); each call adds its mask.
+    pub options: Options<'static>,
 }
 
 fn err<T>(msg: String) -> PyResult<T> {
@@ -112,8 +108,7 @@ impl Plan {
         v: &Array<'_>,
         mask: Option<&Array<'_>>,
         enable_gqa: bool,
-        causal: Option<Causal>,
-        scale: Option<f32>,
+        options: Options<'static>,
     ) -> PyResult<Self> {
         if q.ndim() < 2 || k.ndim() < 2 || v.ndim() < 2 {
             return err(format!(
@@ -253,14 +248,11 @@ impl Plan {
             kv_heads,
             head_axis,
             batch_axis,
-            loop_batch: false,
-            loop_head: false,
             q: qs,
             k: ks,
             v: vs,
             mask: None,
-            causal,
-            scale,
+            options,
         };
         if let Some(m) = mask {
             plan.set_mask(m)?;
@@ -290,33 +282,17 @@ impl Plan {
             return bad();
         }
         let lead: Vec<isize> = (0..r).map(|a| stride_on(dims[a], strides[a])).collect();
-        self.loop_batch = self.batch_axis.is_some_and(|b| dims[b] > 1);
-        self.loop_head = self.head_axis.is_some_and(|h| dims[h] > 1);
         self.mask = Some(MaskPlan {
             lead,
             row: stride_on(dims[r], strides[r]),
             col: stride_on(dims[r + 1], strides[r + 1]),
-            boolean: m.dtype == crate::array::Dtype::Bool,
         });
         Ok(())
     }
 
     /// Batch entries per call.
     pub(crate) fn call_batch(&self) -> usize {
-        match self.batch_axis {
-            Some(b) if !self.loop_batch => self.lead[b],
-            _ => 1,
-        }
-    }
-
-    /// Query heads per call.
-    pub(crate) fn call_heads(&self) -> usize {
-        if self.loop_head { 1 } else { self.heads }
-    }
-
-    /// K/V heads per call.
-    pub(crate) fn call_kv_heads(&self) -> usize {
-        if self.loop_head { 1 } else { self.kv_heads }
+        self.batch_axis.map_or(1, |b| self.lead[b])
     }
 
     /// The (batch, head) strides of an operand in a call.
@@ -325,9 +301,21 @@ impl Plan {
         [at(self.batch_axis), at(self.head_axis), s.seq]
     }
 
-    /// Strides of the mask's rows and columns, and whether it is boolean.
-    pub(crate) fn mask_strides(&self) -> Option<(isize, isize, bool)> {
-        self.mask.as_ref().map(|m| (m.row, m.col, m.boolean))
+    /// The mask's strides over a call's `[B, H, L, S]`.
+    pub(crate) fn mask_strides(&self) -> Option<[isize; 4]> {
+        self.mask.as_ref().map(|m| {
+            let at = |axis: Option<usize>| axis.map_or(0, |a| m.lead[a]);
+            [at(self.batch_axis), at(self.head_axis), m.row, m.col]
+        })
+    }
+
+    /// Whether attn-core's 4-D mask view can take the mask as it is: strides that step
+    /// forward, and a row or column axis that is contiguous or broadcast. Otherwise the
+    /// mask is copied once (compacted) before the calls.
+    pub(crate) fn mask_viewable(&self) -> bool {
+        self.mask_strides().is_none_or(|[b, h, row, col]| {
+            [b, h, row, col].iter().all(|&x| x >= 0) && (row <= 1 || col <= 1)
+        })
     }
 
     /// Whether there is any engine call: an output position with a query.
@@ -339,11 +327,7 @@ impl Plan {
     pub(crate) fn calls(&self) -> impl Iterator<Item = Call> + '_ {
         let r = self.lead.len();
         let looped: Vec<usize> = (0..r)
-            .filter(|&a| {
-                let engine_axis = (Some(a) == self.batch_axis && !self.loop_batch)
-                    || (Some(a) == self.head_axis && !self.loop_head);
-                !engine_axis
-            })
+            .filter(|&a| Some(a) != self.batch_axis && Some(a) != self.head_axis)
             .collect();
         // No output position (or no query): nothing to compute, and dK, dV stay 0. Otherwise
         // the count divides the product of `lead`, checked by `new`.

@@ -2,9 +2,10 @@
 //! `attention_backward`. Each validates in Python's terms, plans the engine calls
 //! ([`Plan`]), allocates its results, and computes with the GIL released.
 
-use attn_core::{BoolMask, Causal, Options, Tensor4Mut, Tensor4Ref};
+use attn_core::{
+    BoolMask4, Causal, ForwardRef, GradientsMut, Mask4Ref, Options, Tensor4Mut, Tensor4Ref,
+};
 
-use faer::MatRef;
 use half::{bf16, f16};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -12,16 +13,17 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyTuple;
 
-use crate::array::{Array, Dtype, Kind, is_torch_tensor, product, zeroed};
+use crate::array::{Array, Dtype, Float, Kind, is_torch_tensor, product, zeroed};
 use crate::output::{SendPtr, Storage, check_returnable, finish};
+use crate::packed::Seqlens;
 use crate::plan::{Call, Plan, Strides};
 use crate::to_py_err;
 
-/// The keyword arguments every entry point shares, validated.
+/// The keyword arguments every entry point shares, validated: attn's options (the scale
+/// and the causal mask; each engine call adds its mask) and torch's `enable_gqa`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Flags {
-    pub causal: Option<Causal>,
-    pub scale: Option<f32>,
+    pub options: Options<'static>,
     pub enable_gqa: bool,
 }
 
@@ -59,16 +61,16 @@ pub(crate) fn flags(
             "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True",
         ));
     }
-    let scale = scale.map(|s| s as f32);
+    let mut options = Options::default();
     if let Some(s) = scale {
-        Options::default()
-            .with_scale(s)
-            .scale_for(1)
-            .map_err(to_py_err)?;
+        options = options.with_scale(s as f32);
+        options.scale_for(1).map_err(to_py_err)?;
+    }
+    if is_causal {
+        options = options.with_causal(align);
     }
     Ok(Flags {
-        causal: is_causal.then_some(align),
-        scale,
+        options,
         enable_gqa,
     })
 }
@@ -181,7 +183,7 @@ fn mixed_kinds(q: Kind, name: &str, kind: Kind) -> PyErr {
 }
 
 /// torch tensors go with torch tensors: the query decides the kind of the results.
-fn check_kinds(q: &Array<'_>, others: &[&Array<'_>]) -> PyResult<()> {
+pub(crate) fn check_kinds(q: &Array<'_>, others: &[&Array<'_>]) -> PyResult<()> {
     for a in others {
         if (q.kind == Kind::Torch) != (a.kind == Kind::Torch) {
             return Err(mixed_kinds(q.kind, a.name, a.kind));
@@ -190,9 +192,9 @@ fn check_kinds(q: &Array<'_>, others: &[&Array<'_>]) -> PyResult<()> {
     Ok(())
 }
 
-fn check_storage(q: &Array<'_>) -> PyResult<()> {
+pub(crate) fn check_storage(q: &Array<'_>) -> PyResult<()> {
     match q.dtype {
-        Dtype::F32 | Dtype::F16 | Dtype::BF16 => check_returnable(q.kind, &q.dtype),
+        Dtype::Float(f) => check_returnable(q.kind, f),
         _ => Err(PyTypeError::new_err(format!(
             "query has dtype {}: attn computes on float32, float16 and bfloat16 storage",
             q.dtype.name()
@@ -201,7 +203,7 @@ fn check_storage(q: &Array<'_>) -> PyResult<()> {
 }
 
 /// The operands of one dtype: `rest` must have the query's.
-fn check_same_dtype(
+pub(crate) fn check_same_dtype(
     q: &Array<'_>,
     k: &Array<'_>,
     v: &Array<'_>,
@@ -254,7 +256,7 @@ fn check_mask_dtype(m: &Array<'_>, q: &Array<'_>) -> PyResult<()> {
 
 /// A copy when an engine call would span a negative stride (attn's views step forward):
 /// the last four axes are the most a call spans (batch, head, sequence, features).
-fn forward_strides<'py>(py: Python<'py>, a: Array<'py>) -> PyResult<Array<'py>> {
+pub(crate) fn forward_strides<'py>(py: Python<'py>, a: Array<'py>) -> PyResult<Array<'py>> {
     let n = a.ndim();
     if a.strides[n.saturating_sub(4)..].iter().any(|&s| s < 0) {
         a.compacted(py)
@@ -273,11 +275,15 @@ fn plan_call<'py>(
     f: Flags,
     work: impl Fn(&Plan) -> bool,
 ) -> PyResult<(Plan, Option<Array<'py>>)> {
-    let mut plan = Plan::new(q, k, v, m.as_ref(), f.enable_gqa, f.causal, f.scale)?;
+    let mut plan = Plan::new(q, k, v, m.as_ref(), f.enable_gqa, f.options)?;
     let m = match m {
         Some(m) if work(&plan) => {
-            let m = prepare_mask(py, m)?;
+            let mut m = prepare_mask(py, m)?;
             plan.set_mask(&m)?; // the strides of a copy differ
+            if !plan.mask_viewable() {
+                m = m.compacted(py)?;
+                plan.set_mask(&m)?;
+            }
             Some(m)
         }
         // Never read: no engine call will be made.
@@ -335,15 +341,15 @@ fn mask_ptr(m: Option<&Array<'_>>) -> MaskPtr {
     }
 }
 
-/// The number of elements a view of `dims` with (batch, head, seq) `strides` reaches from
-/// its first element: the length of the slice it needs (an error if it overflows, which
-/// the checks of the inputs rule out).
-fn span(dims: [usize; 4], strides: [usize; 3]) -> attn_core::Result<usize> {
+/// The number of elements a view of `dims` with `strides` reaches from its first element:
+/// the length of the slice it needs (an error if it overflows, which the checks of the
+/// inputs rule out).
+fn span<const N: usize>(dims: [usize; N], strides: [usize; N]) -> attn_core::Result<usize> {
     if dims.contains(&0) {
         return Ok(0);
     }
-    let mut last = dims[3] - 1;
-    for a in 0..3 {
+    let mut last = 0usize;
+    for a in 0..N {
         last = (dims[a] - 1)
             .checked_mul(strides[a])
             .and_then(|x| x.checked_add(last))
@@ -352,8 +358,8 @@ fn span(dims: [usize; 4], strides: [usize; 3]) -> attn_core::Result<usize> {
     Ok(last + 1)
 }
 
-fn usize_strides(s: [isize; 3]) -> attn_core::Result<[usize; 3]> {
-    let mut out = [0; 3];
+fn usize_strides<const N: usize>(s: [isize; N]) -> attn_core::Result<[usize; N]> {
+    let mut out = [0; N];
     for (o, &x) in out.iter_mut().zip(&s) {
         *o = usize::try_from(x)
             .map_err(|_| attn_core::Error::layout("view", "a negative stride reached a call"))?;
@@ -361,26 +367,46 @@ fn usize_strides(s: [isize; 3]) -> attn_core::Result<[usize; 3]> {
     Ok(out)
 }
 
-/// A read-only engine view of an operand at element offset `off`.
+/// The compact row-major (batch, head, seq) strides of `dims`.
+pub(crate) fn compact3(dims: [usize; 4]) -> [usize; 3] {
+    [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3]]
+}
+
+/// The slice of a live buffer that a view of `dims` and `strides` from `base + off` reaches.
 ///
 /// # Safety
 /// `base + off` and every element the view reaches must be readable elements of a live
-/// buffer, not written for the view's lifetime.
-unsafe fn view<'a, T>(
+/// buffer, not written for the slice's lifetime.
+unsafe fn reach<'a, T, const N: usize>(
+    base: SendPtr<T>,
+    off: isize,
+    dims: [usize; N],
+    strides: [usize; N],
+) -> attn_core::Result<&'a [T]> {
+    let len = span(dims, strides)?;
+    Ok(if len == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller guarantees the elements from `base + off` through the view's
+        // last one lie in one live buffer; `len` is exactly that range.
+        unsafe { std::slice::from_raw_parts(base.0.offset(off), len) }
+    })
+}
+
+/// A read-only engine view of an operand at element offset `off`.
+///
+/// # Safety
+/// As [`reach`].
+pub(crate) unsafe fn view<'a, T>(
     base: SendPtr<T>,
     off: isize,
     dims: [usize; 4],
     strides: [isize; 3],
 ) -> attn_core::Result<Tensor4Ref<'a, T>> {
     let strides = usize_strides(strides)?;
-    let len = span(dims, strides)?;
-    let data: &[T] = if len == 0 {
-        &[]
-    } else {
-        // SAFETY: the caller guarantees the elements from `base + off` through the view's
-        // last one lie in one live buffer; `len` is exactly that range.
-        unsafe { std::slice::from_raw_parts(base.0.offset(off), len) }
-    };
+    let with_features = [strides[0], strides[1], strides[2], 1];
+    // SAFETY: the caller's guarantee.
+    let data = unsafe { reach(base, off, dims, with_features) }?;
     Tensor4Ref::new(data, dims, strides)
 }
 
@@ -388,13 +414,13 @@ unsafe fn view<'a, T>(
 ///
 /// # Safety
 /// The range must lie in a live buffer that nothing else reads or writes meanwhile.
-unsafe fn view_mut<'a, T>(
+pub(crate) unsafe fn view_mut<'a, T>(
     base: SendPtr<T>,
     off: usize,
     dims: [usize; 4],
     strides: [usize; 3],
 ) -> attn_core::Result<Tensor4Mut<'a, T>> {
-    let len = span(dims, strides)?;
+    let len = span(dims, [strides[0], strides[1], strides[2], 1])?;
     let data: &mut [T] = if len == 0 {
         &mut []
     } else {
@@ -404,47 +430,33 @@ unsafe fn view_mut<'a, T>(
     Tensor4Mut::new(data, dims, strides)
 }
 
-/// The options of one call: the plan's scale and causal mask, and its slice of the mask.
+/// The options of one call: the plan's, and the call's `[B, H, L, S]` view of the mask.
 ///
 /// # Safety
 /// The mask pointer must address a live mask that the plan's strides describe.
-unsafe fn options<'a>(plan: &Plan, mask: MaskPtr, off: isize) -> Options<'a> {
-    let mut opts = Options {
-        scale: plan.scale,
-        causal: plan.causal,
-        ..Options::default()
+unsafe fn options<'a>(plan: &Plan, mask: MaskPtr, off: isize) -> attn_core::Result<Options<'a>> {
+    let mut opts: Options<'a> = plan.options;
+    let Some(strides) = plan.mask_strides() else {
+        return Ok(opts);
     };
-    let Some((row, col, _)) = plan.mask_strides() else {
-        return opts;
-    };
-    let (l, s) = (plan.l, plan.s);
-    let empty = l == 0 || s == 0;
+    let dims = [plan.call_batch(), plan.heads, plan.l, plan.s];
+    let strides = usize_strides(strides)?; // compacted by `plan_call` when negative
     match mask {
         MaskPtr::None => {}
         MaskPtr::Bool(p) => {
-            let ptr = if empty || p.0.is_null() {
-                std::ptr::NonNull::<bool>::dangling().as_ptr()
-            } else {
-                p.0.wrapping_offset(off)
-            };
-            // SAFETY: every (i, j) < (l, s) at `ptr + i·row + j·col` is a byte of the mask
-            // (0 or 1: normalised), alive for the call; an empty view reads nothing.
-            let m = unsafe { MatRef::from_raw_parts(ptr, l, s, row, col) };
-            opts = opts.with_bool_mask(BoolMask::allow(m));
+            // SAFETY: every position of the call's view is a byte of the mask (0 or 1:
+            // normalised), alive for the call; an empty view reads nothing.
+            let data = unsafe { reach(p, off, dims, strides) }?;
+            opts.bool_mask_4d = Some(BoolMask4::allow(Mask4Ref::new(data, dims, strides)?));
         }
         MaskPtr::Additive(p) => {
-            let ptr = if empty || p.0.is_null() {
-                std::ptr::NonNull::<f32>::dangling().as_ptr()
-            } else {
-                p.0.wrapping_offset(off)
-            };
-            // SAFETY: every (i, j) < (l, s) at `ptr + i·row + j·col` is an f32 of the
-            // mask, alive for the call; an empty view reads nothing.
-            let m = unsafe { MatRef::from_raw_parts(ptr, l, s, row, col) };
-            opts = opts.with_additive_mask(m);
+            // SAFETY: every position of the call's view is an f32 of the mask, alive for
+            // the call; an empty view reads nothing.
+            let data = unsafe { reach(p, off, dims, strides) }?;
+            opts.additive_mask_4d = Some(Mask4Ref::new(data, dims, strides)?);
         }
     }
-    opts
+    Ok(opts)
 }
 
 /// The element offset of a call's first position in an operand with `strides`
@@ -492,7 +504,7 @@ impl<T> Operands<T> {
     /// The addresses must be those of the live operands the plan was made from, unwritten
     /// while the views live.
     unsafe fn call<'a>(&self, plan: &Plan, call: &Call) -> attn_core::Result<CallViews<'a, T>> {
-        let (bc, hc, hkc) = (plan.call_batch(), plan.call_heads(), plan.call_kv_heads());
+        let (bc, hc, hkc) = (plan.call_batch(), plan.heads, plan.kv_heads);
         let (l, s, e, ev) = (plan.l, plan.s, plan.e, plan.ev);
         let mask_off = plan
             .mask
@@ -515,7 +527,7 @@ impl<T> Operands<T> {
                 view(self.q, qo, [bc, hc, l, e], qs)?,
                 view(self.k, ko, [bc, hkc, s, e], ks)?,
                 view(self.v, vo, [bc, hkc, s, ev], vs)?,
-                options(plan, self.mask, mask_off),
+                options(plan, self.mask, mask_off)?,
             ))
         }
     }
@@ -533,7 +545,7 @@ unsafe fn run_forward<T: Storage>(
     out: SendPtr<T>,
     lse: Option<SendPtr<f32>>,
 ) -> attn_core::Result<()> {
-    let (bc, hc) = (plan.call_batch(), plan.call_heads());
+    let (bc, hc) = (plan.call_batch(), plan.heads);
     let (l, ev) = (plan.l, plan.ev);
     let [lb, lh] = plan.lin_strides(false);
     let row = l * ev;
@@ -543,31 +555,31 @@ unsafe fn run_forward<T: Storage>(
     for call in plan.calls() {
         // SAFETY: the caller's guarantee on `ops`.
         let (q, k, v, opts) = unsafe { ops.call(plan, &call) }?;
-        let Some(lse) = lse else {
-            let dims = [bc, hc, l, ev];
-            // SAFETY: this call's rows of our compact output, written by it alone (the
-            // calls run one after the other).
-            let o = unsafe { view_mut(out, call.lin * row, dims, [lb * row, lh * row, ev]) }?;
-            attn_optimized::Attention::batched(q, k, v, &opts)
-                .and_then(|call| call.forward_into(o, None, attn_optimized::Par::rayon(0)))?;
-            continue;
+        // SAFETY: this call's positions of our compact output and LSE, written by it alone
+        // (the calls run one after the other).
+        let (o, lse) = unsafe {
+            let o = view_mut(
+                out,
+                call.lin * row,
+                [bc, hc, l, ev],
+                [lb * row, lh * row, ev],
+            )?;
+            let lse = match lse {
+                None => None,
+                Some(p) => Some(view_mut(
+                    p,
+                    call.lin * l,
+                    [bc, hc, l, 1],
+                    [lb * l, lh * l, 1],
+                )?),
+            };
+            (o, lse)
         };
-        let (o, ls) = attn_optimized::Attention::batched(q, k, v, &opts)
-            .and_then(|call| call.forward(attn_optimized::Par::rayon(0)))
-            .map(|f| f.into_parts())?;
-        let o = o.as_slice();
-        for b in 0..bc {
-            for h in 0..hc {
-                let (src, dst) = (b * hc + h, call.lin + b * lb + h * lh);
-                // SAFETY: `dst` is one of this call's positions in our compact results,
-                // `src` one of the engine's; the lengths are a row of each.
-                unsafe {
-                    let (o_dst, l_dst) = (out.as_mut().add(dst * row), lse.as_mut().add(dst * l));
-                    std::ptr::copy_nonoverlapping(o.as_ptr().add(src * row), o_dst, row);
-                    std::ptr::copy_nonoverlapping(ls.as_ptr().add(src * l), l_dst, l);
-                }
-            }
-        }
+        attn_optimized::Attention::batched(q, k, v, &opts)?.forward_into(
+            o,
+            lse,
+            attn_optimized::Par::rayon(0),
+        )?;
     }
     Ok(())
 }
@@ -592,8 +604,8 @@ fn forward_typed<'py, T: Storage>(
     py.detach(|| unsafe { run_forward(plan, ops, out_ptr, lse_ptr) })
         .map_err(to_py_err)?;
     let kind = q.kind;
-    let out = finish(out, kind, &T::DTYPE)?;
-    let lse = lse.map(|(a, _)| finish(a, kind, &Dtype::F32)).transpose()?;
+    let out = finish(out, kind, T::DTYPE)?;
+    let lse = lse.map(|(a, _)| finish(a, kind, Float::F32)).transpose()?;
     Ok((out, lse))
 }
 
@@ -605,10 +617,15 @@ fn forward<'py>(
     value: &Bound<'py, PyAny>,
     attn_mask: Option<&Bound<'py, PyAny>>,
     f: Flags,
+    seqs: Option<&Seqlens>,
     with_lse: bool,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let py = query.py();
     let (q, k, v, m) = read_operands(query, key, value, attn_mask)?;
+    if let Some(seqs) = seqs {
+        no_mask_when_packed(m.as_ref())?;
+        return crate::packed::forward(py, &q, &k, &v, &f, seqs, with_lse);
+    }
     let work = |p: &Plan| p.has_calls() && (p.ev > 0 || with_lse);
     let (plan, m) = plan_call(py, (&q, &k, &v), m, f, work)?;
     match q.dtype {
@@ -616,6 +633,27 @@ fn forward<'py>(
         Dtype::F16 => forward_typed::<f16>(py, &plan, &q, &k, &v, m.as_ref(), with_lse),
         _ => forward_typed::<bf16>(py, &plan, &q, &k, &v, m.as_ref(), with_lse),
     }
+}
+
+/// A packed batch's sequences are separated by their offsets alone: an element-wise mask
+/// has no place in it.
+fn no_mask_when_packed(m: Option<&Array<'_>>) -> PyResult<()> {
+    if m.is_some() {
+        return Err(PyValueError::new_err(
+            "attn_mask with cu_seqlens: a packed batch takes no element-wise mask (each sequence attends within itself; is_causal applies per sequence)",
+        ));
+    }
+    Ok(())
+}
+
+/// Packed batches go through the plain call: their autograd route is not written.
+fn no_autograd_when_packed(packed: bool) -> PyResult<()> {
+    if packed {
+        return Err(PyValueError::new_err(
+            "cu_seqlens with tensors that require grad: packed batches have no autograd route; call attention_with_lse and attention_backward (under torch.no_grad())",
+        ));
+    }
+    Ok(())
 }
 
 /// Scaled dot-product attention with the semantics of
@@ -633,7 +671,13 @@ fn forward<'py>(
 ///
 /// Beyond torch: ``causal_alignment="bottom_right"`` (with ``is_causal=True``) aligns the
 /// causal mask to the last key, as decoding and FlashAttention ≥ 2.1 do (query ``i`` sees
-/// keys ``j <= i + S - L``).
+/// keys ``j <= i + S - L``). ``cu_seqlens_q`` and ``cu_seqlens_k`` (both or neither) make
+/// the call a packed batch of sequences of different lengths, flash-attn's varlen layout:
+/// ``query`` ``(total_q, Hq, E)``, ``key`` ``(total_k, Hkv, E)``, ``value``
+/// ``(total_k, Hkv, Ev)``, sequence ``i`` on the rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``
+/// (and ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``), attending within itself; the result is
+/// ``(total_q, Hq, Ev)``, the LSE of ``attention_with_lse`` ``(Hq, total_q)``. No
+/// ``attn_mask`` and no autograd route with them.
 ///
 /// Where attn differs from torch:
 ///
@@ -653,7 +697,7 @@ fn forward<'py>(
 /// go through ``attn.torch``'s autograd function, so ``loss.backward()`` works. The GIL is
 /// released while attn computes.
 #[pyfunction]
-#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left"))]
+#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", cu_seqlens_q=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn scaled_dot_product_attention<'py>(
     query: &Bound<'py, PyAny>,
@@ -665,6 +709,8 @@ pub(crate) fn scaled_dot_product_attention<'py>(
     scale: Option<f64>,
     enable_gqa: bool,
     causal_alignment: &str,
+    cu_seqlens_q: Option<&Bound<'py, PyAny>>,
+    cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let f = flags(
         dropout_p,
@@ -674,7 +720,9 @@ pub(crate) fn scaled_dot_product_attention<'py>(
         enable_gqa,
         causal_alignment,
     )?;
+    let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
     if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
+        no_autograd_when_packed(seqs.is_some())?;
         return via_autograd(
             query,
             key,
@@ -687,7 +735,7 @@ pub(crate) fn scaled_dot_product_attention<'py>(
             false,
         );
     }
-    forward(query, key, value, attn_mask, f, false).map(|(o, _)| o)
+    forward(query, key, value, attn_mask, f, seqs.as_ref(), false).map(|(o, _)| o)
 }
 
 /// ``scaled_dot_product_attention`` that also returns the natural-log log-sum-exp of each
@@ -696,7 +744,7 @@ pub(crate) fn scaled_dot_product_attention<'py>(
 /// ``scaled_dot_product_attention``. With torch tensors that require grad, ``out`` is
 /// differentiable and ``lse`` is not.
 #[pyfunction]
-#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left"))]
+#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", cu_seqlens_q=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_with_lse<'py>(
     query: &Bound<'py, PyAny>,
@@ -708,6 +756,8 @@ pub(crate) fn attention_with_lse<'py>(
     scale: Option<f64>,
     enable_gqa: bool,
     causal_alignment: &str,
+    cu_seqlens_q: Option<&Bound<'py, PyAny>>,
+    cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
     let f = flags(
@@ -718,7 +768,9 @@ pub(crate) fn attention_with_lse<'py>(
         enable_gqa,
         causal_alignment,
     )?;
+    let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
     if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
+        no_autograd_when_packed(seqs.is_some())?;
         return via_autograd(
             query,
             key,
@@ -733,7 +785,7 @@ pub(crate) fn attention_with_lse<'py>(
         .cast_into::<PyTuple>()
         .map_err(Into::into);
     }
-    let (o, lse) = forward(query, key, value, attn_mask, f, true)?;
+    let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
     PyTuple::new(py, [o, lse.expect("asked for the LSE")])
 }
 
@@ -786,10 +838,12 @@ unsafe fn reduce_into<T: Storage>(
             }
         }
     }
+    // A sum starts from +0: so does a gradient that is not summed (`+ 0.0` turns a -0 into
+    // +0 and keeps every other value).
     let src = if direct { full } else { &acc };
     for (i, &x) in src.iter().enumerate().take(count) {
         // SAFETY: `dst` is our own compact result of `count` elements.
-        unsafe { *dst.add(i) = T::from_f32(x) };
+        unsafe { *dst.add(i) = T::from_f32(x + 0.0) };
     }
     Ok(())
 }
@@ -802,27 +856,6 @@ fn output_strides(a: &Array<'_>, lead_len: usize) -> Strides {
     }
 }
 
-/// One call's gradients and LSE, reused by every call.
-struct Scratch {
-    dq: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
-    lse: Vec<f32>,
-}
-
-impl Scratch {
-    fn new(plan: &Plan) -> PyResult<Self> {
-        let (bc, hc, hkc) = (plan.call_batch(), plan.call_heads(), plan.call_kv_heads());
-        let (l, s, e, ev) = (plan.l, plan.s, plan.e, plan.ev);
-        Ok(Scratch {
-            dq: zeroed("the backward pass's scratch", product(&[bc, hc, l, e]))?,
-            dk: zeroed("the backward pass's scratch", product(&[bc, hkc, s, e]))?,
-            dv: zeroed("the backward pass's scratch", product(&[bc, hkc, s, ev]))?,
-            lse: zeroed("the backward pass's scratch", product(&[bc, hc, l]))?,
-        })
-    }
-}
-
 /// The addresses of the backward pass's own operands: dO, O and the LSE.
 struct Upstream<T> {
     go: SendPtr<T>,
@@ -830,8 +863,9 @@ struct Upstream<T> {
     lse: SendPtr<f32>,
 }
 
-/// The gradients of every call, accumulated in compact f32 buffers over the broadcast
-/// shapes: dQ over `lead + (L, E)`, dK and dV over `kv_lead + (S, E | Ev)`.
+/// The gradients of every call, written into compact f32 buffers over the broadcast
+/// shapes: dQ over `lead + (L, E)`, dK and dV over `kv_lead + (S, E | Ev)` (each call
+/// writes its own positions).
 ///
 /// # Safety
 /// `ops` and `up` must address the live operands of `plan` (dO and O of the output's
@@ -841,86 +875,57 @@ unsafe fn run_backward<T: Storage>(
     ops: Operands<T>,
     up: Upstream<T>,
     (go_s, o_s, lse_s): (&Strides, &Strides, &Strides),
-    (dq_acc, dk_acc, dv_acc): (&mut [f32], &mut [f32], &mut [f32]),
-    scratch: Scratch,
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
 ) -> attn_core::Result<()> {
-    let (bc, hc, hkc) = (plan.call_batch(), plan.call_heads(), plan.call_kv_heads());
+    let (bc, hc, hkc) = (plan.call_batch(), plan.heads, plan.kv_heads);
     let (l, s, e, ev) = (plan.l, plan.s, plan.e, plan.ev);
     let [lb, lh] = plan.lin_strides(false);
     let [kb, kh] = plan.lin_strides(true);
     let (go_strides, o_strides) = (plan.call_strides(go_s), plan.call_strides(o_s));
     let lse_strides = plan.call_strides(lse_s);
-    let Scratch {
-        mut dq,
-        mut dk,
-        mut dv,
-        mut lse,
-    } = scratch;
     for call in plan.calls() {
         // SAFETY: the caller's guarantee on `ops`.
         let (q, k, v, opts) = unsafe { ops.call(plan, &call) }?;
-        let (go_off, o_off) = (
+        let (go_off, o_off, lse_off) = (
             offset(plan, go_s, &call, false),
             offset(plan, o_s, &call, false),
+            offset(plan, lse_s, &call, false),
         );
-        // SAFETY: the caller's guarantee on `up`: dO and O have the output's shape, so the
-        // call's output positions are theirs.
-        let (go, o) = unsafe {
+        // SAFETY: the caller's guarantee on `up`: dO and O have the output's shape and the
+        // LSE its leading shape and rows, so the call's output positions are theirs.
+        let (go, o, lse) = unsafe {
             (
                 view(up.go, go_off, [bc, hc, l, ev], go_strides)?,
                 view(up.o, o_off, [bc, hc, l, ev], o_strides)?,
+                view(up.lse, lse_off, [bc, hc, l, 1], lse_strides)?,
             )
         };
-        let lse_off = offset(plan, lse_s, &call, false);
-        for b in 0..bc {
-            for h in 0..hc {
-                for i in 0..l {
-                    let at = lse_off
-                        + b as isize * lse_strides[0]
-                        + h as isize * lse_strides[1]
-                        + i as isize * lse_strides[2];
-                    // SAFETY: (b, h, i) is a position of the LSE, which has the plan's
-                    // `lead + (L,)` shape and is alive.
-                    lse[(b * hc + h) * l + i] = unsafe { *up.lse.0.offset(at) };
-                }
-            }
-        }
-        let dqv = Tensor4Mut::new(&mut dq, [bc, hc, l, e], [hc * l * e, l * e, e])?;
-        let dkv = Tensor4Mut::new(&mut dk, [bc, hkc, s, e], [hkc * s * e, s * e, e])?;
-        let dvv = Tensor4Mut::new(&mut dv, [bc, hkc, s, ev], [hkc * s * ev, s * ev, ev])?;
-        attn_optimized::Attention::batched(q, k, v, &opts).and_then(|call| {
-            call.backward_into(
-                attn_optimized::ForwardRef::batch(o, &lse)?,
-                go,
-                attn_optimized::GradientsMut {
-                    dq: dqv,
-                    dk: dkv,
-                    dv: dvv,
-                },
-                attn_optimized::Par::rayon(0),
-            )
-        })?;
-        for b in 0..bc {
-            for h in 0..hc {
-                let (src, dst) = ((b * hc + h) * l * e, (call.lin + b * lb + h * lh) * l * e);
-                add(&mut dq_acc[dst..dst + l * e], &dq[src..src + l * e]);
-            }
-            for h in 0..hkc {
-                let base = call.lin_kv + b * kb + h * kh;
-                let (src, dst) = ((b * hkc + h) * s * e, base * s * e);
-                add(&mut dk_acc[dst..dst + s * e], &dk[src..src + s * e]);
-                let (src, dst) = ((b * hkc + h) * s * ev, base * s * ev);
-                add(&mut dv_acc[dst..dst + s * ev], &dv[src..src + s * ev]);
-            }
-        }
+        let (q_row, k_row, v_row) = (l * e, s * e, s * ev);
+        let grads = GradientsMut {
+            dq: Tensor4Mut::new(
+                &mut dq[call.lin * q_row..],
+                [bc, hc, l, e],
+                [lb * q_row, lh * q_row, e],
+            )?,
+            dk: Tensor4Mut::new(
+                &mut dk[call.lin_kv * k_row..],
+                [bc, hkc, s, e],
+                [kb * k_row, kh * k_row, e],
+            )?,
+            dv: Tensor4Mut::new(
+                &mut dv[call.lin_kv * v_row..],
+                [bc, hkc, s, ev],
+                [kb * v_row, kh * v_row, ev],
+            )?,
+        };
+        attn_optimized::Attention::batched(q, k, v, &opts)?.backward_into(
+            ForwardRef::new(o, lse),
+            go,
+            grads,
+            attn_optimized::Par::rayon(0),
+        )?;
     }
     Ok(())
-}
-
-fn add(dst: &mut [f32], src: &[f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d += s;
-    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -958,14 +963,11 @@ fn backward_typed<'py, T: Storage>(
     let mut dq = zeroed::<f32>("dQ", product(&shapes[0]))?;
     let mut dk = zeroed::<f32>("dK", product(&shapes[1]))?;
     let mut dv = zeroed::<f32>("dV", product(&shapes[2]))?;
-    let scratch = Scratch::new(plan)?;
     let strides = (&go_s, &o_s, &lse_s);
     // SAFETY: the operands are the arrays the plan was made from (dO, O and the LSE checked
     // against its shapes), alive (borrowed) until we return.
-    py.detach(|| unsafe {
-        run_backward(plan, ops, up, strides, (&mut dq, &mut dk, &mut dv), scratch)
-    })
-    .map_err(to_py_err)?;
+    py.detach(|| unsafe { run_backward(plan, ops, up, strides, (&mut dq, &mut dk, &mut dv)) })
+        .map_err(to_py_err)?;
     let mut arrays = Vec::with_capacity(3);
     for a in [q, k, v] {
         arrays.push(T::zeros(py, &a.shape)?);
@@ -987,7 +989,7 @@ fn backward_typed<'py, T: Storage>(
     })?;
     let mut results = Vec::with_capacity(3);
     for (arr, _) in arrays {
-        results.push(finish(arr, q.kind, &T::DTYPE)?);
+        results.push(finish(arr, q.kind, T::DTYPE)?);
     }
     PyTuple::new(py, results)
 }
@@ -1004,7 +1006,7 @@ fn backward_typed<'py, T: Storage>(
 /// (never NaN). Gradients are accumulated in float32 and rounded once. The GIL is released
 /// while attn computes.
 #[pyfunction]
-#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask=None, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left"))]
+#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask=None, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", cu_seqlens_q=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward<'py>(
     grad_out: &Bound<'py, PyAny>,
@@ -1018,6 +1020,8 @@ pub(crate) fn attention_backward<'py>(
     scale: Option<f64>,
     enable_gqa: bool,
     causal_alignment: &str,
+    cu_seqlens_q: Option<&Bound<'py, PyAny>>,
+    cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
     let f = flags(
@@ -1042,6 +1046,15 @@ pub(crate) fn attention_backward<'py>(
     }
     go.require_contiguous_rows()?;
     o.require_contiguous_rows()?;
+    if let Some(seqs) = Seqlens::read(cu_seqlens_q, cu_seqlens_k)? {
+        no_mask_when_packed(m.as_ref())?;
+        let (go, o, ls) = (
+            forward_strides(py, go)?,
+            forward_strides(py, o)?,
+            forward_strides(py, ls)?,
+        );
+        return crate::packed::backward(py, &go, &q, &k, &v, &o, &ls, &f, &seqs);
+    }
     let (plan, m) = plan_call(py, (&q, &k, &v), m, f, Plan::has_calls)?;
     let (out_shape, lse_shape) = (plan.out_shape(), plan.lse_shape());
     for (a, want) in [(&go, &out_shape), (&o, &out_shape), (&ls, &lse_shape)] {

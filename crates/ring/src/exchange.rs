@@ -2,7 +2,7 @@
 //! allgather and checked identically everywhere, so that a disagreement is the same error on
 //! every rank instead of a hang.
 
-use attn_core::{Error, Tensor4Ref};
+use attn_core::{Dtype, Error, Tensor4Ref};
 use attn_optimized::Element;
 
 use crate::split::{Segment, segments};
@@ -80,11 +80,10 @@ pub(crate) const DESC_LEN: usize = FIELDS.len() + 1;
 pub(crate) type Desc = [u64; DESC_LEN];
 
 fn element_code<T: Element>() -> u64 {
-    match T::NAME {
-        "f32" => 1,
-        "f16" => 2,
-        "bf16" => 3,
-        _ => 4,
+    match T::DTYPE {
+        Dtype::F32 => 1,
+        Dtype::F16 => 2,
+        Dtype::Bf16 => 3,
     }
 }
 

@@ -91,7 +91,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 mod block;
 mod exchange;

@@ -98,10 +98,10 @@ pub fn widen<T: RingElement>(t: &Tensor4<T>) -> Tensor4<f32> {
 }
 
 pub fn dtype<T: RingElement>() -> Dtype {
-    match T::NAME {
-        "f16" => Dtype::F16,
-        "bf16" => Dtype::Bf16,
-        _ => Dtype::F32,
+    match T::DTYPE {
+        attn_core::Dtype::F32 => Dtype::F32,
+        attn_core::Dtype::F16 => Dtype::F16,
+        attn_core::Dtype::Bf16 => Dtype::Bf16,
     }
 }
 
