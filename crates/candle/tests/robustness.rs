@@ -1,4 +1,4 @@
-//! Hostile candle layouts, generated (issue 27): operands that are transposed, narrowed out
+//! Hostile candle layouts, generated: operands that are transposed, narrowed out
 //! of larger tensors, broadcast along any axis (the feature axis included), half precision
 //! or the wrong dtype, with empty axes and mismatched shapes; masks of every kind (u8
 //! allow/block, f32/f16/bf16 additive) in every rank, broadcast by length 1 or stride 0,

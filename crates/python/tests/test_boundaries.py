@@ -1,4 +1,4 @@
-"""The examples of issue 27 ("the boundaries hold") for the Python door, each a typed error
+"""The boundary examples ("the boundaries hold") for the Python door, each a typed error
 or a correct result. Each runs in a child process with a time limit: before the fixes, some
 crashed the interpreter, aborted or hung, which must fail the test rather than the run.
 The torch examples are in test_torch_boundaries.py."""

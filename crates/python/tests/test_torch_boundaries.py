@@ -1,4 +1,4 @@
-"""The torch examples of issue 27 ("the boundaries hold"): tensors whose negative or
+"""The torch boundary examples ("the boundaries hold"): tensors whose negative or
 conjugate bit is set are read with their sign, and mixing a tensor that requires grad with
 NumPy operands is the TypeError of the plain path."""
 
