@@ -1122,7 +1122,7 @@ fn code_map_violations(
             && folders_of(file).last().is_some_and(|f| {
                 named
                     .iter()
-                    .any(|n| f.ends_with(n) && (f == n || f.ends_with(&format!("/{n}"))))
+                    .any(|n| f == n || f.ends_with(&format!("/{n}")))
             });
         if !(named.contains(file.as_str()) || named.contains(name) || folder_named) {
             violations.push(violation(
@@ -1147,24 +1147,16 @@ fn issue_number_violation(rel: &str, line: usize, text: &str) -> Option<Violatio
         .split(|c: char| c.is_whitespace() || matches!(c, '(' | ')' | ',' | ';' | '\'' | '"'))
         .filter(|w| !w.is_empty())
         .collect();
-    let number = |w: &str| {
-        let w = w.trim_end_matches(['.', ':', '\'', 's']);
-        let w = w.strip_prefix('#').unwrap_or(w);
+    // `13`, `13.`, `13:`, `13s` (as in `13's`, the apostrophe split off).
+    let digits = |w: &str| {
+        let w = w.trim_end_matches(['.', ':', 's']);
         !w.is_empty() && w.chars().all(|c| c.is_ascii_digit())
     };
-    let cites = words
-        .windows(2)
-        .any(|p| (p[0] == "issue" || p[0] == "issues" || p[0] == "issue's") && number(p[1]))
-        || words.iter().any(|w| {
-            w.len() > 1
-                && w.starts_with('#')
-                && w[1..]
-                    .trim_end_matches(['.', ':'])
-                    .chars()
-                    .all(|c| c.is_ascii_digit())
-                && w.len() > 1
-                && w[1..].chars().next().is_some_and(|c| c.is_ascii_digit())
-        });
+    let cites = words.windows(2).any(|p| {
+        (p[0] == "issue" || p[0] == "issues") && digits(p[1].strip_prefix('#').unwrap_or(p[1]))
+    }) || words
+        .iter()
+        .any(|w| w.strip_prefix('#').is_some_and(digits));
     cites.then(|| {
         violation(
             rel,

@@ -85,6 +85,20 @@ impl Bits {
     }
 }
 
+/// The gradients of `Σ o ∘ w` (in f32) with respect to the leaves `vars`.
+fn gradients(o: &Tensor, w: &Tensor, vars: [&Var; 3]) -> Result<[Tensor; 3]> {
+    let grads = (o.to_dtype(DType::F32)? * w.to_dtype(DType::F32)?)?
+        .sum_all()?
+        .backward()?;
+    let grad = |x: &Var| {
+        grads
+            .get(x)
+            .cloned()
+            .ok_or_else(|| attn_candle::Error::Msg("no gradient".into()))
+    };
+    Ok([grad(vars[0])?, grad(vars[1])?, grad(vars[2])?])
+}
+
 fn main() -> Result<()> {
     let path = std::env::args()
         .nth(1)
@@ -164,19 +178,8 @@ fn main() -> Result<()> {
                         Layout::Bhsd => w.clone(),
                         Layout::Bshd => w.transpose(1, 2)?.contiguous()?,
                     };
-                    let grads = (o.to_dtype(DType::F32)? * wl.to_dtype(DType::F32)?)?
-                        .sum_all()?
-                        .backward()?;
-                    let grad = |x: &Var| {
-                        grads
-                            .get(x)
-                            .cloned()
-                            .ok_or_else(|| attn_candle::Error::Msg("no gradient".into()))
-                    };
-                    out.push(
-                        format!("candle/backward/{tag}"),
-                        &[&o, &grad(&xq)?, &grad(&xk)?, &grad(&xv)?],
-                    )?;
+                    let [gq, gk, gv] = gradients(&o, &wl, [&xq, &xk, &xv])?;
+                    out.push(format!("candle/backward/{tag}"), &[&o, &gq, &gk, &gv])?;
                 }
             }
         }
@@ -193,19 +196,8 @@ fn main() -> Result<()> {
             &xv.transpose(1, 2)?,
             &opts.with_output_layout(Layout::Bshd),
         )?;
-        let grads = (o.to_dtype(DType::F32)? * w.transpose(1, 2)?.to_dtype(DType::F32)?)?
-            .sum_all()?
-            .backward()?;
-        let grad = |x: &Var| {
-            grads
-                .get(x)
-                .cloned()
-                .ok_or_else(|| attn_candle::Error::Msg("no gradient".into()))
-        };
-        out.push(
-            format!("candle/bshd_leaves/{dt}"),
-            &[&o, &grad(&xq)?, &grad(&xk)?, &grad(&xv)?],
-        )?;
+        let [gq, gk, gv] = gradients(&o, &w.transpose(1, 2)?, [&xq, &xk, &xv])?;
+        out.push(format!("candle/bshd_leaves/{dt}"), &[&o, &gq, &gk, &gv])?;
     }
     out.write(&path)
         .map_err(|e| attn_candle::Error::Msg(format!("cannot write {path}: {e}")))?;
