@@ -28,14 +28,18 @@ pub enum Isa {
     Avx2,
     /// AVX-512 (F, VL, DQ, BW, CD) on top of AVX2: 16 f32 lanes.
     Avx512,
+    /// AVX-512 with AVX512_BF16 (`vdpbf16ps`: pairs of bf16 products summed into f32
+    /// lanes, twice the f32 FMA rate): bf16 inputs multiply natively (AMD Zen 4, Intel
+    /// Xeon since Sapphire Rapids).
+    Avx512Bf16,
 }
 
-/// The environment variable that forces a path (`baseline`, `avx2`, `avx512`).
+/// The environment variable that forces a path (`baseline`, `avx2`, `avx512`, `avx512bf16`).
 pub const ISA_VARIABLE: &str = "ATTN_ISA";
 
 impl Isa {
     /// Every path, in no meaningful order.
-    pub const ALL: [Isa; 3] = [Isa::Baseline, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Baseline, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
 
     /// The path the kernels run with in this process: the one `ATTN_ISA` names when this
     /// CPU supports it, otherwise [`Isa::detected`]. Read once; an `ATTN_ISA` that names
@@ -85,7 +89,9 @@ impl Isa {
 
     /// The best path of this CPU (detected by `std`, which caches the answer).
     pub fn detected() -> Isa {
-        if Isa::Avx512.is_supported() {
+        if Isa::Avx512Bf16.is_supported() {
+            Isa::Avx512Bf16
+        } else if Isa::Avx512.is_supported() {
             Isa::Avx512
         } else if Isa::Avx2.is_supported() {
             Isa::Avx2
@@ -107,16 +113,18 @@ impl Isa {
                     && has!("bmi2")
                     && has!("lzcnt")
             };
+            let v4 = || {
+                v3() && has!("avx512f")
+                    && has!("avx512vl")
+                    && has!("avx512dq")
+                    && has!("avx512bw")
+                    && has!("avx512cd")
+            };
             match self {
                 Isa::Baseline => true,
                 Isa::Avx2 => v3(),
-                Isa::Avx512 => {
-                    v3() && has!("avx512f")
-                        && has!("avx512vl")
-                        && has!("avx512dq")
-                        && has!("avx512bw")
-                        && has!("avx512cd")
-                }
+                Isa::Avx512 => v4(),
+                Isa::Avx512Bf16 => v4() && has!("avx512bf16"),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -129,8 +137,10 @@ impl Isa {
     /// and for running a suite once per path).
     pub fn supported() -> Vec<Isa> {
         let mut paths: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.is_supported()).collect();
-        paths.sort_by_key(|i| i.width());
-        paths.reverse();
+        // A path that includes more of the others is the better one.
+        paths.sort_by_key(|i| {
+            core::cmp::Reverse(Isa::ALL.iter().filter(|o| i.includes(**o)).count())
+        });
         paths
     }
 
@@ -140,12 +150,29 @@ impl Isa {
     /// ```
     /// use attn_core::Isa;
     /// assert!(Isa::Avx512.includes(Isa::Avx2) && !Isa::Avx2.includes(Isa::Avx512));
+    /// assert!(Isa::Avx512Bf16.includes(Isa::Avx512) && !Isa::Avx512.includes(Isa::Avx512Bf16));
     /// ```
     pub fn includes(self, other: Isa) -> bool {
         match other {
             Isa::Baseline => true,
-            Isa::Avx2 => matches!(self, Isa::Avx2 | Isa::Avx512),
-            Isa::Avx512 => self == Isa::Avx512,
+            Isa::Avx2 => matches!(self, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16),
+            Isa::Avx512 => matches!(self, Isa::Avx512 | Isa::Avx512Bf16),
+            Isa::Avx512Bf16 => self == Isa::Avx512Bf16,
+        }
+    }
+
+    /// The path whose vector instructions this one's kernels use for everything but its own
+    /// additions (AVX512_BF16's products aside, its kernels are AVX-512's).
+    ///
+    /// ```
+    /// use attn_core::Isa;
+    /// assert_eq!(Isa::Avx512Bf16.vectors(), Isa::Avx512);
+    /// assert_eq!(Isa::Avx2.vectors(), Isa::Avx2);
+    /// ```
+    pub fn vectors(self) -> Isa {
+        match self {
+            Isa::Avx512Bf16 => Isa::Avx512,
+            other => other,
         }
     }
 
@@ -154,16 +181,17 @@ impl Isa {
         match self {
             Isa::Baseline => 4,
             Isa::Avx2 => 8,
-            Isa::Avx512 => 16,
+            Isa::Avx512 | Isa::Avx512Bf16 => 16,
         }
     }
 
-    /// The name `ATTN_ISA` takes (`baseline`, `avx2`, `avx512`).
+    /// The name `ATTN_ISA` takes (`baseline`, `avx2`, `avx512`, `avx512bf16`).
     pub fn name(self) -> &'static str {
         match self {
             Isa::Baseline => "baseline",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
         }
     }
 

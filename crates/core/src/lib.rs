@@ -46,7 +46,7 @@ pub use mask4::{BoolMask4, Mask4Ref};
 pub use merge::PartialState;
 pub use modifiers::{Alibi, HeadModifiers, SoftCap, alignment_offset};
 pub use multi_head::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
-pub use options::{Options, SCORE_LIMIT, check_shape};
+pub use options::{Options, Precision, SCORE_LIMIT, check_shape};
 pub use packed::{CuSeqlens, validate_packed, validate_packed_backward};
 pub use score_mod::{MaskMod, ScoreMod, ScoreTile, tanh};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};

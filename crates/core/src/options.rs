@@ -60,9 +60,41 @@ pub struct Options<'a> {
     pub score_mod: Option<&'a dyn ScoreMod>,
     /// A user-defined mask, on top of every other one ([`MaskMod`]).
     pub mask_mod: Option<&'a dyn MaskMod>,
+    /// How half-precision inputs are multiplied ([`Precision`]).
+    pub precision: Precision,
+}
+
+/// How an engine multiplies half-precision (bf16, f16) inputs. Scores, the softmax's state
+/// and the output accumulators are f32 either way; f32 inputs compute in f32 either way.
+///
+/// ```
+/// use attn_core::{Options, Precision};
+/// assert_eq!(Options::default().precision, Precision::Native);
+/// let exact = Options::default().with_precision(Precision::F32);
+/// assert_eq!(exact.precision, Precision::F32);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// The CPU's own half-precision products where it has them: on AVX512_BF16, bf16
+    /// `Q·Kᵀ` and `P·V` as pairs of bf16 products summed in f32 (twice the f32 rate), with
+    /// the probabilities `P` rounded to bf16 before `P·V` — what GPU FlashAttention and
+    /// PyTorch's CPU kernels do. Elsewhere (and for f16, whose products no x86 instruction
+    /// sums exactly into f32 short of AMX-FP16) as [`Precision::F32`]. The error bound
+    /// gains the rounded-`P` term (`docs/accuracy.md`).
+    #[default]
+    Native,
+    /// Inputs widened to f32 (exactly) and every product in f32: the most accurate path,
+    /// at the f32 rate.
+    F32,
 }
 
 impl<'a> Options<'a> {
+    /// Chooses how half-precision inputs are multiplied ([`Precision`]).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
     /// Sets the score scale (validated when the call runs: see [`Options::scale_for`]).
     pub fn with_scale(mut self, scale: f32) -> Self {
         self.scale = Some(scale);

@@ -1,6 +1,6 @@
 //! Where a head's keys and values come from: a [`KeySource`]. The tile loops of both
 //! passes and the exact slow paths ask it for blocks of rows — widened to f32 for the GEMM
-//! tiles — and for single entries, and never index K or V themselves; the row kernels
+//! tiles, or packed in bf16 pairs for the native products — and for single entries, and never index K or V themselves; the row kernels
 //! (decoding) stream a source's rows in place when it can lend them
 //! ([`KeySource::in_place`]), and a source that cannot is computed with the GEMM tiles. Today's one source is [`Dense`], a faer view;
 //! pages of a block table and quantized blocks are sources to come, each answering the same
@@ -13,6 +13,7 @@ use faer::MatRef;
 
 use crate::kernel::element::{Element, f32_rows};
 use crate::kernel::finite::row_is_finite;
+use crate::kernel::pair_dot::{self, PackReport};
 
 /// Rows of keys (or values) of one head, `len()` of them, `width()` wide, of element `T`.
 pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
@@ -33,6 +34,11 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
     /// into `buf`, which holds at least `len() · width()` floats.
     fn to_f32<'s>(&'s self, buf: &'s mut [f32]) -> MatRef<'s, f32>;
 
+    /// The rows packed in bf16 pairs for the native products ([`pair_dot`]) into `buf`, in
+    /// the `order` the product wants, with what they hold; `None` when the source is not
+    /// bf16.
+    fn to_pairs(&self, order: PairOrder, buf: &mut [u32]) -> Option<PackReport>;
+
     /// Entry `c` of row `j`, as f32 (the exact slow paths, a few rows at a time).
     fn at(&self, j: usize, c: usize) -> f32;
 
@@ -40,6 +46,15 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
     fn row_finite(&self, j: usize) -> bool {
         (0..self.width()).all(|c| self.at(j, c).is_finite())
     }
+}
+
+/// How [`KeySource::to_pairs`] lays out the pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PairOrder {
+    /// The pairs of each row side by side (K: the scores contract over a row).
+    Rows,
+    /// Rows interleaved two by two (V: `P·V` contracts over the rows).
+    RowPairs,
 }
 
 /// A dense source: a faer view of the rows (any strides).
@@ -70,6 +85,14 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
     #[inline]
     fn to_f32<'s>(&'s self, buf: &'s mut [f32]) -> MatRef<'s, f32> {
         f32_rows(self.0, 0..self.0.nrows(), buf)
+    }
+
+    #[inline]
+    fn to_pairs(&self, order: PairOrder, buf: &mut [u32]) -> Option<PackReport> {
+        T::as_bf16(self.0).map(|m| match order {
+            PairOrder::Rows => pair_dot::pack_rows(m, buf),
+            PairOrder::RowPairs => pair_dot::pack_row_pairs(m, buf),
+        })
     }
 
     #[inline]

@@ -9,8 +9,8 @@ use core::ops::Range;
 /// Every fallible buffer of the engine comes from attn-core's helper.
 pub(crate) use attn_core::filled;
 use attn_core::{
-    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Result, Tensor4Ref,
-    validate_packed,
+    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Precision, Result,
+    Tensor4Ref, validate_packed,
 };
 use faer::{Mat, MatRef, RowMut, TryReserveError};
 
@@ -31,16 +31,26 @@ pub(crate) struct Problem {
     pub plan: TilePlan,
     /// `scale · log2(e)`: scores come out in the log2 domain.
     pub scale_log2: f32,
+    /// How half-precision inputs are multiplied.
+    pub precision: Precision,
 }
 
 impl Problem {
-    fn new(rows: usize, n_k: usize, d_k: usize, d_v: usize, scale: f32) -> Self {
+    fn new(
+        rows: usize,
+        n_k: usize,
+        d_k: usize,
+        d_v: usize,
+        scale: f32,
+        precision: Precision,
+    ) -> Self {
         Self {
             rows,
             d_k,
             d_v,
             plan: TilePlan::for_shape(rows, n_k),
             scale_log2: scale * core::f32::consts::LOG2_E,
+            precision,
         }
     }
 
@@ -81,7 +91,7 @@ impl Problem {
         check_row_handles(Some(n_q))?;
         let mask = HeadMask::new(options, n_q, n_k_total, options.key_length(0));
         let mods = options.head_modifiers(0, 0, 1, n_q, n_k_total);
-        let problem = Self::new(n_q, n_k, d_k, d_v, scale);
+        let problem = Self::new(n_q, n_k, d_k, d_v, scale, options.precision);
         Ok((problem, problem.inputs(q, k, v, keys.start, mask, mods)))
     }
 
@@ -102,6 +112,7 @@ impl Problem {
             mask,
             mods,
             scale_log2: self.scale_log2,
+            precision: self.precision,
             stacked: false,
         }
     }
@@ -121,6 +132,8 @@ pub(crate) struct HeadInputs<'a, T, K = Dense<'a, T>> {
     pub mods: HeadModifiers<'a>,
     /// `scale · log2(e)`.
     pub scale_log2: f32,
+    /// How half-precision inputs are multiplied (the GEMM tiles' choice).
+    pub precision: Precision,
     /// Each row is the single query of its own head (grouped-query decoding stacks the
     /// heads that share K and V): every row uses the mask of query 0.
     pub stacked: bool,
@@ -244,7 +257,7 @@ impl<'a, T> Batched<'a, T> {
             heads_per_job(n_q, group)
         };
         Ok(Self {
-            problem: Problem::new(stack * n_q, n_k, d_k, d_v, scale),
+            problem: Problem::new(stack * n_q, n_k, d_k, d_v, scale, options.precision),
             q,
             k,
             v,
@@ -347,7 +360,14 @@ impl<'a, T> Packed<'a, T> {
         let (shape, scale) = validate_packed(q, k, v, seqs, options)?;
         let HeadShape { n_q, d_k, d_v, .. } = shape.head;
         check_row_handles(element_count(&[shape.h_q, n_q]))?;
-        let problem = Problem::new(seqs.max_q(), seqs.max_k(), d_k, d_v, scale);
+        let problem = Problem::new(
+            seqs.max_q(),
+            seqs.max_k(),
+            d_k,
+            d_v,
+            scale,
+            options.precision,
+        );
         Ok(Self {
             problem,
             q,

@@ -302,7 +302,15 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
     let [n_q, n_k, _, d_v] = inputs.dims();
     match call {
         HeadCall::Textbook => {
-            let mut want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::OUTPUT, 0);
+            let mut want = expect_head(
+                qf,
+                kf,
+                vf,
+                &opts,
+                &model(storage, storage),
+                Outputs::OUTPUT,
+                0,
+            );
             want.release(&inputs.planted);
             if matches!(want, Expected::TooMuchWork) {
                 return Ok(());
@@ -318,7 +326,15 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
             .map_err(|m| format!("attention: {m}"))
         }
         HeadCall::Forward => {
-            let mut want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::WITH_LSE, 0);
+            let mut want = expect_head(
+                qf,
+                kf,
+                vf,
+                &opts,
+                &model(storage, storage),
+                Outputs::WITH_LSE,
+                0,
+            );
             want.release(&inputs.planted);
             if matches!(want, Expected::TooMuchWork) {
                 return Ok(());
@@ -340,7 +356,15 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
             defect,
         } => {
             let out_type = if f32_out { Dtype::F32 } else { storage };
-            let mut want = expect_head(qf, kf, vf, &opts, &model(out_type), Outputs::NONE, 0);
+            let mut want = expect_head(
+                qf,
+                kf,
+                vf,
+                &opts,
+                &model(storage, out_type),
+                Outputs::NONE,
+                0,
+            );
             want.release(&inputs.planted);
             if matches!(want, Expected::TooMuchWork) {
                 return Ok(());
@@ -398,7 +422,15 @@ fn run_head<T: Element>(case: &HostileHead, call: HeadCall) -> Result<(), String
             reversed,
             defect,
         } => {
-            let mut want = expect_head(qf, kf, vf, &opts, &model(Dtype::F32), Outputs::WITH_LSE, 1);
+            let mut want = expect_head(
+                qf,
+                kf,
+                vf,
+                &opts,
+                &model(storage, Dtype::F32),
+                Outputs::WITH_LSE,
+                1,
+            );
             want.release(&inputs.planted);
             if matches!(want, Expected::TooMuchWork) {
                 return Ok(());
@@ -540,7 +572,7 @@ fn unbounded_window_sides_act_as_no_bound() {
                 kv.as_ref(),
                 kv.as_ref(),
                 &opts,
-                &model(Dtype::F32),
+                &model(Dtype::F32, Dtype::F32),
                 Outputs::WITH_LSE,
                 0,
             );
@@ -610,7 +642,7 @@ fn same_bits<T: Element>(case: &HostileHead) -> Result<(), String> {
         poisoned.k.as_ref(),
         poisoned.v.as_ref(),
         &poisoned.options(),
-        &model(T::DTYPE),
+        &model(T::DTYPE, T::DTYPE),
         Outputs::WITH_LSE,
         0,
     );
@@ -746,7 +778,7 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
                 &want,
                 [qf, kf, vf],
                 &opts,
-                &model(out_type),
+                &model(storage, out_type),
                 &inputs.head.planted,
                 got,
             )
@@ -849,7 +881,7 @@ fn run_batch<T: Element>(case: &HostileBatch, call: BatchCall) -> Result<(), Str
                 &want,
                 [qf, kf, vf],
                 &opts,
-                &model(out_type),
+                &model(storage, out_type),
                 &inputs.head.planted,
                 got,
             )
@@ -1549,7 +1581,7 @@ fn attend_step<T: Element>(
                 km.as_ref(),
                 vm.as_ref(),
                 &head_opts,
-                &engine::model(storage),
+                &engine::model(storage, storage),
                 Outputs::NONE,
                 0,
             );
@@ -1626,7 +1658,7 @@ fn large_queries_with_zero_scores_are_not_nan() {
                 k.as_ref(),
                 v.as_ref(),
                 &opts,
-                &model(dtype),
+                &model(dtype, dtype),
                 Outputs::WITH_LSE,
                 0,
             );
@@ -1767,7 +1799,7 @@ fn run_layer(case: &LayerCase) -> Result<(), String> {
         probe_kv.as_ref(),
         probe_kv.as_ref(),
         &opts,
-        &model(Dtype::F32),
+        &model(Dtype::F32, Dtype::F32),
         Outputs::NONE,
         0,
     ) {
@@ -1897,7 +1929,15 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
     let opts = inputs.options();
     let storage = T::DTYPE;
     // attention: the output.
-    let want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::OUTPUT, 0);
+    let want = expect_head(
+        qf,
+        kf,
+        vf,
+        &opts,
+        &model(storage, storage),
+        Outputs::OUTPUT,
+        0,
+    );
     if !matches!(want, Expected::TooMuchWork) {
         let got = returns("attention", || attention(q, k, v, &opts))?;
         let got = got.map(|o| widen(o.as_ref()));
@@ -1910,7 +1950,15 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
         .map_err(|m| format!("attention: {m}"))?;
     }
     // attention_with_lse: the output and the LSE.
-    let want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::WITH_LSE, 0);
+    let want = expect_head(
+        qf,
+        kf,
+        vf,
+        &opts,
+        &model(storage, storage),
+        Outputs::WITH_LSE,
+        0,
+    );
     if !matches!(want, Expected::TooMuchWork) {
         let got = returns("Attention::forward", || forward_head(q, k, v, &opts))?;
         let got = got.map(|(o, l)| (widen(o.as_ref()), l));
@@ -1923,7 +1971,15 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
         .map_err(|m| format!("attention_with_lse: {m}"))?;
     }
     // partial_attention over all the keys.
-    let want = expect_head(qf, kf, vf, &opts, &model(Dtype::F32), Outputs::WITH_LSE, 0);
+    let want = expect_head(
+        qf,
+        kf,
+        vf,
+        &opts,
+        &model(storage, Dtype::F32),
+        Outputs::WITH_LSE,
+        0,
+    );
     if !matches!(want, Expected::TooMuchWork) {
         let got = returns("Attention::partial_state", || {
             Attention::keys_of(q, k, v, 0..n_k, n_k, &opts)
@@ -1938,7 +1994,15 @@ fn huge_head_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
         .map_err(|m| format!("partial_attention: {m}"))?;
     }
     // attention_into: a small output; wrong unless n_q is small.
-    let want = expect_head(qf, kf, vf, &opts, &model(storage), Outputs::NONE, 0);
+    let want = expect_head(
+        qf,
+        kf,
+        vf,
+        &opts,
+        &model(storage, storage),
+        Outputs::NONE,
+        0,
+    );
     if !matches!(want, Expected::TooMuchWork) {
         let (rows, d_v) = (n_q.min(4), vf.ncols());
         let want = if rows != n_q {
@@ -2008,7 +2072,7 @@ fn huge_batch_calls<T: Element>(case: &HugeBatch) -> Result<(), String> {
                 .as_ref()
                 .map(|(t, l)| (t.as_ref(), l.as_deref()))
                 .map_err(Clone::clone);
-            check_batched(want, [qf, kf, vf], &opts, &model(storage), got)
+            check_batched(want, [qf, kf, vf], &opts, &model(storage, storage), got)
                 .map_err(|m| format!("{name}: {m}"))
         };
     let want = expect_batched(qd, kd, vd, &opts, Outputs::OUTPUT);
@@ -2534,7 +2598,7 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
             of,
             &lse,
             &opts,
-            &model(out_type),
+            &model(storage, out_type),
             allocates,
             forward_given,
         );
@@ -2564,7 +2628,7 @@ fn run_grad<T: Element>(case: &HostileHead, call: GradCall) -> Result<(), String
             of,
             &lse,
             &opts,
-            &model(storage),
+            &model(storage, storage),
             false,
             false
         ),
@@ -2841,7 +2905,7 @@ fn run_batch_grad<T: Element>(case: &HostileBatch, call: BatchGradCall) -> Resul
             [qf, kf, vf, gvf, ovf],
             &lse,
             &opts,
-            &model(storage),
+            &model(storage, storage),
             forward_given,
             &inputs.head.planted,
             got,
@@ -3014,7 +3078,7 @@ fn huge_backward_calls<T: Element>(case: &HugeHead) -> Result<(), String> {
         of,
         &lse,
         &opts,
-        &model(T::DTYPE),
+        &model(T::DTYPE, T::DTYPE),
         true,
         false,
     );

@@ -404,13 +404,30 @@ fn forward_parts(
         Compute::F32 {
             exp_ulps,
             split_keys,
+            weights,
         } => {
             // Every leaf the caller merges may itself be split into chunks by the engine; a
             // sink is folded into the merged state once more.
             let internal = split_keys.map_or(0, |s| n_k.div_ceil(s.max(1)) + leaves);
             let sink = usize::from(mods.sink.is_some());
-            Some((f32_precision(exp_ulps), (merges + internal + sink) as f64))
+            let mut p = f32_precision(exp_ulps);
+            if weights.is_some() {
+                // Products that flush their subnormal results (step 1).
+                p.tiny = FLUSH32;
+            }
+            Some((p, (merges + internal + sink) as f64))
         }
+    };
+    // Step 4w: P rounded to `weights` before P·V (relative u_w, flushed below 2⁻¹²⁶) and
+    // its products with V flushed: relative to max|v| and absolute, as l ≥ 1.
+    let (w_rel, w_abs) = match model.compute {
+        Compute::F32 {
+            weights: Some(t), ..
+        } => (
+            t.unit_roundoff() + n_k as f64 * FLUSH32,
+            n_k as f64 * FLUSH32,
+        ),
+        _ => (0.0, 0.0),
     };
     let (u_out, eta_out) = (model.output.unit_roundoff(), model.output.underflow_error());
 
@@ -466,7 +483,8 @@ fn forward_parts(
                 Some((p, t)) => {
                     // Steps 3–5, the final division, the output rounding and underflowing
                     // products.
-                    let derived = m * t.output
+                    let derived = m * (t.output + w_rel)
+                        + w_abs
                         + (p.u + u_out) * o
                         + eta_out
                         + 2.0 * (n_k as f64 + 1.0) * p.tiny;
@@ -491,7 +509,7 @@ fn forward_parts(
         ref_lse[i] = refp.lse;
         let sum_engine = match &eng {
             None => u_out + d_v as f64 * eta_out + ref_engine_merges.row_sum,
-            Some((_, t)) => t.row_sum + u_out + U32 + d_v as f64 * eta_out,
+            Some((_, t)) => t.row_sum + w_rel + u_out + U32 + d_v as f64 * eta_out,
         };
         row_sum[i] = SAFETY * (sum_engine + refp.row_sum);
     }

@@ -57,6 +57,11 @@ pub enum Compute {
         /// and merge the normalised partial states `(O, LSE)` (split-KV). Each merge
         /// rounds the chunk LSEs to f32, which the bound accounts for.
         split_keys: Option<usize>,
+        /// `Some(t)`: the probabilities are rounded to `t` (to nearest, subnormals
+        /// flushed to zero) before `P·V`, and products of the inputs flush subnormal
+        /// results — bf16 pair products (`vdpbf16ps`) at native precision; the sums `l`
+        /// stay f32. `None`: `P` and every product are f32.
+        weights: Option<Dtype>,
     },
 }
 
@@ -66,7 +71,7 @@ pub enum Compute {
 /// ```
 /// use attn_oracle::{Compute, Dtype, ErrorModel};
 /// let m = ErrorModel::f32_streaming(2.0, Some(1024));
-/// assert_eq!(m.compute, Compute::F32 { exp_ulps: 2.0, split_keys: Some(1024) });
+/// assert_eq!(m.compute, Compute::F32 { exp_ulps: 2.0, split_keys: Some(1024), weights: None });
 /// assert_eq!(m.output, Dtype::F32);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -85,6 +90,7 @@ impl ErrorModel {
             compute: Compute::F32 {
                 exp_ulps,
                 split_keys,
+                weights: None,
             },
             output: Dtype::F32,
         }

@@ -387,6 +387,7 @@ impl Engine for Toy {
             compute: Compute::F32 {
                 exp_ulps: 1.0,
                 split_keys: None,
+                weights: None,
             },
             output: Dtype::F32,
         }

@@ -18,7 +18,7 @@ use core::cell::RefCell;
 use core::ops::Range;
 use std::sync::Mutex;
 
-use attn_core::{Error, PartialState, Result, Tensor4Mut};
+use attn_core::{Dtype, Error, PartialState, Precision, Result, Tensor4Mut};
 use faer::reborrow::ReborrowMut;
 use faer::{Mat, MatMut, Par, RowMut};
 
@@ -26,6 +26,7 @@ use crate::exact;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::scale_rows;
+use crate::kernel::pair_dot;
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
 use crate::problem::{Batched, HeadInputs, HeadJob, Packed, Problem};
@@ -121,13 +122,7 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
     split: SplitKv,
     par: Par,
 ) {
-    let Problem {
-        rows,
-        d_k,
-        d_v,
-        plan,
-        ..
-    } = *problem;
+    let Problem { rows, plan, .. } = *problem;
     if jobs.is_empty() {
         return;
     }
@@ -177,7 +172,7 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
         let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
             return;
         };
-        Scratch::with::<T, _>(plan, d_k, d_v, |scratch| {
+        Scratch::with::<T, _>(problem, |scratch| {
             scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone());
             let (rows, out, mut lse) = (task.rows.clone(), task.out, task.lse);
             let sink = task.inputs.mods.sink;
@@ -218,6 +213,11 @@ fn normalise(a: f32, l: f32) -> f32 {
     if l == 0.0 { 0.0 } else { a / l }
 }
 
+/// Whether the GEMM tiles of inputs `T` at `precision` multiply bf16 natively.
+pub(crate) fn native_pairs<T: Element>(precision: Precision) -> bool {
+    T::DTYPE == Dtype::Bf16 && precision == Precision::Native && pair_dot::available()
+}
+
 /// What a thread's cached [`Scratch`] was sized for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ScratchShape {
@@ -225,6 +225,37 @@ struct ScratchShape {
     d_k: usize,
     d_v: usize,
     widens: bool,
+    /// Whether the GEMM tiles multiply bf16 natively ([`Pairs`]).
+    pairs: bool,
+}
+
+/// The operands of the native bf16 products, packed in pairs ([`pair_dot`]): Q once per
+/// query tile, K, V and the rounded P once per block.
+#[derive(Debug, Default)]
+pub(crate) struct Pairs {
+    /// Q's rows across the lanes, `ld` words per pair of columns.
+    q: Vec<u32>,
+    /// K's rows, `pairs(d_k)` words each.
+    k: Vec<u32>,
+    /// V's rows interleaved two by two, `d_v` words per pair of rows.
+    v: Vec<u32>,
+    /// P rounded to bf16, its rows across the lanes.
+    p: Vec<u32>,
+    /// Words between pairs of `q` and `p`: the query tile rounded up to whole vectors.
+    ld: usize,
+}
+
+impl Pairs {
+    fn new(plan: TilePlan, d_k: usize, d_v: usize) -> Self {
+        let ld = plan.br.next_multiple_of(pair_dot::LANES);
+        Self {
+            q: vec![0; pair_dot::pairs(d_k) * ld],
+            k: vec![0; plan.bc * pair_dot::pairs(d_k)],
+            v: vec![0; pair_dot::pairs(plan.bc) * d_v],
+            p: vec![0; pair_dot::pairs(plan.bc) * ld],
+            ld,
+        }
+    }
 }
 
 /// Per-task working memory, reused for every tile of the task (and by the next task of the
@@ -254,6 +285,8 @@ pub(crate) struct Scratch {
     row_tile: bool,
     /// One output row in f32, before it is rounded to the output type in one pass.
     out_row: Vec<f32>,
+    /// Packed operands of the native bf16 products (empty unless `shape.pairs`).
+    pairs: Pairs,
 }
 
 impl Scratch {
@@ -263,6 +296,7 @@ impl Scratch {
             d_k,
             d_v,
             widens,
+            pairs,
         } = shape;
         let br = plan.br;
         let rows_kernel = br <= DECODE_ROWS.next_multiple_of(8);
@@ -283,6 +317,11 @@ impl Scratch {
             acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
             row_tile: false,
             out_row: vec![0.0; d_v],
+            pairs: if pairs {
+                Pairs::new(plan, d_k, d_v)
+            } else {
+                Pairs::default()
+            },
         }
     }
 
@@ -290,12 +329,8 @@ impl Scratch {
     /// shape left on this thread, or a new one. Fresh scratch costs page faults (hundreds
     /// of KiB per task), which matter when tasks are short (decoding); a thread keeps at
     /// most one scratch alive between calls.
-    fn with<T: Element, R>(
-        plan: TilePlan,
-        d_k: usize,
-        d_v: usize,
-        f: impl FnOnce(&mut Scratch) -> R,
-    ) -> R {
+    fn with<T: Element, R>(problem: &Problem, f: impl FnOnce(&mut Scratch) -> R) -> R {
+        let Problem { plan, d_k, d_v, .. } = *problem;
         thread_local! {
             static CACHE: RefCell<Option<Scratch>> = const { RefCell::new(None) };
         }
@@ -304,6 +339,7 @@ impl Scratch {
             d_k,
             d_v,
             widens: T::WIDENS,
+            pairs: native_pairs::<T>(problem.precision),
         };
         let cached = CACHE
             .with(|c| c.borrow_mut().take())

@@ -1,9 +1,9 @@
 //! Storage types the engine reads and writes: f32, and f16/bf16 with f32 compute.
 //!
-//! Half-precision inputs are storage only: each K/V tile is widened to f32 once per visit
-//! into the task's scratch (a vectorised conversion, F16C / AVX-512 for f16, a 16-bit
-//! shift for bf16), Q once per query tile; scores, softmax state and accumulators are
-//! f32, and the probabilities are not rounded before `P·V`.
+//! Half-precision inputs are widened to f32 for the f32 GEMM tiles: each K/V tile once per
+//! visit into the task's scratch (a vectorised conversion, F16C / AVX-512 for f16, a 16-bit
+//! shift for bf16), Q once per query tile; scores, softmax state and accumulators are f32.
+//! bf16 at native precision on AVX512_BF16 is packed for [`super::pair_dot`] instead.
 
 use core::ops::Range;
 
@@ -83,6 +83,18 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     }
     /// The same view as f32 when no conversion is needed (f32 itself).
     fn as_f32(m: MatRef<'_, Self>) -> Option<MatRef<'_, f32>>;
+    /// The same view as bf16 when this is bf16 (what the native bf16 products read).
+    ///
+    /// ```
+    /// use attn_optimized::Element;
+    /// let m = faer::Mat::from_fn(2, 2, |_, _| half::bf16::ONE);
+    /// assert!(half::bf16::as_bf16(m.as_ref()).is_some());
+    /// assert!(half::f16::as_bf16(faer::Mat::from_fn(1, 1, |_, _| half::f16::ONE).as_ref()).is_none());
+    /// ```
+    fn as_bf16(m: MatRef<'_, Self>) -> Option<MatRef<'_, bf16>> {
+        let _ = m;
+        None
+    }
     /// Rounds the first `n = min(src.len(), dst.len())` values of `src` into `dst[..n]`,
     /// each bit for bit as [`Element::from_f32`] rounds it but vectorised (F16C / AVX-512
     /// for f16), and returns `n`; the rest of `dst` is left as it was.
@@ -132,7 +144,7 @@ impl Element for f32 {
 
 /// The two half types differ only in their type tag and their conversion kernels.
 macro_rules! half_element {
-    ($t:ty, $dtype:ident, $widen:ident, $widen_rows:ident, $narrow:ident, $exponent:literal) => {
+    ($t:ty, $dtype:ident, $widen:ident, $widen_rows:ident, $narrow:ident, $exponent:literal, $as_bf16:path) => {
         impl Element for $t {
             const DTYPE: Dtype = Dtype::$dtype;
             fn to_f32(self) -> f32 {
@@ -155,6 +167,9 @@ macro_rules! half_element {
             fn as_f32(_: MatRef<'_, Self>) -> Option<MatRef<'_, f32>> {
                 None
             }
+            fn as_bf16(m: MatRef<'_, Self>) -> Option<MatRef<'_, bf16>> {
+                $as_bf16(m)
+            }
             fn narrow(src: &[f32], dst: &mut [Self]) -> usize {
                 let n = src.len().min(dst.len());
                 $narrow(&src[..n], &mut dst[..n]);
@@ -168,8 +183,28 @@ macro_rules! half_element {
     };
 }
 
-half_element!(f16, F16, widen_f16, widen_f16_rows, narrow_f16, 0x7c00);
-half_element!(bf16, Bf16, widen_bf16, widen_bf16_rows, narrow_bf16, 0x7f80);
+half_element!(
+    f16,
+    F16,
+    widen_f16,
+    widen_f16_rows,
+    narrow_f16,
+    0x7c00,
+    not_bf16
+);
+half_element!(
+    bf16,
+    Bf16,
+    widen_bf16,
+    widen_bf16_rows,
+    narrow_bf16,
+    0x7f80,
+    Some
+);
+
+fn not_bf16(_: MatRef<'_, f16>) -> Option<MatRef<'_, bf16>> {
+    None
+}
 
 #[inline(always)]
 fn narrow_bf16_body<const FMA: bool>(src: &[f32], dst: &mut [bf16]) {
@@ -191,7 +226,7 @@ fn narrow_f16(src: &[f32], dst: &mut [f16]) {
     #[allow(unused_mut)]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    match Isa::current() {
+    match Isa::current().vectors() {
         // SAFETY: AVX-512F is part of `Isa::Avx512`, detected on this CPU.
         Isa::Avx512 => done = unsafe { x86::narrow_f16_avx512(&src[..n], &mut dst[..n]) },
         // SAFETY: AVX and F16C are part of `Isa::Avx2`, detected on this CPU.
@@ -230,7 +265,7 @@ multiversion! {
 /// f16 rows → f32 with one CPU dispatch for the block.
 fn widen_f16_rows(src: &[&[f16]], d: usize, dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if Isa::current() == Isa::Avx512 {
+    if Isa::current().vectors() == Isa::Avx512 {
         // SAFETY: AVX-512F is part of `Isa::Avx512`, detected on this CPU.
         return unsafe { x86::widen_f16_rows_avx512(src, d, dst) };
     }
@@ -245,7 +280,7 @@ fn widen_f16(src: &[f16], dst: &mut [f32]) {
     #[allow(unused_mut)]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    match Isa::current() {
+    match Isa::current().vectors() {
         // SAFETY: AVX-512F is part of `Isa::Avx512`, detected on this CPU.
         Isa::Avx512 => done = unsafe { x86::widen_f16_avx512(&src[..n], &mut dst[..n]) },
         // SAFETY: AVX and F16C are part of `Isa::Avx2`, detected on this CPU.

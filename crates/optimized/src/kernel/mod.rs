@@ -12,11 +12,13 @@
 //! - [`element`]: the storage types and their widening to f32.
 //! - [`finite`]: the scan that finds a non-finite score in a tile (an overflowed `q·k`).
 //! - [`rows`]: the row kernels of tiles with very few queries (decoding).
+//! - [`pair_dot`]: bf16 tile products on AVX512_BF16 (native precision) and their packing.
 
 pub mod element;
 pub mod exp2;
 pub mod finite;
 pub mod online_softmax;
+pub mod pair_dot;
 pub mod rows;
 pub mod softmax_grad;
 
@@ -40,7 +42,7 @@ macro_rules! multiversion {
                 fn v3($($arg: $ty),*) $(-> $ret)? {
                     $body::<true>($($arg),*)
                 }
-                match $crate::kernel::Isa::current() {
+                match $crate::kernel::Isa::current().vectors() {
                     // SAFETY: `Isa::current()` is a path this CPU supports (checked when chosen), and
                     // the AVX-512 path has every feature `v4` enables.
                     $crate::kernel::Isa::Avx512 => return unsafe { v4($($arg),*) },
@@ -62,7 +64,7 @@ pub(crate) fn vectorize<Op: WithSimd>(op: Op) -> Op::Output {
     #[cfg(target_arch = "x86_64")]
     {
         use pulp::x86::{V3, V4};
-        match Isa::current() {
+        match Isa::current().vectors() {
             Isa::Avx512 => {
                 if let Some(simd) = V4::try_new() {
                     return Simd::vectorize(simd, op);

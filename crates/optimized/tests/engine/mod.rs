@@ -33,13 +33,18 @@ impl<T> OptimizedEngine<T> {
     }
 }
 
-/// The streaming engine's error model with output type `output`.
-pub fn model(output: Dtype) -> ErrorModel {
+/// The streaming engine's error model for inputs of type `input` and output type
+/// `output`: bf16 inputs at native precision round P to bf16 on AVX512_BF16.
+pub fn model(input: Dtype, output: Dtype) -> ErrorModel {
+    let native = input == Dtype::Bf16
+        && attn_optimized::Isa::current().includes(attn_optimized::Isa::Avx512Bf16);
+    let weights = native.then_some(Dtype::Bf16);
     ErrorModel {
         // Cephes' degree-6 exp2 polynomial: ≤ 2 ulp (attn_optimized::exp).
         compute: Compute::F32 {
             exp_ulps: 2.0,
             split_keys: Some(SPLIT_KEYS),
+            weights,
         },
         output,
     }
@@ -219,7 +224,7 @@ impl<T: Element> Engine for OptimizedEngine<T> {
     }
 
     fn error_model(&self) -> ErrorModel {
-        model(T::DTYPE)
+        model(T::DTYPE, T::DTYPE)
     }
 
     fn tile_lengths(&self) -> Vec<usize> {

@@ -111,6 +111,7 @@ pub fn model<T: RingElement>() -> ErrorModel {
         compute: Compute::F32 {
             exp_ulps: 2.0,
             split_keys: Some(SPLIT_KEYS),
+            weights: None,
         },
         output: dtype::<T>(),
     }

@@ -50,7 +50,7 @@ impl RowKernels {
     }
 
     fn of(isa: Isa) -> Option<Self> {
-        match isa {
+        match isa.vectors() {
             Isa::Avx512 => Some(Self::Avx512),
             Isa::Avx2 => Some(Self::Avx2),
             _ => None,
@@ -64,7 +64,12 @@ impl RowKernels {
             .into_iter()
             .filter(|isa| Isa::current().includes(*isa))
             .filter_map(Self::of)
-            .collect()
+            .fold(Vec::new(), |mut all, k| {
+                if !all.contains(&k) {
+                    all.push(k);
+                }
+                all
+            })
     }
 
     /// Whether this CPU has the instructions the kernels are compiled with.

@@ -1,0 +1,619 @@
+//! bf16 products on AVX512_BF16: `C (+)= α·A·B` with A and B in bf16 and C in f32, the
+//! products of the native-precision tiles ([`attn_core::Precision::Native`]).
+//!
+//! `vdpbf16ps` multiplies sixteen pairs of bf16 per vector and adds each pair's two
+//! products into one f32 lane: twice the f32 FMA's rate. The contraction index therefore
+//! runs in pairs, and both operands are packed so that a pair is one 32-bit word (the even
+//! index in its low half):
+//!
+//! - A (`m × k`, its rows across the lanes): word `(p, i)` at `p·ld + i` ([`Lanes`]) — Q for
+//!   the scores, P for `P·V`, packed once per query tile and once per block;
+//! - B (`k × n`, one word broadcast to every lane per product): word `(p, j)` at
+//!   `p·pair_stride + j·col_stride` ([`Broadcast`]) — K's rows as they are (`[j][p]`, the
+//!   pairs of a row side by side), V's rows interleaved two by two (`[p][c]`), each packed
+//!   once per block visit by the key source.
+//!
+//! The instruction treats subnormal inputs as zero and flushes subnormal results, whatever
+//! MXCSR says. The packers of exact inputs (Q, K, V) report a subnormal entry, and the caller
+//! then computes that tile in f32; P is rounded here, and its flushed subnormals are
+//! within the bound (`docs/accuracy.md`, "Native half precision").
+
+use faer::MatRef;
+use half::bf16;
+
+use super::Isa;
+
+/// Pairs of a row of `k` entries.
+#[inline]
+pub(crate) fn pairs(k: usize) -> usize {
+    k.div_ceil(2)
+}
+
+/// Lanes of one vector: A's rows are padded to a multiple of this.
+pub(crate) const LANES: usize = 16;
+
+/// Whether this process computes bf16 products natively (AVX512_BF16 chosen).
+#[inline]
+pub(crate) fn available() -> bool {
+    cfg!(target_arch = "x86_64") && Isa::current().includes(Isa::Avx512Bf16)
+}
+
+/// Packed A: `rows` rows across the lanes, `ld ≥ rows` (a multiple of [`LANES`]) words
+/// between pairs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lanes<'a> {
+    pub words: &'a [u32],
+    pub rows: usize,
+    pub ld: usize,
+}
+
+/// Packed B: `cols` columns of `pairs` words, word `(p, j)` at
+/// `p·pair_stride + j·col_stride`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Broadcast<'a> {
+    pub words: &'a [u32],
+    pub pairs: usize,
+    pub cols: usize,
+    pub pair_stride: usize,
+    pub col_stride: usize,
+}
+
+/// The f32 output: `cols` columns of `rows` floats, `ld` apart (column-major).
+#[derive(Debug)]
+pub(crate) struct Columns<'a> {
+    pub data: &'a mut [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub ld: usize,
+}
+
+/// Whether bf16 bits are a subnormal (`vdpbf16ps` would read them as zero).
+#[inline(always)]
+fn subnormal(bits: u16) -> bool {
+    bits & 0x7f80 == 0 && bits & 0x007f != 0
+}
+
+/// Whether bf16 bits are an infinity or a NaN.
+#[inline(always)]
+fn non_finite(bits: u16) -> bool {
+    bits & 0x7f80 == 0x7f80
+}
+
+/// One pair word: entry `lo` in the low half.
+#[inline(always)]
+fn word(lo: u16, hi: u16) -> u32 {
+    u32::from(lo) | (u32::from(hi) << 16)
+}
+
+/// Packs `a : [m, k]` (any strides) as A into `dst` (`ld` words per pair, `ld` a multiple
+/// of [`LANES`], at least `m`; padding rows zero). Returns `false` (and packs nothing
+/// usable) when an entry is subnormal.
+pub(crate) fn pack_lanes(a: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> bool {
+    let (m, k) = (a.nrows(), a.ncols());
+    let mut tiny = false;
+    for (p, out) in dst.chunks_exact_mut(ld).take(pairs(k)).enumerate() {
+        let (c0, c1) = (2 * p, 2 * p + 1);
+        for (i, w) in out[..m].iter_mut().enumerate() {
+            let lo = a[(i, c0)].to_bits();
+            let hi = if c1 < k { a[(i, c1)].to_bits() } else { 0 };
+            tiny |= subnormal(lo) | subnormal(hi);
+            *w = word(lo, hi);
+        }
+        out[m..].fill(0);
+    }
+    !tiny
+}
+
+/// What a packed block of keys or values holds, for the caller's choice of path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PackReport {
+    /// An entry is subnormal (the products would read it as zero).
+    pub subnormal: bool,
+    /// An entry is infinite or NaN.
+    pub non_finite: bool,
+}
+
+impl PackReport {
+    /// Whether the pair products compute this block exactly as f32 would, up to rounding.
+    pub fn exact(self) -> bool {
+        !self.subnormal && !self.non_finite
+    }
+}
+
+/// Scans bits for the report.
+#[inline(always)]
+fn scan(bits: impl Iterator<Item = u16>, report: &mut PackReport) {
+    let (mut tiny, mut wild) = (false, false);
+    for b in bits {
+        tiny |= subnormal(b);
+        wild |= non_finite(b);
+    }
+    report.subnormal |= tiny;
+    report.non_finite |= wild;
+}
+
+/// Packs the rows of `m : [n, k]` as B with the pairs of a row side by side: word
+/// `(p, j)` at `j·pairs(k) + p` (K for the scores: B = Kᵀ).
+pub(crate) fn pack_rows(m: MatRef<'_, bf16>, dst: &mut [u32]) -> PackReport {
+    let (n, k) = (m.nrows(), m.ncols());
+    let kp = pairs(k);
+    let mut report = PackReport {
+        subnormal: false,
+        non_finite: false,
+    };
+    for (j, out) in dst.chunks_exact_mut(kp.max(1)).take(n).enumerate() {
+        match m.row(j).try_as_row_major() {
+            Some(row) => {
+                let row = row.as_slice();
+                scan(row.iter().map(|x| x.to_bits()), &mut report);
+                let (whole, rest) = row.split_at(k - k % 2);
+                for (w, two) in out.iter_mut().zip(whole.chunks_exact(2)) {
+                    *w = word(two[0].to_bits(), two[1].to_bits());
+                }
+                if let Some(last) = rest.first() {
+                    out[kp - 1] = word(last.to_bits(), 0);
+                }
+            }
+            None => {
+                scan((0..k).map(|c| m[(j, c)].to_bits()), &mut report);
+                for (p, w) in out.iter_mut().enumerate() {
+                    let hi = if 2 * p + 1 < k {
+                        m[(j, 2 * p + 1)].to_bits()
+                    } else {
+                        0
+                    };
+                    *w = word(m[(j, 2 * p)].to_bits(), hi);
+                }
+            }
+        }
+    }
+    report
+}
+
+/// Packs `m : [n, w]` as B with its rows interleaved two by two: word `(p, c)` at
+/// `p·w + c` holds rows `2p` and `2p + 1` of column `c` (V for `P·V`; an odd last row is
+/// paired with zero).
+pub(crate) fn pack_row_pairs(m: MatRef<'_, bf16>, dst: &mut [u32]) -> PackReport {
+    let (n, w) = (m.nrows(), m.ncols());
+    let mut report = PackReport {
+        subnormal: false,
+        non_finite: false,
+    };
+    let row = |r: usize| m.row(r).try_as_row_major().map(|row| row.as_slice());
+    for (p, out) in dst.chunks_exact_mut(w.max(1)).take(pairs(n)).enumerate() {
+        let (r0, r1) = (2 * p, 2 * p + 1);
+        match (row(r0), (r1 < n).then(|| row(r1))) {
+            (Some(a), Some(Some(b))) => {
+                scan(a.iter().chain(b).map(|x| x.to_bits()), &mut report);
+                for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+                    *o = word(x.to_bits(), y.to_bits());
+                }
+            }
+            (Some(a), None) => {
+                scan(a.iter().map(|x| x.to_bits()), &mut report);
+                for (o, x) in out.iter_mut().zip(a) {
+                    *o = word(x.to_bits(), 0);
+                }
+            }
+            _ => {
+                for (c, o) in out.iter_mut().enumerate() {
+                    let lo = m[(r0, c)].to_bits();
+                    let hi = if r1 < n { m[(r1, c)].to_bits() } else { 0 };
+                    scan([lo, hi].into_iter(), &mut report);
+                    *o = word(lo, hi);
+                }
+            }
+        }
+    }
+    report
+}
+
+/// Packs the f32 probabilities `s` (`cols` columns of `rows`, `ld_s` apart) as A, each
+/// rounded to bf16 (to nearest even; subnormals flushed): word `(p, i)` at `p·ld + i`.
+/// Without AVX512_BF16, does nothing (the caller computes in f32 there).
+pub(crate) fn pack_probabilities(
+    s: &[f32],
+    ld_s: usize,
+    rows: usize,
+    cols: usize,
+    dst: &mut [u32],
+    ld: usize,
+) {
+    assert!(rows <= ld && rows <= ld_s && ld % LANES == 0);
+    assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
+    assert!(dst.len() >= pairs(cols) * ld);
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
+        // asserts above bound every access (loads are masked to `rows`).
+        unsafe { x86::pack_probabilities(s, ld_s, rows, cols, dst, ld) }
+    }
+}
+
+/// `c (+)= alpha · A·B`: `accumulate` adds to `c`, otherwise overwrites it. Without
+/// AVX512_BF16, does nothing (the caller computes in f32 there).
+pub(crate) fn product(
+    a: Lanes<'_>,
+    b: Broadcast<'_>,
+    c: Columns<'_>,
+    alpha: f32,
+    accumulate: bool,
+) {
+    let (m, n, kp) = (c.rows, c.cols, b.pairs);
+    assert!(a.rows >= m && a.ld % LANES == 0 && a.ld >= m.next_multiple_of(LANES));
+    assert!(kp == 0 || a.words.len() >= (kp - 1) * a.ld + m.next_multiple_of(LANES));
+    assert!(b.cols >= n && c.ld >= m);
+    assert!(n == 0 || kp == 0 || b.words.len() > (kp - 1) * b.pair_stride + (n - 1) * b.col_stride);
+    assert!(n == 0 || c.data.len() >= (n - 1) * c.ld + m);
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path; the
+        // asserts above bound every access (A's padded lanes are inside `a.words`, C's
+        // are masked to `m`).
+        unsafe { x86::product(a, b, c, alpha, accumulate, kp) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (a, b, c, alpha, accumulate, kp);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use core::arch::x86_64::*;
+
+    use super::{Broadcast, Columns, LANES, Lanes};
+
+    /// Rows (vectors of [`LANES`]) and columns of one register block: 4 × 6 accumulators.
+    const MV: usize = 4;
+    const NB: usize = 6;
+    /// Pairs per pass over a block, so A's slice stays in L1 while the columns change.
+    const KC: usize = 128;
+
+    /// A view of the operands as raw pointers for the register blocks.
+    #[derive(Clone, Copy)]
+    struct Op {
+        a: *const u32,
+        a_ld: usize,
+        b: *const u32,
+        b_pair: usize,
+        b_col: usize,
+        c: *mut f32,
+        ldc: usize,
+        alpha: f32,
+    }
+
+    /// One register block: `mv` vectors of rows from `i0`, `N` columns from `j0`, pairs
+    /// `p0 .. p0 + kc`; adds to `c` when `add`, and masks the last vector's lanes.
+    ///
+    /// # Safety
+    /// AVX512_BF16, AVX-512 F; every word and float the block touches in bounds.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn block<const M: usize, const N: usize>(
+        op: Op,
+        i0: usize,
+        j0: usize,
+        p0: usize,
+        kc: usize,
+        add: bool,
+        last: __mmask16,
+    ) {
+        // SAFETY (whole body): the caller's bounds.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); N]; M];
+            let mut a = op.a.add(p0 * op.a_ld + i0);
+            let mut b: [*const u32; N] =
+                core::array::from_fn(|n| op.b.add(p0 * op.b_pair + (j0 + n) * op.b_col));
+            for _ in 0..kc {
+                let av: [__m512bh; M] = core::array::from_fn(|v| {
+                    core::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_epi32(
+                        a.add(v * LANES) as *const i32
+                    ))
+                });
+                for n in 0..N {
+                    let bv = core::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                        b[n].read_unaligned() as i32,
+                    ));
+                    for v in 0..M {
+                        acc[v][n] = _mm512_dpbf16_ps(acc[v][n], av[v], bv);
+                    }
+                    b[n] = b[n].add(op.b_pair);
+                }
+                a = a.add(op.a_ld);
+            }
+            let alpha = _mm512_set1_ps(op.alpha);
+            for (v, row) in acc.iter().enumerate() {
+                let mask = if v == M - 1 { last } else { 0xffff };
+                for (n, x) in row.iter().enumerate() {
+                    let at = op.c.add((j0 + n) * op.ldc + i0 + v * LANES);
+                    let y = if add {
+                        _mm512_fmadd_ps(*x, alpha, _mm512_maskz_loadu_ps(mask, at))
+                    } else {
+                        _mm512_mul_ps(*x, alpha)
+                    };
+                    _mm512_mask_storeu_ps(at, mask, y);
+                }
+            }
+        }
+    }
+
+    /// Rounds f32 probabilities to bf16 pairs (see [`super::pack_probabilities`]).
+    ///
+    /// # Safety
+    /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::pack_probabilities`] asserts.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pack_probabilities(
+        s: &[f32],
+        ld_s: usize,
+        rows: usize,
+        cols: usize,
+        dst: &mut [u32],
+        ld: usize,
+    ) {
+        // Word i of the result takes bf16 i of the even column and bf16 i of the odd one
+        // (which `cvtne2ps` puts 16 places higher).
+        let interleave = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
+        for p in 0..cols.div_ceil(2) {
+            let (c0, c1) = (2 * p, 2 * p + 1);
+            let mut i = 0;
+            while i < rows {
+                let mask: __mmask16 = if rows - i >= LANES {
+                    0xffff
+                } else {
+                    (1u16 << (rows - i)) - 1
+                };
+                // SAFETY: lanes past `rows` are masked; column `c1` exists when read.
+                unsafe {
+                    let even = _mm512_maskz_loadu_ps(mask, s.add(c0 * ld_s + i));
+                    let odd = if c1 < cols {
+                        _mm512_maskz_loadu_ps(mask, s.add(c1 * ld_s + i))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    let both =
+                        core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd, even));
+                    let words = _mm512_permutexvar_epi16(interleave, both);
+                    _mm512_storeu_epi32(d.add(p * ld + i) as *mut i32, words);
+                }
+                i += LANES;
+            }
+        }
+    }
+
+    /// `c (+)= alpha · A·B` over register blocks (see [`super::product`]).
+    ///
+    /// # Safety
+    /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::product`] asserts.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn product(
+        a: Lanes<'_>,
+        b: Broadcast<'_>,
+        c: Columns<'_>,
+        alpha: f32,
+        accumulate: bool,
+        kp: usize,
+    ) {
+        let op = Op {
+            a: a.words.as_ptr(),
+            a_ld: a.ld,
+            b: b.words.as_ptr(),
+            b_pair: b.pair_stride,
+            b_col: b.col_stride,
+            c: c.data.as_mut_ptr(),
+            ldc: c.ld,
+            alpha,
+        };
+        let (m, n) = (c.rows, c.cols);
+        let vectors = m.div_ceil(LANES);
+        let tail = m - (vectors - 1) * LANES;
+        let last_mask: __mmask16 = if tail == LANES {
+            0xffff
+        } else {
+            (1u16 << tail) - 1
+        };
+        let mut p0 = 0;
+        while p0 < kp.max(1) {
+            let kc = (kp - p0).min(KC);
+            let add = accumulate || p0 > 0;
+            let mut j = 0;
+            while j < n {
+                let nb = (n - j).min(NB);
+                let mut v = 0;
+                while v < vectors {
+                    let mv = (vectors - v).min(MV);
+                    let last = if v + mv == vectors { last_mask } else { 0xffff };
+                    let i0 = v * LANES;
+                    // SAFETY: the block lies inside the asserted bounds.
+                    unsafe {
+                        macro_rules! dispatch {
+                            ($($mm:literal),*) => {
+                                match (mv, nb) {
+                                    $(
+                                        ($mm, 1) => block::<$mm, 1>(op, i0, j, p0, kc, add, last),
+                                        ($mm, 2) => block::<$mm, 2>(op, i0, j, p0, kc, add, last),
+                                        ($mm, 3) => block::<$mm, 3>(op, i0, j, p0, kc, add, last),
+                                        ($mm, 4) => block::<$mm, 4>(op, i0, j, p0, kc, add, last),
+                                        ($mm, 5) => block::<$mm, 5>(op, i0, j, p0, kc, add, last),
+                                        ($mm, 6) => block::<$mm, 6>(op, i0, j, p0, kc, add, last),
+                                    )*
+                                    _ => unreachable!("register blocks are at most {MV} × {NB}"),
+                                }
+                            };
+                        }
+                        dispatch!(1, 2, 3, 4);
+                    }
+                    v += mv;
+                }
+                j += nb;
+            }
+            p0 += KC;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use faer::Mat;
+
+    fn bf(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
+
+    /// `C = α·A·Bᵀ` through the packers and the product, against f64 on the same bf16
+    /// inputs, for shapes that leave partial vectors, blocks and pairs.
+    #[test]
+    fn products_match_f64_on_ragged_shapes() {
+        if !available() {
+            return;
+        }
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (5, 3, 7),
+            (17, 13, 9),
+            (64, 6, 64),
+            (128, 37, 65),
+            (70, 64, 300),
+        ] {
+            let a = Mat::from_fn(m, k, |i, c| bf(((i * 7 + c * 3) % 11) as f32 / 4.0 - 1.2));
+            let bt = Mat::from_fn(n, k, |j, c| bf(((j * 5 + c) % 13) as f32 / 8.0 - 0.7));
+            let ld = m.next_multiple_of(LANES);
+            let mut ap = vec![0u32; pairs(k) * ld];
+            assert!(pack_lanes(a.as_ref(), &mut ap, ld));
+            let mut bp = vec![0u32; n * pairs(k)];
+            assert!(pack_rows(bt.as_ref(), &mut bp).exact());
+            let mut c = vec![f32::NAN; n * m];
+            let cols = Columns {
+                data: &mut c,
+                rows: m,
+                cols: n,
+                ld: m,
+            };
+            let b = Broadcast {
+                words: &bp,
+                pairs: pairs(k),
+                cols: n,
+                pair_stride: 1,
+                col_stride: pairs(k),
+            };
+            product(
+                Lanes {
+                    words: &ap,
+                    rows: m,
+                    ld,
+                },
+                b,
+                cols,
+                0.5,
+                false,
+            );
+            for i in 0..m {
+                for j in 0..n {
+                    let exact: f64 = (0..k)
+                        .map(|c| f64::from(a[(i, c)].to_f32()) * f64::from(bt[(j, c)].to_f32()))
+                        .sum();
+                    let got = f64::from(c[j * m + i]);
+                    assert!(
+                        (got - 0.5 * exact).abs() <= 1e-5 * (1.0 + exact.abs()),
+                        "{m}x{n}x{k} ({i},{j}): {got} vs {}",
+                        0.5 * exact
+                    );
+                }
+            }
+        }
+    }
+
+    /// `acc += P·V` with P rounded from f32 and V interleaved by row pairs, against f64 on
+    /// the rounded P.
+    #[test]
+    fn probabilities_times_values_accumulate() {
+        if !available() {
+            return;
+        }
+        for &(m, keys, w) in &[
+            (3, 5, 4),
+            (16, 16, 16),
+            (40, 33, 64),
+            (128, 512, 64),
+            (9, 1, 3),
+        ] {
+            let s: Vec<f32> = (0..m * keys)
+                .map(|x| ((x * 37) % 101) as f32 / 50.0)
+                .collect();
+            let v = Mat::from_fn(
+                keys,
+                w,
+                |j, c| bf(((j * 3 + c * 5) % 17) as f32 / 4.0 - 2.0),
+            );
+            let ld = m.next_multiple_of(LANES);
+            let mut pp = vec![0u32; pairs(keys) * ld];
+            pack_probabilities(&s, m, m, keys, &mut pp, ld);
+            let mut vp = vec![0u32; pairs(keys) * w];
+            assert!(pack_row_pairs(v.as_ref(), &mut vp).exact());
+            let mut acc = vec![1.0f32; w * m];
+            let b = Broadcast {
+                words: &vp,
+                pairs: pairs(keys),
+                cols: w,
+                pair_stride: w,
+                col_stride: 1,
+            };
+            product(
+                Lanes {
+                    words: &pp,
+                    rows: m,
+                    ld,
+                },
+                b,
+                Columns {
+                    data: &mut acc,
+                    rows: m,
+                    cols: w,
+                    ld: m,
+                },
+                1.0,
+                true,
+            );
+            for i in 0..m {
+                for c in 0..w {
+                    let exact: f64 = 1.0
+                        + (0..keys)
+                            .map(|j| {
+                                f64::from(bf(s[j * m + i]).to_f32()) * f64::from(v[(j, c)].to_f32())
+                            })
+                            .sum::<f64>();
+                    let got = f64::from(acc[c * m + i]);
+                    assert!(
+                        (got - exact).abs() <= 1e-5 * (1.0 + exact.abs()),
+                        "{m}x{keys}x{w} ({i},{c})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packers_report_subnormal_and_non_finite_entries() {
+        let tiny = bf16::from_bits(0x0001);
+        let m = Mat::from_fn(3, 4, |i, c| if (i, c) == (2, 3) { tiny } else { bf(1.0) });
+        let mut buf = vec![0u32; 64];
+        assert!(pack_rows(m.as_ref(), &mut buf).subnormal);
+        assert!(pack_row_pairs(m.as_ref(), &mut buf).subnormal);
+        assert!(!pack_lanes(m.as_ref(), &mut buf, 16));
+        let m = Mat::from_fn(3, 4, |i, c| {
+            if (i, c) == (1, 0) {
+                bf16::INFINITY
+            } else {
+                bf(1.0)
+            }
+        });
+        let r = pack_row_pairs(m.as_ref(), &mut buf);
+        assert!(r.non_finite && !r.subnormal && !r.exact());
+    }
+}
