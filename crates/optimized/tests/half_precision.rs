@@ -1,8 +1,9 @@
-//! f16 and bf16 storage with f32 compute, against the f64 reference on the same
-//! half-rounded inputs.
+//! f16 and bf16 storage, against the f64 reference on the same half-rounded inputs: with
+//! f32 compute (`Precision::F32`), and at native precision (bf16 products with P rounded
+//! to bf16 on AVX512_BF16, f32 elsewhere).
 
 use attn_optimized::{
-    BoolMask, Causal, Element, Layout, Options, SlidingWindow, Tensor4Ref, attention,
+    BoolMask, Causal, Element, Layout, Options, Precision, SlidingWindow, Tensor4Ref, attention,
 };
 use faer::Mat;
 use half::{bf16, f16};
@@ -11,7 +12,8 @@ mod common;
 use common::{f32_bound, mat};
 
 /// The f32 engine bound (see tests/equivalence.rs) plus the rounding of each output to
-/// the storage type: `|fl(o) − o| ≤ u_T·|o|`.
+/// the storage type: `|fl(o) − o| ≤ u_T·|o|`; at native precision, plus the rounding of
+/// the weights to bf16 (`u = 2⁻⁸` of the largest `|v|` of the column, twice).
 fn check<T: Element + attn_reference::Element>(
     q: &Mat<T>,
     k: &Mat<T>,
@@ -20,6 +22,8 @@ fn check<T: Element + attn_reference::Element>(
     unit: f64,
     what: &str,
 ) {
+    let native = attention(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
+    let opts = &opts.with_precision(Precision::F32);
     let o = attention(q.as_ref(), k.as_ref(), v.as_ref(), opts).unwrap();
     let mut o32 = Mat::<f32>::zeros(q.nrows(), v.ncols());
     attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
@@ -45,6 +49,16 @@ fn check<T: Element + attn_reference::Element>(
                 e <= tol,
                 "{what} ({i},{c}): {} vs {want} (err {e:e} > {tol:e})",
                 o[(i, c)].to_f32()
+            );
+            let vmax = (0..v.nrows())
+                .map(|j| f64::from(v[(j, c)].to_f32()).abs())
+                .fold(0.0, f64::max);
+            let e = (f64::from(native[(i, c)].to_f32()) - want).abs();
+            let tol = tol + 2.0 * 2f64.powi(-8) * vmax;
+            assert!(
+                e <= tol,
+                "{what} native ({i},{c}): {} vs {want} (err {e:e} > {tol:e})",
+                native[(i, c)].to_f32()
             );
         }
     }
@@ -137,15 +151,14 @@ fn f16_near_its_range_does_not_overflow_inside() {
     }
 }
 
-#[test]
-fn half_nan_and_inf_touch_only_their_rows() {
+fn nan_and_inf_touch_only_their_rows<T: Element>(nan: T, inf: T) {
     let (mut q, k, v) = (
-        mat::<f16>(200, 16, 1, 1.0),
-        mat::<f16>(300, 16, 2, 1.0),
-        mat::<f16>(300, 8, 3, 1.0),
+        mat::<T>(200, 16, 1, 1.0),
+        mat::<T>(300, 16, 2, 1.0),
+        mat::<T>(300, 8, 3, 1.0),
     );
-    q[(7, 3)] = f16::NAN;
-    q[(150, 0)] = f16::INFINITY;
+    q[(7, 3)] = nan;
+    q[(150, 0)] = inf;
     let o = attention(q.as_ref(), k.as_ref(), v.as_ref(), &Options::default()).unwrap();
     for i in 0..200 {
         let finite = (0..8).all(|c| o[(i, c)].is_finite());
@@ -155,6 +168,36 @@ fn half_nan_and_inf_touch_only_their_rows() {
             assert_eq!(finite, i != 7, "row {i}");
         }
     }
+}
+
+#[test]
+fn half_nan_and_inf_touch_only_their_rows() {
+    nan_and_inf_touch_only_their_rows(f16::NAN, f16::INFINITY);
+    nan_and_inf_touch_only_their_rows(bf16::NAN, bf16::INFINITY);
+}
+
+/// On AVX512_BF16 the native path rounds the weights (its bits differ from f32 compute's);
+/// elsewhere native is f32 compute, bit for bit. Both are within the bounds `check` states.
+#[test]
+fn native_bf16_is_the_pair_products_where_the_cpu_has_them() {
+    let (q, k, v) = (
+        mat::<bf16>(300, 64, 1, 2.0),
+        mat::<bf16>(700, 64, 2, 2.0),
+        mat::<bf16>(700, 64, 3, 1.0),
+    );
+    let opts = Options::default();
+    let native = attention(q.as_ref(), k.as_ref(), v.as_ref(), &opts).unwrap();
+    let exact = opts.with_precision(Precision::F32);
+    let f32_compute = attention(q.as_ref(), k.as_ref(), v.as_ref(), &exact).unwrap();
+    let differ = (0..300)
+        .any(|i| (0..64).any(|c| native[(i, c)].to_bits() != f32_compute[(i, c)].to_bits()));
+    let isa = attn_optimized::Isa::current();
+    assert_eq!(
+        differ,
+        isa.includes(attn_optimized::Isa::Avx512Bf16),
+        "{isa:?}"
+    );
+    check(&q, &k, &v, &opts, 2f64.powi(-8), "native");
 }
 
 #[test]
@@ -172,7 +215,9 @@ fn half_batched_gqa_both_layouts() {
         data(b * hkv * n_k * d, 2),
         data(b * hkv * n_k * d, 3),
     );
-    let opts = Options::default().with_causal(Causal::BottomRight);
+    let opts = Options::default()
+        .with_causal(Causal::BottomRight)
+        .with_precision(Precision::F32);
     for layout in [Layout::Bhsd, Layout::Bshd] {
         let q = Tensor4Ref::from_layout(&qd, [b, hq, n_q, d], layout).unwrap();
         let k = Tensor4Ref::from_layout(&kd, [b, hkv, n_k, d], layout).unwrap();
