@@ -47,6 +47,7 @@ impl Platform {
         Self {
             cpu: cpu_model(),
             kernels: match attn_optimized::Isa::current() {
+                attn_optimized::Isa::Amx => "AVX-512+AVX512_BF16+AMX",
                 attn_optimized::Isa::Avx512Bf16 => "AVX-512+AVX512_BF16",
                 attn_optimized::Isa::Avx512 => "AVX-512",
                 attn_optimized::Isa::Avx2 => "AVX2+FMA+F16C",

@@ -32,14 +32,24 @@ pub enum Isa {
     /// lanes, twice the f32 FMA rate): bf16 inputs multiply natively (AMD Zen 4, Intel
     /// Xeon since Sapphire Rapids).
     Avx512Bf16,
+    /// AVX512_BF16 with AMX (Intel Xeon since Sapphire Rapids): bf16 products as 16×16
+    /// tile blocks (`tdpbf16ps`, about 16× the f32 FMA rate). The kernels ask Linux for
+    /// the tile state once and fall back to f32 products if it is refused.
+    Amx,
 }
 
-/// The environment variable that forces a path (`baseline`, `avx2`, `avx512`, `avx512bf16`).
+/// The environment variable that forces a path (`baseline`, `avx2`, `avx512`, `avx512bf16`, `amx`).
 pub const ISA_VARIABLE: &str = "ATTN_ISA";
 
 impl Isa {
     /// Every path, in no meaningful order.
-    pub const ALL: [Isa; 4] = [Isa::Baseline, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 5] = [
+        Isa::Baseline,
+        Isa::Avx2,
+        Isa::Avx512,
+        Isa::Avx512Bf16,
+        Isa::Amx,
+    ];
 
     /// The path the kernels run with in this process: the one `ATTN_ISA` names when this
     /// CPU supports it, otherwise [`Isa::detected`]. Read once; an `ATTN_ISA` that names
@@ -89,7 +99,9 @@ impl Isa {
 
     /// The best path of this CPU (detected by `std`, which caches the answer).
     pub fn detected() -> Isa {
-        if Isa::Avx512Bf16.is_supported() {
+        if Isa::Amx.is_supported() {
+            Isa::Amx
+        } else if Isa::Avx512Bf16.is_supported() {
             Isa::Avx512Bf16
         } else if Isa::Avx512.is_supported() {
             Isa::Avx512
@@ -125,6 +137,12 @@ impl Isa {
                 Isa::Avx2 => v3(),
                 Isa::Avx512 => v4(),
                 Isa::Avx512Bf16 => v4() && has!("avx512bf16"),
+                Isa::Amx => {
+                    // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE (std's detection
+                    // of AMX is not stable yet).
+                    let edx = core::arch::x86_64::__cpuid_count(7, 0).edx;
+                    v4() && has!("avx512bf16") && edx & (1 << 22) != 0 && edx & (1 << 24) != 0
+                }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -155,14 +173,15 @@ impl Isa {
     pub fn includes(self, other: Isa) -> bool {
         match other {
             Isa::Baseline => true,
-            Isa::Avx2 => matches!(self, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16),
-            Isa::Avx512 => matches!(self, Isa::Avx512 | Isa::Avx512Bf16),
-            Isa::Avx512Bf16 => self == Isa::Avx512Bf16,
+            Isa::Avx2 => self != Isa::Baseline,
+            Isa::Avx512 => matches!(self, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx),
+            Isa::Avx512Bf16 => matches!(self, Isa::Avx512Bf16 | Isa::Amx),
+            Isa::Amx => self == Isa::Amx,
         }
     }
 
     /// The path whose vector instructions this one's kernels use for everything but its own
-    /// additions (AVX512_BF16's products aside, its kernels are AVX-512's).
+    /// additions (AVX512_BF16's and AMX's products aside, their kernels are AVX-512's).
     ///
     /// ```
     /// use attn_core::Isa;
@@ -171,7 +190,7 @@ impl Isa {
     /// ```
     pub fn vectors(self) -> Isa {
         match self {
-            Isa::Avx512Bf16 => Isa::Avx512,
+            Isa::Avx512Bf16 | Isa::Amx => Isa::Avx512,
             other => other,
         }
     }
@@ -181,17 +200,18 @@ impl Isa {
         match self {
             Isa::Baseline => 4,
             Isa::Avx2 => 8,
-            Isa::Avx512 | Isa::Avx512Bf16 => 16,
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => 16,
         }
     }
 
-    /// The name `ATTN_ISA` takes (`baseline`, `avx2`, `avx512`, `avx512bf16`).
+    /// The name `ATTN_ISA` takes (`baseline`, `avx2`, `avx512`, `avx512bf16`, `amx`).
     pub fn name(self) -> &'static str {
         match self {
             Isa::Baseline => "baseline",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Amx => "amx",
         }
     }
 

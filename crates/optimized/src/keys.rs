@@ -51,10 +51,13 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
 /// How [`KeySource::to_pairs`] lays out the pairs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PairOrder {
-    /// The pairs of each row side by side (K: the scores contract over a row).
-    Rows,
-    /// Rows interleaved two by two (V: `P·V` contracts over the rows).
+    /// The pairs of each row side by side, `ld` words per row (K: the scores contract
+    /// over a row).
+    Rows { ld: usize },
+    /// Rows interleaved two by two (V for the pair products: `P·V` contracts over rows).
     RowPairs,
+    /// Columns of rows in pairs, `ld` words per column (V for the tile products).
+    Columns { ld: usize },
 }
 
 /// A dense source: a faer view of the rows (any strides).
@@ -90,8 +93,9 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
     #[inline]
     fn to_pairs(&self, order: PairOrder, buf: &mut [u32]) -> Option<PackReport> {
         T::as_bf16(self.0).map(|m| match order {
-            PairOrder::Rows => pair_dot::pack_rows(m, buf),
+            PairOrder::Rows { ld } => pair_dot::pack_rows(m, buf, ld),
             PairOrder::RowPairs => pair_dot::pack_row_pairs(m, buf),
+            PairOrder::Columns { ld } => pair_dot::pack_columns(m, buf, ld),
         })
     }
 

@@ -112,7 +112,6 @@ impl Problem {
             mask,
             mods,
             scale_log2: self.scale_log2,
-            precision: self.precision,
             stacked: false,
         }
     }
@@ -132,8 +131,6 @@ pub(crate) struct HeadInputs<'a, T, K = Dense<'a, T>> {
     pub mods: HeadModifiers<'a>,
     /// `scale · log2(e)`.
     pub scale_log2: f32,
-    /// How half-precision inputs are multiplied (the GEMM tiles' choice).
-    pub precision: Precision,
     /// Each row is the single query of its own head (grouped-query decoding stacks the
     /// heads that share K and V): every row uses the mask of query 0.
     pub stacked: bool,

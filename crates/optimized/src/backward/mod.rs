@@ -495,8 +495,6 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
                 mask: h.mask,
                 mods: h.mods,
                 scale_log2: self.scale * core::f32::consts::LOG2_E,
-                // The backward's products are f32 whatever the forward's were.
-                precision: attn_core::Precision::F32,
                 stacked: false,
             })
             .collect()

@@ -8,14 +8,13 @@ use faer::linalg::matmul::matmul;
 use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par};
 
-use super::{Scratch, native_pairs};
+use super::{Products, Scratch};
 use crate::exact::rescore;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update};
-use crate::kernel::pair_dot::{self, Broadcast, Columns, Lanes};
-use crate::keys::{KeySource, PairOrder};
+use crate::keys::KeySource;
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_tile, without_non_finite_rows,
     zero_weight_meets_non_finite,
@@ -27,7 +26,7 @@ use crate::schedule::TilePlan;
 impl Scratch {
     /// [`Scratch::attend`] for a tile of more than [`crate::schedule::DECODE_ROWS`]
     /// queries: `S = Q Kᵀ` and `O += P V` as faer GEMMs on the tile — or, for bf16 at
-    /// native precision on AVX512_BF16, as bf16 pair products ([`pair_dot`]) — the softmax
+    /// native precision, as bf16 products ([`Products`]) — the softmax
     /// between them one fused pass ([`softmax_update`]).
     pub(super) fn attend_gemm<T: Element, K: KeySource<T>>(
         &mut self,
@@ -49,13 +48,10 @@ impl Scratch {
             }
         }
         let rescaled = self.mark_rescaled(head, rows.clone());
-        // Native bf16 products: Q packed as it is (exact; the scale multiplies the sums),
-        // unless an entry is subnormal (the products would read it as zero).
-        let native = native_pairs::<T>(head.precision) && !self.pairs.q.is_empty();
-        let ld = self.pairs.ld;
-        let q_pairs = native
-            && T::as_bf16(head.q.subrows(rows.start, nr))
-                .is_some_and(|q| pair_dot::pack_lanes(q, &mut self.pairs.q, ld));
+        // Native bf16 products: Q packed as it is, unless it cannot be (then f32).
+        let products = self.shape.products;
+        let native = products != Products::F32;
+        let q_native = native && self.pairs.pack_queries(head.q.subrows(rows.start, nr));
         self.acc.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
@@ -68,33 +64,11 @@ impl Scratch {
                 head.k.block(local..local + nc),
                 head.v.block(local..local + nc),
             );
-            let k_pairs = q_pairs
-                && kb
-                    .to_pairs(PairOrder::Rows, &mut self.pairs.k)
-                    .is_some_and(|r| !r.subnormal);
-            let (pairs_q, pairs_k) = (&self.pairs.q, &self.pairs.k);
+            let k_native = q_native && self.pairs.pack_keys(&kb);
+            let pairs = &self.pairs;
             let scores = |s: &mut [f32], k_wide: &mut Vec<f32>| {
-                if k_pairs {
-                    let kp = pair_dot::pairs(d_k);
-                    let a = Lanes {
-                        words: pairs_q,
-                        rows: nr,
-                        ld,
-                    };
-                    let b = Broadcast {
-                        words: pairs_k,
-                        pairs: kp,
-                        cols: nc,
-                        pair_stride: 1,
-                        col_stride: kp,
-                    };
-                    let c = Columns {
-                        data: s,
-                        rows: nr,
-                        cols: nc,
-                        ld: br,
-                    };
-                    return pair_dot::product(a, b, c, head.scale_log2, false);
+                if k_native {
+                    return pairs.scores(products, s, br, nr, nc, d_k, head.scale_log2);
                 }
                 let s_tile = MatMut::from_column_major_slice_with_stride_mut(s, nr, nc, br);
                 let k_tile = kb.to_f32(k_wide);
@@ -162,34 +136,11 @@ impl Scratch {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
             // Native bf16 products: P rounded to bf16 (the scores and the sums stay f32),
-            // unless V holds a subnormal (read as zero) or a non-finite entry (whose hidden
-            // keys must contribute nothing, see below).
-            let v_pairs = native
-                && vb
-                    .to_pairs(PairOrder::RowPairs, &mut self.pairs.v)
-                    .is_some_and(|r| r.exact());
-            if v_pairs {
-                pair_dot::pack_probabilities(&self.s, br, nr, nc, &mut self.pairs.p, ld);
-                let a = Lanes {
-                    words: &self.pairs.p,
-                    rows: nr,
-                    ld,
-                };
-                let pairs = pair_dot::pairs(nc);
-                let b = Broadcast {
-                    words: &self.pairs.v,
-                    pairs,
-                    cols: d_v,
-                    pair_stride: d_v,
-                    col_stride: 1,
-                };
-                let c = Columns {
-                    data: &mut self.acc,
-                    rows: nr,
-                    cols: d_v,
-                    ld: br,
-                };
-                pair_dot::product(a, b, c, 1.0, true);
+            // unless V holds a subnormal or a non-finite entry (see `Pairs::pack_values`).
+            if native && self.pairs.pack_values(products, &vb) {
+                let acc = &mut self.acc;
+                self.pairs
+                    .add_weighted_values(products, &self.s, nr, nc, d_v, acc, br);
                 continue;
             }
             let p = MatRef::from_column_major_slice_with_stride(&self.s, nr, nc, br);

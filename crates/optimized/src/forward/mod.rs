@@ -11,6 +11,7 @@
 //! into fixed chunks as well and merges their partial states in chunk order.
 
 mod gemm_tile;
+mod native;
 mod row_tile;
 mod split_kv;
 
@@ -26,7 +27,7 @@ use crate::exact;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::scale_rows;
-use crate::kernel::pair_dot;
+use crate::kernel::{amx, pair_dot};
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
 use crate::problem::{Batched, HeadInputs, HeadJob, Packed, Problem};
@@ -213,9 +214,30 @@ fn normalise(a: f32, l: f32) -> f32 {
     if l == 0.0 { 0.0 } else { a / l }
 }
 
-/// Whether the GEMM tiles of inputs `T` at `precision` multiply bf16 natively.
-pub(crate) fn native_pairs<T: Element>(precision: Precision) -> bool {
-    T::DTYPE == Dtype::Bf16 && precision == Precision::Native && pair_dot::available()
+/// How the GEMM tiles multiply: faer's f32 GEMM, or bf16 natively.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Products {
+    /// f32 (half inputs widened exactly).
+    F32,
+    /// bf16 pairs on AVX512_BF16 ([`pair_dot`]).
+    Pairs,
+    /// bf16 tiles on AMX ([`amx`]).
+    Tiles,
+}
+
+impl Products {
+    /// The products of inputs `T` at `precision` on this process's path.
+    pub(crate) fn of<T: Element>(precision: Precision) -> Self {
+        if T::DTYPE != Dtype::Bf16 || precision != Precision::Native {
+            Products::F32
+        } else if amx::available() {
+            Products::Tiles
+        } else if pair_dot::available() {
+            Products::Pairs
+        } else {
+            Products::F32
+        }
+    }
 }
 
 /// What a thread's cached [`Scratch`] was sized for.
@@ -225,35 +247,47 @@ struct ScratchShape {
     d_k: usize,
     d_v: usize,
     widens: bool,
-    /// Whether the GEMM tiles multiply bf16 natively ([`Pairs`]).
-    pairs: bool,
+    /// How the GEMM tiles multiply (what [`Pairs`] holds).
+    products: Products,
 }
 
-/// The operands of the native bf16 products, packed in pairs ([`pair_dot`]): Q once per
-/// query tile, K, V and the rounded P once per block.
+/// The operands of the native bf16 products, packed in pairs ([`pair_dot`], [`amx`]): Q
+/// once per query tile, K, V and the rounded P once per block. Pair counts along a
+/// contraction are padded with zero pairs to whole tiles ([`amx::TILE`]).
 #[derive(Debug, Default)]
 pub(crate) struct Pairs {
     /// Q's rows across the lanes, `ld` words per pair of columns.
     q: Vec<u32>,
-    /// K's rows, `pairs(d_k)` words each.
+    /// K's rows, `k_ld` words each.
     k: Vec<u32>,
-    /// V's rows interleaved two by two, `d_v` words per pair of rows.
+    /// V: rows interleaved two by two, `d_v` words per pair of rows (pair products), or
+    /// columns of `v_ld` words (tiles).
     v: Vec<u32>,
     /// P rounded to bf16, its rows across the lanes.
     p: Vec<u32>,
     /// Words between pairs of `q` and `p`: the query tile rounded up to whole vectors.
     ld: usize,
+    /// Words of a row of `k`: `pairs(d_k)`, padded.
+    k_ld: usize,
+    /// Words of a column of `v` (tiles): `pairs(bc)`, padded.
+    v_ld: usize,
 }
 
 impl Pairs {
     fn new(plan: TilePlan, d_k: usize, d_v: usize) -> Self {
         let ld = plan.br.next_multiple_of(pair_dot::LANES);
+        let k_ld = pair_dot::pairs(d_k).next_multiple_of(amx::TILE);
+        let v_ld = pair_dot::pairs(plan.bc).next_multiple_of(amx::TILE);
+        let rows = plan.bc.next_multiple_of(amx::TILE);
+        let v_len = (pair_dot::pairs(plan.bc) * d_v).max(d_v.next_multiple_of(amx::TILE) * v_ld);
         Self {
-            q: vec![0; pair_dot::pairs(d_k) * ld],
-            k: vec![0; plan.bc * pair_dot::pairs(d_k)],
-            v: vec![0; pair_dot::pairs(plan.bc) * d_v],
-            p: vec![0; pair_dot::pairs(plan.bc) * ld],
+            q: vec![0; k_ld * ld],
+            k: vec![0; rows * k_ld],
+            v: vec![0; v_len],
+            p: vec![0; v_ld * ld],
             ld,
+            k_ld,
+            v_ld,
         }
     }
 }
@@ -296,7 +330,7 @@ impl Scratch {
             d_k,
             d_v,
             widens,
-            pairs,
+            products,
         } = shape;
         let br = plan.br;
         let rows_kernel = br <= DECODE_ROWS.next_multiple_of(8);
@@ -317,7 +351,7 @@ impl Scratch {
             acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
             row_tile: false,
             out_row: vec![0.0; d_v],
-            pairs: if pairs {
+            pairs: if products != Products::F32 {
                 Pairs::new(plan, d_k, d_v)
             } else {
                 Pairs::default()
@@ -339,7 +373,7 @@ impl Scratch {
             d_k,
             d_v,
             widens: T::WIDENS,
-            pairs: native_pairs::<T>(problem.precision),
+            products: Products::of::<T>(problem.precision),
         };
         let cached = CACHE
             .with(|c| c.borrow_mut().take())

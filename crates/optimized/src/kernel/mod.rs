@@ -12,8 +12,11 @@
 //! - [`element`]: the storage types and their widening to f32.
 //! - [`finite`]: the scan that finds a non-finite score in a tile (an overflowed `q·k`).
 //! - [`rows`]: the row kernels of tiles with very few queries (decoding).
-//! - [`pair_dot`]: bf16 tile products on AVX512_BF16 (native precision) and their packing.
+//! - [`pair_dot`]: bf16 tile products on AVX512_BF16 (native precision) and the packing of
+//!   operands in bf16 pairs.
+//! - [`amx`]: bf16 tile products on AMX (native precision on Intel Xeons).
 
+pub mod amx;
 pub mod element;
 pub mod exp2;
 pub mod finite;

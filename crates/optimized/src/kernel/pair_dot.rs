@@ -32,9 +32,17 @@ pub(crate) fn pairs(k: usize) -> usize {
 /// Lanes of one vector: A's rows are padded to a multiple of this.
 pub(crate) const LANES: usize = 16;
 
-/// Whether this process computes bf16 products natively (AVX512_BF16 chosen).
+/// Whether this process multiplies bf16 in pairs: AVX512_BF16 is the chosen path. Not on
+/// AMX machines, which have a faster product ([`super::amx`]); there (Sapphire Rapids,
+/// measured) `vdpbf16ps` issues at a quarter of the f32 FMA's rate, half its FLOP rate.
 #[inline]
 pub(crate) fn available() -> bool {
+    cfg!(target_arch = "x86_64") && Isa::current() == Isa::Avx512Bf16
+}
+
+/// Whether the CPU has the pair instructions (the rounding of P is shared with AMX).
+#[inline]
+fn has_instructions() -> bool {
     cfg!(target_arch = "x86_64") && Isa::current().includes(Isa::Avx512Bf16)
 }
 
@@ -132,16 +140,20 @@ fn scan(bits: impl Iterator<Item = u16>, report: &mut PackReport) {
     report.non_finite |= wild;
 }
 
-/// Packs the rows of `m : [n, k]` as B with the pairs of a row side by side: word
-/// `(p, j)` at `j·pairs(k) + p` (K for the scores: B = Kᵀ).
-pub(crate) fn pack_rows(m: MatRef<'_, bf16>, dst: &mut [u32]) -> PackReport {
+/// Packs the rows of `m : [n, k]` with the pairs of a row side by side, `ld ≥ pairs(k)`
+/// words per row (the padding zero): word `(p, j)` at `j·ld + p` (K for the scores: B = Kᵀ
+/// of the pair products, A of the tile products).
+pub(crate) fn pack_rows(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> PackReport {
     let (n, k) = (m.nrows(), m.ncols());
     let kp = pairs(k);
+    assert!(ld >= kp);
     let mut report = PackReport {
         subnormal: false,
         non_finite: false,
     };
-    for (j, out) in dst.chunks_exact_mut(kp.max(1)).take(n).enumerate() {
+    for (j, row_out) in dst.chunks_exact_mut(ld.max(1)).take(n).enumerate() {
+        let (out, pad) = row_out.split_at_mut(kp);
+        pad.fill(0);
         match m.row(j).try_as_row_major() {
             Some(row) => {
                 let row = row.as_slice();
@@ -208,6 +220,60 @@ pub(crate) fn pack_row_pairs(m: MatRef<'_, bf16>, dst: &mut [u32]) -> PackReport
     report
 }
 
+/// Packs the columns of `m : [n, w]` with its rows in pairs, `ld ≥ pairs(n)` words per
+/// column (the padding zero): word `(p, c)` at `c·ld + p` holds rows `2p` and `2p + 1` of
+/// column `c` (V for `Oᵀ += Vᵀ·Pᵀ`: A of the tile products).
+pub(crate) fn pack_columns(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> PackReport {
+    let (n, w) = (m.nrows(), m.ncols());
+    let np = pairs(n);
+    assert!(ld >= np && dst.len() >= w * ld);
+    let mut report = PackReport {
+        subnormal: false,
+        non_finite: false,
+    };
+    for col in dst.chunks_exact_mut(ld).take(w) {
+        col[np..].fill(0);
+    }
+    let row = |r: usize| m.row(r).try_as_row_major().map(|row| row.as_slice());
+    // Whole blocks of 16 pairs × 16 columns transposed in registers, the rest one word at
+    // a time.
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current().vectors() == Isa::Avx512 {
+        let rows: Option<Vec<&[bf16]>> = (0..n - n % 32).map(row).collect();
+        if let Some(rows) = rows {
+            // SAFETY: AVX-512 F and BW are part of the chosen path; every row holds `w`
+            // entries and `dst` holds `w` columns of `ld ≥ pairs(n)` words.
+            done = unsafe { x86::pack_columns(&rows, w, dst, ld, &mut report) };
+        }
+    }
+    let whole_cols = if done > 0 { w - w % LANES } else { 0 };
+    for p in 0..np {
+        let (r0, r1) = (2 * p, 2 * p + 1);
+        let first = if p < done { whole_cols } else { 0 };
+        match (row(r0), if r1 < n { row(r1) } else { None }) {
+            (Some(a), Some(b)) => {
+                scan(
+                    a[first..].iter().chain(&b[first..]).map(|x| x.to_bits()),
+                    &mut report,
+                );
+                for (c, (x, y)) in a.iter().zip(b).enumerate().skip(first) {
+                    dst[c * ld + p] = word(x.to_bits(), y.to_bits());
+                }
+            }
+            _ => {
+                for c in first..w {
+                    let lo = m[(r0, c)].to_bits();
+                    let hi = if r1 < n { m[(r1, c)].to_bits() } else { 0 };
+                    scan([lo, hi].into_iter(), &mut report);
+                    dst[c * ld + p] = word(lo, hi);
+                }
+            }
+        }
+    }
+    report
+}
+
 /// Packs the f32 probabilities `s` (`cols` columns of `rows`, `ld_s` apart) as A, each
 /// rounded to bf16 (to nearest even; subnormals flushed): word `(p, i)` at `p·ld + i`.
 /// Without AVX512_BF16, does nothing (the caller computes in f32 there).
@@ -223,7 +289,7 @@ pub(crate) fn pack_probabilities(
     assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
     assert!(dst.len() >= pairs(cols) * ld);
     #[cfg(target_arch = "x86_64")]
-    if available() {
+    if has_instructions() {
         // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
         // asserts above bound every access (loads are masked to `rows`).
         unsafe { x86::pack_probabilities(s, ld_s, rows, cols, dst, ld) }
@@ -249,7 +315,7 @@ pub(crate) fn product(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if available() {
+    if has_instructions() {
         // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path; the
         // asserts above bound every access (A's padded lanes are inside `a.words`, C's
         // are masked to `m`).
@@ -337,6 +403,84 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// [`super::pack_columns`] for whole blocks of 16 pairs (32 rows) × 16 columns: each
+    /// pair of rows becomes a vector of 16 words (one per column), and 16 such vectors are
+    /// transposed so each column's 16 words are stored at once. Returns the pairs done
+    /// (all of `rows`, whose count is a multiple of 32; none when `w < 16`).
+    ///
+    /// # Safety
+    /// AVX-512 F and BW; every row has at least `w` entries; `dst` holds `w` columns of
+    /// `ld ≥ rows.len() / 2` words.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn pack_columns(
+        rows: &[&[half::bf16]],
+        w: usize,
+        dst: &mut [u32],
+        ld: usize,
+        report: &mut super::PackReport,
+    ) -> usize {
+        if w < LANES {
+            return 0;
+        }
+        let (exponent, mantissa) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x007f));
+        let (mut wild, mut tiny) = (0u32, 0u32);
+        let d = dst.as_mut_ptr();
+        for p0 in (0..rows.len() / 2).step_by(LANES) {
+            for c0 in (0..w - w % LANES).step_by(LANES) {
+                let mut r = [_mm512_setzero_si512(); LANES];
+                for (k, x) in r.iter_mut().enumerate() {
+                    let (a, b) = (rows[2 * (p0 + k)], rows[2 * (p0 + k) + 1]);
+                    // SAFETY: both rows hold columns `c0 .. c0 + 16`.
+                    let (a, b) = unsafe {
+                        (
+                            _mm256_loadu_si256(a.as_ptr().add(c0) as *const __m256i),
+                            _mm256_loadu_si256(b.as_ptr().add(c0) as *const __m256i),
+                        )
+                    };
+                    *x = _mm512_or_si512(
+                        _mm512_cvtepu16_epi32(a),
+                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(b)),
+                    );
+                    let e = _mm512_and_si512(*x, exponent);
+                    wild |= _mm512_cmpeq_epi16_mask(e, exponent);
+                    tiny |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
+                        & _mm512_test_epi16_mask(*x, mantissa);
+                }
+                let mut t = [_mm512_setzero_si512(); LANES];
+                for k in 0..8 {
+                    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+                    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+                }
+                for k in 0..4 {
+                    r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+                    r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+                    r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+                    r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+                }
+                // r[4k + m], 128-bit lane L: rows 4k .. 4k + 4 of column 4L + m.
+                for m in 0..4 {
+                    let a = _mm512_shuffle_i32x4::<0x44>(r[m], r[4 + m]);
+                    let b = _mm512_shuffle_i32x4::<0xee>(r[m], r[4 + m]);
+                    let c = _mm512_shuffle_i32x4::<0x44>(r[8 + m], r[12 + m]);
+                    let e = _mm512_shuffle_i32x4::<0xee>(r[8 + m], r[12 + m]);
+                    let cols = [
+                        (m, _mm512_shuffle_i32x4::<0x88>(a, c)),
+                        (4 + m, _mm512_shuffle_i32x4::<0xdd>(a, c)),
+                        (8 + m, _mm512_shuffle_i32x4::<0x88>(b, e)),
+                        (12 + m, _mm512_shuffle_i32x4::<0xdd>(b, e)),
+                    ];
+                    for (col, v) in cols {
+                        // SAFETY: column `c0 + col` has `ld ≥ p0 + 16` words.
+                        unsafe { _mm512_storeu_epi32(d.add((c0 + col) * ld + p0) as *mut i32, v) };
+                    }
+                }
+            }
+        }
+        report.non_finite |= wild != 0;
+        report.subnormal |= tiny != 0;
+        rows.len() / 2
     }
 
     /// Rounds f32 probabilities to bf16 pairs (see [`super::pack_probabilities`]).
@@ -470,7 +614,7 @@ mod tests {
     /// inputs, for shapes that leave partial vectors, blocks and pairs.
     #[test]
     fn products_match_f64_on_ragged_shapes() {
-        if !available() {
+        if !has_instructions() {
             return;
         }
         for &(m, n, k) in &[
@@ -487,7 +631,7 @@ mod tests {
             let mut ap = vec![0u32; pairs(k) * ld];
             assert!(pack_lanes(a.as_ref(), &mut ap, ld));
             let mut bp = vec![0u32; n * pairs(k)];
-            assert!(pack_rows(bt.as_ref(), &mut bp).exact());
+            assert!(pack_rows(bt.as_ref(), &mut bp, pairs(k)).exact());
             let mut c = vec![f32::NAN; n * m];
             let cols = Columns {
                 data: &mut c,
@@ -533,7 +677,7 @@ mod tests {
     /// the rounded P.
     #[test]
     fn probabilities_times_values_accumulate() {
-        if !available() {
+        if !has_instructions() {
             return;
         }
         for &(m, keys, w) in &[
@@ -598,12 +742,50 @@ mod tests {
         }
     }
 
+    /// The register transpose of whole blocks agrees with the word-by-word packing.
+    #[test]
+    fn columns_are_packed_alike_on_every_path() {
+        for &(n, w) in &[(64, 64), (70, 33), (32, 16), (5, 20), (96, 130)] {
+            let m = Mat::from_fn(n, w, |j, c| {
+                bf16::from_bits((j * 131 + c * 7) as u16 & 0x3fff | 0x3c00)
+            });
+            let ld = pairs(n).next_multiple_of(16) + 16;
+            let mut fast = vec![7u32; w * ld];
+            let r = pack_columns(m.as_ref(), &mut fast, ld);
+            assert!(r.exact());
+            for c in 0..w {
+                for p in 0..ld {
+                    let lo = if 2 * p < n {
+                        m[(2 * p, c)].to_bits()
+                    } else {
+                        0
+                    };
+                    let hi = if 2 * p + 1 < n {
+                        m[(2 * p + 1, c)].to_bits()
+                    } else {
+                        0
+                    };
+                    assert_eq!(fast[c * ld + p], word(lo, hi), "{n}x{w} ({p},{c})");
+                }
+            }
+            let mut bad = m.clone();
+            bad[(n - 1, w - 1)] = bf16::NAN;
+            assert!(pack_columns(bad.as_ref(), &mut fast, ld).non_finite);
+            bad[(n - 1, w - 1)] = bf16::from_bits(3);
+            assert!(pack_columns(bad.as_ref(), &mut fast, ld).subnormal);
+            bad[(0, 0)] = bf16::INFINITY;
+            bad[(n - 1, w - 1)] = bf16::ONE;
+            assert!(pack_columns(bad.as_ref(), &mut fast, ld).non_finite);
+        }
+    }
+
     #[test]
     fn packers_report_subnormal_and_non_finite_entries() {
         let tiny = bf16::from_bits(0x0001);
         let m = Mat::from_fn(3, 4, |i, c| if (i, c) == (2, 3) { tiny } else { bf(1.0) });
         let mut buf = vec![0u32; 64];
-        assert!(pack_rows(m.as_ref(), &mut buf).subnormal);
+        assert!(pack_rows(m.as_ref(), &mut buf, 2).subnormal);
+        assert!(pack_columns(m.as_ref(), &mut buf, 2).subnormal);
         assert!(pack_row_pairs(m.as_ref(), &mut buf).subnormal);
         assert!(!pack_lanes(m.as_ref(), &mut buf, 16));
         let m = Mat::from_fn(3, 4, |i, c| {
