@@ -41,8 +41,9 @@ pub(crate) fn available() -> bool {
 /// `c (+)= alpha · A·B`, C with `rows` rows of `b.rows` floats, `ld_c` apart: A is `rows`
 /// rows (padded to a multiple of [`TILE`]) of `a_ld` words, `pairs` of them used (a
 /// multiple of [`TILE`], the padding zero); B is `pairs` pairs across `b.rows` lanes
-/// (padded with zero pairs). `accumulate` adds to `c` (then `alpha` must be 1). Does
-/// nothing without AMX.
+/// (padded with zero pairs). `accumulate` adds to `c` (then `alpha` must be 1). Lanes
+/// past `b.rows` of a row of C may be overwritten up to `ld_c` (the tiles' scratch lanes);
+/// nothing past a row's `ld_c` floats is. Does nothing without AMX.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product(
     a: &[u32],
@@ -106,7 +107,7 @@ mod x86 {
         false
     }
 
-    /// Palette 1 with tiles 0–2 as 16 rows of 64 bytes.
+    /// Palette 1 with all eight tiles as 16 rows of 64 bytes.
     #[repr(C, align(64))]
     struct Config([u8; 64]);
 
@@ -114,7 +115,7 @@ mod x86 {
         fn full() -> Self {
             let mut cfg = [0u8; 64];
             cfg[0] = 1;
-            for t in 0..3 {
+            for t in 0..8 {
                 cfg[16 + 2 * t] = (4 * TILE) as u8;
                 cfg[48 + t] = TILE as u8;
             }
@@ -122,45 +123,125 @@ mod x86 {
         }
     }
 
-    /// One 16 × 16 block of C: rows `r0..`, columns `i0..`, at `c` with `ld_c` floats
-    /// between rows, through tile 0.
+    /// Where one 16 × 16 block of C goes: `ptr`, rows `stride` bytes apart.
+    #[derive(Clone, Copy)]
+    struct Out {
+        ptr: *mut f32,
+        stride: usize,
+    }
+
+    /// One 16 × 16 block of C through tile 0: A's rows at `a`, B's lanes at `b`.
     ///
     /// # Safety
-    /// Tiles configured; 16 × 16 floats at `c` (rows `ld_c` apart) readable and writable.
-    #[allow(clippy::too_many_arguments)]
+    /// Tiles configured; A and B hold `pairs` pairs; 16 × 16 floats at `c` readable and
+    /// writable.
     #[inline(always)]
     unsafe fn block(
         a: *const u32,
-        a_stride: usize,
+        sa: usize,
         b: *const u32,
-        b_stride: usize,
+        sb: usize,
         pairs: usize,
-        c: *mut f32,
-        c_stride: usize,
-        accumulate: bool,
+        c: Out,
+        add: bool,
     ) {
-        // SAFETY: the caller's bounds; A and B hold `pairs` pairs.
+        // SAFETY: the caller's bounds.
         unsafe {
-            if accumulate {
-                asm!("tileloadd tmm0, [{c} + {s}]", c = in(reg) c, s = in(reg) c_stride, options(nostack, readonly));
+            if add {
+                asm!("tileloadd tmm0, [{c} + {s}]", c = in(reg) c.ptr, s = in(reg) c.stride, options(nostack, readonly));
             } else {
                 asm!("tilezero tmm0", options(nostack, nomem));
             }
             let mut p = 0;
             while p < pairs {
                 asm!(
-                    "tileloadd tmm1, [{a} + {sa}]",
-                    "tileloadd tmm2, [{b} + {sb}]",
-                    "tdpbf16ps tmm0, tmm1, tmm2",
+                    "tileloadd tmm4, [{a} + {sa}]",
+                    "tileloadd tmm6, [{b} + {sb}]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
                     a = in(reg) a.add(p),
-                    sa = in(reg) a_stride,
-                    b = in(reg) b.add(p * (b_stride / 4)),
-                    sb = in(reg) b_stride,
+                    sa = in(reg) sa,
+                    b = in(reg) b.add(p * (sb / 4)),
+                    sb = in(reg) sb,
                     options(nostack, readonly),
                 );
                 p += TILE;
             }
-            asm!("tilestored [{c} + {s}], tmm0", c = in(reg) c, s = in(reg) c_stride, options(nostack));
+            asm!("tilestored [{c} + {s}], tmm0", c = in(reg) c.ptr, s = in(reg) c.stride, options(nostack));
+        }
+    }
+
+    /// Two by two 16 × 16 blocks of C through tiles 0–3 (rows of A at `a` and 16 rows on,
+    /// lanes of B at `b` and 16 lanes on): each A and B tile loaded once for two products.
+    ///
+    /// # Safety
+    /// As [`block`], for 32 rows of A, 32 lanes of B and the four blocks of `c`.
+    #[inline(always)]
+    unsafe fn block_2x2(
+        a: *const u32,
+        sa: usize,
+        b: *const u32,
+        sb: usize,
+        pairs: usize,
+        c: [Out; 4],
+        add: bool,
+    ) {
+        // SAFETY: the caller's bounds.
+        unsafe {
+            if add {
+                asm!(
+                    "tileloadd tmm0, [{c0} + {s0}]",
+                    "tileloadd tmm1, [{c1} + {s1}]",
+                    "tileloadd tmm2, [{c2} + {s2}]",
+                    "tileloadd tmm3, [{c3} + {s3}]",
+                    c0 = in(reg) c[0].ptr, s0 = in(reg) c[0].stride,
+                    c1 = in(reg) c[1].ptr, s1 = in(reg) c[1].stride,
+                    c2 = in(reg) c[2].ptr, s2 = in(reg) c[2].stride,
+                    c3 = in(reg) c[3].ptr, s3 = in(reg) c[3].stride,
+                    options(nostack, readonly),
+                );
+            } else {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+            }
+            let a16 = 16 * (sa / 4);
+            let b16 = 16;
+            let mut p = 0;
+            while p < pairs {
+                asm!(
+                    "tileloadd tmm4, [{a0} + {sa}]",
+                    "tileloadd tmm6, [{b0} + {sb}]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{b1} + {sb}]",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{a1} + {sa}]",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a.add(p),
+                    a1 = in(reg) a.add(a16 + p),
+                    sa = in(reg) sa,
+                    b0 = in(reg) b.add(p * (sb / 4)),
+                    b1 = in(reg) b.add(p * (sb / 4) + b16),
+                    sb = in(reg) sb,
+                    options(nostack, readonly),
+                );
+                p += TILE;
+            }
+            asm!(
+                "tilestored [{c0} + {s0}], tmm0",
+                "tilestored [{c1} + {s1}], tmm1",
+                "tilestored [{c2} + {s2}], tmm2",
+                "tilestored [{c3} + {s3}], tmm3",
+                c0 = in(reg) c[0].ptr, s0 = in(reg) c[0].stride,
+                c1 = in(reg) c[1].ptr, s1 = in(reg) c[1].stride,
+                c2 = in(reg) c[2].ptr, s2 = in(reg) c[2].stride,
+                c3 = in(reg) c[3].ptr, s3 = in(reg) c[3].stride,
+                options(nostack),
+            );
         }
     }
 
@@ -169,6 +250,7 @@ mod x86 {
     /// # Safety
     /// AMX-BF16 and AMX-TILE, the tile state granted; the bounds [`super::product`] asserts.
     #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn product(
         a: &[u32],
         a_ld: usize,
@@ -182,66 +264,168 @@ mod x86 {
     ) {
         let cols = b.rows;
         let cfg = Config::full();
-        let mut edge = [0.0f32; TILE * TILE];
+        let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
+        // Blocks that do not fit C (past its last row, or across a row's end) go through
+        // buffers of their own.
+        let mut edges = [[0.0f32; TILE * TILE]; 4];
+        let whole = |r: usize, i: usize| (r + 1) * TILE <= rows && (i + 1) * TILE <= ld_c;
         // SAFETY: the configuration is valid for palette 1; every block below stays inside
-        // the asserted bounds: whole blocks in place, edge blocks through `edge`.
+        // the asserted bounds: whole blocks in place, the others through `edges`.
         unsafe {
             asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-            for r0 in (0..rows).step_by(TILE) {
-                let a_rows = a.as_ptr().add(r0 * a_ld);
-                for i0 in (0..cols).step_by(TILE) {
-                    let b_cols = b.words.as_ptr().add(i0);
-                    let (nr, nc) = ((rows - r0).min(TILE), (cols - i0).min(TILE));
-                    let whole = r0 + TILE <= rows && i0 + TILE <= ld_c;
-                    if whole {
-                        let at = c.as_mut_ptr().add(r0 * ld_c + i0);
-                        block(
-                            a_rows,
-                            4 * a_ld,
-                            b_cols,
-                            4 * b.ld,
-                            pairs,
-                            at,
-                            4 * ld_c,
-                            accumulate,
-                        );
-                        if alpha != 1.0 {
-                            for r in 0..TILE {
-                                for x in &mut c[(r0 + r) * ld_c + i0..][..TILE] {
-                                    *x *= alpha;
+            let (sa, sb) = (4 * a_ld, 4 * b.ld);
+            let mut r = 0;
+            while r < row_tiles {
+                let rt = (row_tiles - r).min(2);
+                let mut i = 0;
+                while i < col_tiles {
+                    let it = (col_tiles - i).min(2);
+                    let mut outs = [Out {
+                        ptr: core::ptr::null_mut(),
+                        stride: 0,
+                    }; 4];
+                    for (slot, out) in outs.iter_mut().enumerate().take(4) {
+                        let (dr, di) = (slot / 2, slot % 2);
+                        if dr >= rt || di >= it {
+                            continue;
+                        }
+                        let (r0, i0) = ((r + dr) * TILE, (i + di) * TILE);
+                        *out = if whole(r + dr, i + di) {
+                            Out {
+                                ptr: c.as_mut_ptr().add(r0 * ld_c + i0),
+                                stride: 4 * ld_c,
+                            }
+                        } else {
+                            let edge = &mut edges[slot];
+                            let (nr, nc) = ((rows - r0).min(TILE), (cols.min(ld_c) - i0).min(TILE));
+                            edge.fill(0.0);
+                            if accumulate {
+                                for rr in 0..nr {
+                                    edge[rr * TILE..rr * TILE + nc]
+                                        .copy_from_slice(&c[(r0 + rr) * ld_c + i0..][..nc]);
                                 }
                             }
-                        }
-                    } else {
-                        for r in 0..TILE {
-                            for i in 0..TILE {
-                                edge[r * TILE + i] = if accumulate && r < nr && i < nc {
-                                    c[(r0 + r) * ld_c + i0 + i]
-                                } else {
-                                    0.0
-                                };
+                            Out {
+                                ptr: edge.as_mut_ptr(),
+                                stride: 4 * TILE,
                             }
-                        }
-                        let at = edge.as_mut_ptr();
-                        block(
-                            a_rows,
-                            4 * a_ld,
-                            b_cols,
-                            4 * b.ld,
-                            pairs,
-                            at,
-                            4 * TILE,
-                            accumulate,
-                        );
-                        for r in 0..nr {
-                            for i in 0..nc {
-                                c[(r0 + r) * ld_c + i0 + i] = edge[r * TILE + i] * alpha;
+                        };
+                    }
+                    let (a0, b0) = (
+                        a.as_ptr().add(r * TILE * a_ld),
+                        b.words.as_ptr().add(i * TILE),
+                    );
+                    if rt == 2 && it == 2 {
+                        block_2x2(a0, sa, b0, sb, pairs, outs, accumulate);
+                    } else {
+                        for (slot, out) in outs.iter().enumerate() {
+                            let (dr, di) = (slot / 2, slot % 2);
+                            if dr < rt && di < it {
+                                let (ar, bi) = (a0.add(dr * TILE * a_ld), b0.add(di * TILE));
+                                block(ar, sa, bi, sb, pairs, *out, accumulate);
                             }
                         }
                     }
+                    for (slot, out) in outs.iter().enumerate() {
+                        let (dr, di) = (slot / 2, slot % 2);
+                        if dr >= rt || di >= it {
+                            continue;
+                        }
+                        let (r0, i0) = ((r + dr) * TILE, (i + di) * TILE);
+                        if whole(r + dr, i + di) {
+                            if alpha != 1.0 {
+                                for rr in 0..TILE {
+                                    for x in &mut c[(r0 + rr) * ld_c + i0..][..TILE] {
+                                        *x *= alpha;
+                                    }
+                                }
+                            }
+                        } else {
+                            let edge = &edges[slot];
+                            let (nr, nc) = ((rows - r0).min(TILE), (cols.min(ld_c) - i0).min(TILE));
+                            for rr in 0..nr {
+                                for (x, &y) in c[(r0 + rr) * ld_c + i0..][..nc]
+                                    .iter_mut()
+                                    .zip(&edge[rr * TILE..])
+                                {
+                                    *x = y * alpha;
+                                }
+                            }
+                            let _ = out;
+                        }
+                    }
+                    i += it;
                 }
+                r += rt;
             }
             asm!("tilerelease", options(nostack, nomem));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use faer::Mat;
+    use half::bf16;
+
+    use super::*;
+    use crate::kernel::pair_dot::{pack_lanes, pack_rows, pairs};
+
+    /// `C (+)= α·A·Bᵀ` through the packers and the tiles against f64 on the same bf16
+    /// inputs, for shapes that leave partial tiles, single tiles and blocks of four.
+    #[test]
+    fn tile_products_match_f64_on_ragged_shapes() {
+        if !available() {
+            return;
+        }
+        let shapes = [
+            (1, 1, 1),
+            (5, 3, 7),
+            (17, 13, 40),
+            (64, 64, 64),
+            (128, 37, 65),
+            (70, 100, 300),
+        ];
+        for &(m, n, k) in &shapes {
+            for accumulate in [false, true] {
+                let a = Mat::from_fn(n, k, |j, c| {
+                    bf16::from_f32(((j * 5 + c) % 13) as f32 / 8.0 - 0.7)
+                });
+                let bt = Mat::from_fn(m, k, |i, c| {
+                    bf16::from_f32(((i * 7 + c * 3) % 11) as f32 / 4.0 - 1.2)
+                });
+                let padded = pairs(k).next_multiple_of(TILE);
+                let mut ap = vec![0u32; n.next_multiple_of(TILE) * padded];
+                assert!(pack_rows(a.as_ref(), &mut ap, padded).exact());
+                let ld = m.next_multiple_of(LANES);
+                let mut bp = vec![0u32; padded * ld];
+                assert!(pack_lanes(bt.as_ref(), &mut bp, ld));
+                let ld_c = m + 3;
+                let mut c = vec![1.0f32; n * ld_c];
+                let alpha = if accumulate { 1.0 } else { 0.5 };
+                let b = Lanes {
+                    words: &bp,
+                    rows: m,
+                    ld,
+                };
+                product(&ap, padded, n, b, padded, &mut c, ld_c, alpha, accumulate);
+                for j in 0..n {
+                    for i in 0..m {
+                        let dot: f64 = (0..k)
+                            .map(|c| f64::from(a[(j, c)].to_f32()) * f64::from(bt[(i, c)].to_f32()))
+                            .sum();
+                        let want = if accumulate { 1.0 + dot } else { 0.5 * dot };
+                        let got = f64::from(c[j * ld_c + i]);
+                        assert!(
+                            (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "{m}x{n}x{k} ({j},{i}): {got} vs {want}"
+                        );
+                    }
+                    // Past the lanes of a row (whole tiles here end before `ld_c`) nothing is
+                    // written.
+                    assert!(c[j * ld_c + m..(j + 1) * ld_c].iter().all(|&x| x == 1.0));
+                }
+            }
         }
     }
 }
