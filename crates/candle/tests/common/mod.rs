@@ -143,7 +143,9 @@ pub fn naive(
 /// `2·[M_c·(2W/(1−W) + 3γ_{2n_k+2}) + (u + u_out)·|O_c|]` with `M_c = max_visible |v_jc|`,
 /// `Δ = max_visible γ_{d_k+6}·scale·Σ_t |q_t k_jt| + 4u|b_j|`,
 /// `W = e^{Δ+4u}·(1 + 2u·(ln n_k + 2Δ + 16)) − 1`. Valid for `n_k ≤ 1024` (no split-KV
-/// merges). Returned in `[b, h_q, n_q, d_v]` order.
+/// merges). bf16 inputs on a CPU with bf16 units (native precision, the default) round
+/// the weights to bf16 before `P·V`: `+ 2·2⁻⁸·M_c` (`docs/accuracy.md`). Returned in
+/// `[b, h_q, n_q, d_v]` order.
 #[allow(clippy::too_many_arguments)]
 pub fn bound(
     q: &Tensor,
@@ -158,6 +160,9 @@ pub fn bound(
     let (b, h_q, n_q, d_k) = q.dims4().unwrap();
     let (_, h_kv, n_k, d_v) = v.dims4().unwrap();
     assert!(n_k <= 1024, "the bound here has no merge term");
+    let native =
+        q.dtype() == DType::BF16 && attn_core::Isa::current().includes(attn_core::Isa::Avx512Bf16);
+    let u_w = if native { 2f64.powi(-8) } else { 0.0 };
     let (q, k, v) = (flat(q), flat(k), flat(v));
     let bias = bias.map(flat);
     let u = 2f64.powi(-24);
@@ -190,7 +195,7 @@ pub fn bound(
                     - 1.0;
                 for c in 0..d_v {
                     out[row + c] = 2.0
-                        * (m[c] * (2.0 * w / (1.0 - w) + 3.0 * gamma(2 * n_k + 2))
+                        * (m[c] * (2.0 * w / (1.0 - w) + 3.0 * gamma(2 * n_k + 2) + u_w)
                             + (u + u_out) * want[row + c].abs())
                         + 1e-30;
                 }

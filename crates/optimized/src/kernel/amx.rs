@@ -58,7 +58,9 @@ pub(crate) fn product(
 ) {
     let cols = b.rows;
     assert!(!accumulate || alpha == 1.0);
-    assert!(pairs % TILE == 0 && a_ld >= pairs && b.ld % LANES == 0 && b.ld >= cols);
+    assert!(
+        pairs.is_multiple_of(TILE) && a_ld >= pairs && b.ld.is_multiple_of(LANES) && b.ld >= cols
+    );
     assert!(a.len() >= rows.next_multiple_of(TILE) * a_ld);
     assert!(b.words.len() >= pairs * b.ld && ld_c >= cols && c.len() >= rows * ld_c);
     if rows == 0 || cols == 0 {

@@ -285,7 +285,7 @@ pub(crate) fn pack_probabilities(
     dst: &mut [u32],
     ld: usize,
 ) {
-    assert!(rows <= ld && rows <= ld_s && ld % LANES == 0);
+    assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
     assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
     assert!(dst.len() >= pairs(cols) * ld);
     #[cfg(target_arch = "x86_64")]
@@ -306,7 +306,7 @@ pub(crate) fn product(
     accumulate: bool,
 ) {
     let (m, n, kp) = (c.rows, c.cols, b.pairs);
-    assert!(a.rows >= m && a.ld % LANES == 0 && a.ld >= m.next_multiple_of(LANES));
+    assert!(a.rows >= m && a.ld.is_multiple_of(LANES) && a.ld >= m.next_multiple_of(LANES));
     assert!(kp == 0 || a.words.len() >= (kp - 1) * a.ld + m.next_multiple_of(LANES));
     assert!(b.cols >= n && c.ld >= m);
     assert!(n == 0 || kp == 0 || b.words.len() > (kp - 1) * b.pair_stride + (n - 1) * b.col_stride);
