@@ -384,6 +384,15 @@ fn f32_precision(exp_ulps: f64) -> Precision {
     }
 }
 
+/// `p` for an engine whose products of the inputs run on bf16 units when `weights` is set:
+/// they flush subnormal results (`2⁻¹²⁶` per product instead of `2⁻¹⁵⁰`).
+fn native_products(mut p: Precision, weights: Option<attn_core::Dtype>) -> Precision {
+    if weights.is_some() {
+        p.tiny = FLUSH32;
+    }
+    p
+}
+
 #[allow(clippy::too_many_arguments)]
 fn forward_parts(
     model: &ErrorModel,
@@ -410,11 +419,7 @@ fn forward_parts(
             // sink is folded into the merged state once more.
             let internal = split_keys.map_or(0, |s| n_k.div_ceil(s.max(1)) + leaves);
             let sink = usize::from(mods.sink.is_some());
-            let mut p = f32_precision(exp_ulps);
-            if weights.is_some() {
-                // Products that flush their subnormal results (step 1).
-                p.tiny = FLUSH32;
-            }
+            let p = native_products(f32_precision(exp_ulps), weights);
             Some((p, (merges + internal + sink) as f64))
         }
     };
@@ -738,8 +743,10 @@ fn head_grad(
     );
     let engine = match model.compute {
         Compute::RoundedOnce => None,
-        Compute::F32 { exp_ulps, .. } => Some(grad_terms(
-            f32_precision(exp_ulps),
+        Compute::F32 {
+            exp_ulps, weights, ..
+        } => Some(grad_terms(
+            native_products(f32_precision(exp_ulps), weights),
             x,
             scale,
             additive,
@@ -800,7 +807,7 @@ fn group_kv(
         .collect();
     let (ue, te) = match model.compute {
         Compute::RoundedOnce => (0.0, 0.0),
-        Compute::F32 { .. } => (U32, TINY32),
+        Compute::F32 { weights, .. } => (U32, native_products(f32_precision(1.0), weights).tiny),
     };
     let engine = || heads.iter().filter_map(|h| h.engine.as_ref());
     let refr = || heads.iter().map(|h| &h.reference);

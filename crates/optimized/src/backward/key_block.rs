@@ -1,6 +1,8 @@
 //! One key block of the backward pass: its dK and dV stay in the task's scratch while the
 //! query tiles of every head of the group that see it stream past, five faer GEMMs per
-//! (query tile, key block) pair and two element-wise passes between them.
+//! (query tile, key block) pair and two element-wise passes between them. For bf16 at
+//! native precision on AMX, the two products of exact inputs (`S = Q·Kᵀ`, `dP = dO·Vᵀ`)
+//! are tile products instead; those with `P` and `dS` stay f32.
 
 use core::ops::Range;
 
@@ -11,11 +13,13 @@ use faer::{Accum, MatMut, MatRef, Par, RowMut};
 
 use super::{Group, QueryHead};
 use crate::exact::{rescore, row_top};
+use crate::kernel::amx;
 use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
+use crate::kernel::pair_dot::{LANES, Lanes, pack_lanes, pairs};
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
-use crate::keys::KeySource;
+use crate::keys::{KeySource, PairOrder};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
 use crate::modifiers::modify_scores;
 use crate::problem::{HeadInputs, filled};
@@ -43,6 +47,11 @@ struct RowTerms {
     /// not recovered from their LSE (it would be 1 for every top key): their top keys get
     /// `1/count`, the forward's weights, and their `lse2` is 0. Empty on ordinary input.
     saturated: Vec<(usize, f32, f32)>,
+    /// Q and dO in bf16 pairs across the lanes for the tile products (`lanes_ld` words per
+    /// pair), packed once; empty when the products are f32 or an entry is subnormal.
+    q_lanes: Vec<u32>,
+    d_out_lanes: Vec<u32>,
+    lanes_ld: usize,
 }
 
 impl RowTerms {
@@ -96,12 +105,25 @@ impl RowTerms {
     }
 }
 
+/// The rows of one key block in bf16 pairs for the tile products ([`amx`]): K and V, each
+/// row padded to whole tiles of pairs.
+#[derive(Debug, Default)]
+struct KeyRows {
+    k: Vec<u32>,
+    v: Vec<u32>,
+    k_ld: usize,
+    v_ld: usize,
+}
+
 /// Per-task working memory: fixed by the tile plan and the widths.
 #[derive(Debug)]
 pub(super) struct Scratch {
     plan: TilePlan,
     d_k: usize,
     d_v: usize,
+    /// Whether `S` and `dP` are AMX tile products, with their packed operands.
+    tiles: bool,
+    key_rows: KeyRows,
     /// One entry per head of the group.
     rows: Vec<RowTerms>,
     /// K and V blocks widened to f32 (unused for f32 inputs, read in place).
@@ -129,6 +151,7 @@ impl Scratch {
         shape: &HeadShape,
         group: &Group<'_, T, K>,
         inputs: &[HeadInputs<'_, T, K>],
+        tiles: bool,
     ) -> Result<Self> {
         let TilePlan { br, bc } = plan;
         let HeadShape { n_q, d_k, d_v, .. } = *shape;
@@ -146,7 +169,20 @@ impl Scratch {
                 q: Vec::new(),
                 d_out: Vec::new(),
                 saturated: Vec::new(),
+                q_lanes: Vec::new(),
+                d_out_lanes: Vec::new(),
+                lanes_ld: n_q.next_multiple_of(LANES),
             };
+            if tiles {
+                let ld = terms.lanes_ld;
+                let lanes = |m: MatRef<'_, T>, what| -> Result<Vec<u32>> {
+                    let mut buf = filled(what, ld.checked_mul(padded_pairs(m.ncols())), 0u32)?;
+                    let packed = T::as_bf16(m).is_some_and(|m| pack_lanes(m, &mut buf, ld));
+                    Ok(if packed { buf } else { Vec::new() })
+                };
+                terms.q_lanes = lanes(head.q, "backward packed Q")?;
+                terms.d_out_lanes = lanes(head.d_out, "backward packed dO")?;
+            }
             if T::WIDENS {
                 terms.q = zeros("backward widened Q", n_q, d_k)?;
                 terms.d_out = zeros("backward widened dO", n_q, d_v)?;
@@ -161,10 +197,24 @@ impl Scratch {
         } else {
             Vec::new()
         };
+        let key_rows = if tiles {
+            let (k_ld, v_ld) = (padded_pairs(d_k), padded_pairs(d_v));
+            let rows = bc.next_multiple_of(amx::TILE);
+            KeyRows {
+                k: filled("backward packed K", rows.checked_mul(k_ld), 0u32)?,
+                v: filled("backward packed V", rows.checked_mul(v_ld), 0u32)?,
+                k_ld,
+                v_ld,
+            }
+        } else {
+            KeyRows::default()
+        };
         Ok(Self {
             plan,
             d_k,
             d_v,
+            tiles,
+            key_rows,
             rows,
             dmod,
             k_wide: zeros("backward scratch", bc, d_k)?,
@@ -200,9 +250,21 @@ impl Scratch {
             dmod,
             dk,
             dv,
+            tiles,
+            key_rows,
             ..
         } = self;
         let (k_src, v_src) = (group.k.block(cols.clone()), group.v.block(cols.clone()));
+        // The block's K and V in pairs for the tile products, unless an entry is subnormal
+        // (which the tiles would read as zero).
+        let pack = |src: &K, ld: usize, buf: &mut Vec<u32>| {
+            *tiles
+                && src
+                    .to_pairs(PairOrder::Rows { ld }, buf)
+                    .is_some_and(|r| !r.subnormal)
+        };
+        let k_tiles = pack(&k_src, key_rows.k_ld, &mut key_rows.k);
+        let v_tiles = pack(&v_src, key_rows.v_ld, &mut key_rows.v);
         let k_blk = k_src.to_f32(k_wide);
         let v_blk = v_src.to_f32(v_wide);
         for (jj, f) in k_finite.iter_mut().enumerate().take(nc) {
@@ -226,14 +288,34 @@ impl Scratch {
                 // S = scale·log2(e)·Q Kᵀ (the scale applied to each dot product, so Q is
                 // read in place), masked, then P = 2^(S − LSE₂).
                 let q_tile = tile(head.q, &terms.q, rows.clone());
-                matmul(
-                    MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
-                    Accum::Replace,
-                    q_tile,
-                    k_blk.transpose(),
-                    head.scale_log2,
-                    Par::Seq,
-                );
+                if k_tiles && !terms.q_lanes.is_empty() {
+                    let (ld, k_ld) = (terms.lanes_ld, key_rows.k_ld);
+                    let q = Lanes {
+                        words: &terms.q_lanes[rows.start..],
+                        rows: nr,
+                        ld,
+                    };
+                    amx::product(
+                        &key_rows.k,
+                        k_ld,
+                        nc,
+                        q,
+                        k_ld,
+                        p,
+                        br,
+                        head.scale_log2,
+                        false,
+                    );
+                } else {
+                    matmul(
+                        MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
+                        Accum::Replace,
+                        q_tile,
+                        k_blk.transpose(),
+                        head.scale_log2,
+                        Par::Seq,
+                    );
+                }
                 if !tile_is_finite(p, br, nr, nc) {
                     // A dot product of finite rows that overflowed f32: exact, as in the
                     // forward pass (whose LSE counted the exact score).
@@ -261,6 +343,14 @@ impl Scratch {
                 let mut dp = MatMut::from_column_major_slice_with_stride_mut(ds, nr, nc, br);
                 if d_v == 0 {
                     dp.fill(0.0);
+                } else if v_tiles && !terms.d_out_lanes.is_empty() {
+                    let (ld, v_ld) = (terms.lanes_ld, key_rows.v_ld);
+                    let d_o = Lanes {
+                        words: &terms.d_out_lanes[rows.start..],
+                        rows: nr,
+                        ld,
+                    };
+                    amx::product(&key_rows.v, v_ld, nc, d_o, v_ld, ds, br, 1.0, false);
                 } else {
                     matmul(
                         dp.rb_mut(),
@@ -351,6 +441,11 @@ impl Scratch {
             }
         }
     }
+}
+
+/// Pairs of a row of `width` entries, padded to whole tiles.
+fn padded_pairs(width: usize) -> usize {
+    pairs(width).next_multiple_of(amx::TILE)
 }
 
 /// Whether `mods` change the scores by a function whose derivative may differ from 1: a

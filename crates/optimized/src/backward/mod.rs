@@ -29,13 +29,15 @@ use core::ops::Range;
 use std::sync::Mutex;
 
 use attn_core::{
-    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Result, Tensor4Ref,
-    TileCoverage, validate_batch_backward, validate_head_backward, validate_packed_backward,
+    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Precision, Result,
+    Tensor4Ref, TileCoverage, validate_batch_backward, validate_head_backward,
+    validate_packed_backward,
 };
 use faer::reborrow::{Reborrow, ReborrowMut};
 use faer::{MatRef, Par, RowMut};
 
 use crate::exact;
+use crate::kernel::Products;
 use crate::kernel::element::Element;
 use crate::keys::{Dense, KeySource};
 use crate::problem::{HeadInputs, element_count, filled};
@@ -81,6 +83,8 @@ pub(crate) struct Backward<'a, T, K = Dense<'a, T>> {
     groups: Vec<Group<'a, T, K>>,
     /// `Some(h_q)` when the call has sink logits: [`Backward::run`] returns their gradients.
     sinks: Option<usize>,
+    /// How the tiles multiply (the products of Q·Kᵀ and dO·Vᵀ: exact inputs).
+    products: Products,
 }
 
 /// Where a task writes: the dK and dV rows of each of its key blocks.
@@ -127,7 +131,14 @@ impl<'a, T: Element> Backward<'a, T> {
         };
         let plan = TilePlan::for_backward(shape.n_q, shape.n_k);
         let sinks = options.sinks.map(|_| 1);
-        Ok(Self::new(shape, scale, plan, vec![group], sinks))
+        Ok(Self::new(
+            shape,
+            scale,
+            plan,
+            vec![group],
+            sinks,
+            options.precision,
+        ))
     }
 
     /// A batched, grouped-query call over `[batch, heads, seq, dim]` views: `grad_out`
@@ -184,7 +195,14 @@ impl<'a, T: Element> Backward<'a, T> {
         }
         let plan = TilePlan::for_backward(n_q, n_k);
         let sinks = options.sinks.map(|_| h_q);
-        Ok(Self::new(shape.head, scale, plan, groups, sinks))
+        Ok(Self::new(
+            shape.head,
+            scale,
+            plan,
+            groups,
+            sinks,
+            options.precision,
+        ))
     }
 
     /// A packed call: `grad_out` and `out` are `[1, h_q, total_q, d_v]`, `lse` is
@@ -241,7 +259,14 @@ impl<'a, T: Element> Backward<'a, T> {
         }
         let plan = TilePlan::for_backward(seqs.max_q(), seqs.max_k());
         let sinks = options.sinks.map(|_| h_q);
-        Ok(Self::new(shape.head, scale, plan, groups, sinks))
+        Ok(Self::new(
+            shape.head,
+            scale,
+            plan,
+            groups,
+            sinks,
+            options.precision,
+        ))
     }
 
     /// The order in which [`Backward::run`] takes the rows of a packed call's gradients:
@@ -274,13 +299,21 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         plan: TilePlan,
         groups: Vec<Group<'a, T, K>>,
         sinks: Option<usize>,
+        precision: Precision,
     ) -> Self {
+        // The score and dP products take exact inputs (Q, K, dO, V): on AMX tiles there;
+        // the products with P and dS (which bf16 would round) stay f32.
+        let products = match Products::of::<T>(precision) {
+            Products::Tiles => Products::Tiles,
+            _ => Products::F32,
+        };
         Self {
             shape,
             scale,
             plan,
             groups,
             sinks,
+            products,
         }
     }
 
@@ -539,7 +572,8 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
             return Ok(()); // no key: the partial dQ stays 0
         }
         let heads = self.head_inputs(group);
-        let mut scratch = key_block::Scratch::new(self.plan, &shape, group, &heads)?;
+        let tiles = self.products == Products::Tiles;
+        let mut scratch = key_block::Scratch::new(self.plan, &shape, group, &heads, tiles)?;
         let HeadShape { n_q, d_k, .. } = shape;
         let bc = self.plan.bc;
         for BlockRows { block, dk, dv } in task.blocks {

@@ -8,8 +8,9 @@ use faer::linalg::matmul::matmul;
 use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par};
 
-use super::{Products, Scratch};
+use super::Scratch;
 use crate::exact::rescore;
+use crate::kernel::Products;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;

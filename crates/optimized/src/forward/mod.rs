@@ -19,7 +19,7 @@ use core::cell::RefCell;
 use core::ops::Range;
 use std::sync::Mutex;
 
-use attn_core::{Dtype, Error, PartialState, Precision, Result, Tensor4Mut};
+use attn_core::{Error, PartialState, Result, Tensor4Mut};
 use faer::reborrow::ReborrowMut;
 use faer::{Mat, MatMut, Par, RowMut};
 
@@ -27,7 +27,7 @@ use crate::exact;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::scale_rows;
-use crate::kernel::{amx, pair_dot};
+use crate::kernel::{Products, amx, pair_dot};
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
 use crate::problem::{Batched, HeadInputs, HeadJob, Packed, Problem};
@@ -212,32 +212,6 @@ pub(crate) fn narrow_row<O: Element>(src: &[f32], mut dst: RowMut<'_, O>) {
 #[inline(always)]
 fn normalise(a: f32, l: f32) -> f32 {
     if l == 0.0 { 0.0 } else { a / l }
-}
-
-/// How the GEMM tiles multiply: faer's f32 GEMM, or bf16 natively.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Products {
-    /// f32 (half inputs widened exactly).
-    F32,
-    /// bf16 pairs on AVX512_BF16 ([`pair_dot`]).
-    Pairs,
-    /// bf16 tiles on AMX ([`amx`]).
-    Tiles,
-}
-
-impl Products {
-    /// The products of inputs `T` at `precision` on this process's path.
-    pub(crate) fn of<T: Element>(precision: Precision) -> Self {
-        if T::DTYPE != Dtype::Bf16 || precision != Precision::Native {
-            Products::F32
-        } else if amx::available() {
-            Products::Tiles
-        } else if pair_dot::available() {
-            Products::Pairs
-        } else {
-            Products::F32
-        }
-    }
 }
 
 /// What a thread's cached [`Scratch`] was sized for.

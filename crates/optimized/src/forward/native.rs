@@ -3,7 +3,8 @@
 
 use faer::MatRef;
 
-use super::{Pairs, Products};
+use super::Pairs;
+use crate::kernel::Products;
 use crate::kernel::amx;
 use crate::kernel::element::Element;
 use crate::kernel::pair_dot::{self, Broadcast, Columns, Lanes};

@@ -41,7 +41,7 @@ pub(crate) fn available() -> bool {
 /// `c (+)= alpha · A·B`, C with `rows` rows of `b.rows` floats, `ld_c` apart: A is `rows`
 /// rows (padded to a multiple of [`TILE`]) of `a_ld` words, `pairs` of them used (a
 /// multiple of [`TILE`], the padding zero); B is `pairs` pairs across `b.rows` lanes
-/// (padded with zero pairs). `accumulate` adds to `c` (then `alpha` must be 1). Lanes
+/// (padded with zero pairs; `b.words` may start inside a longer row of lanes). `accumulate` adds to `c` (then `alpha` must be 1). Lanes
 /// past `b.rows` of a row of C may be overwritten up to `ld_c` (the tiles' scratch lanes);
 /// nothing past a row's `ld_c` floats is. Does nothing without AMX.
 #[allow(clippy::too_many_arguments)]
@@ -62,7 +62,9 @@ pub(crate) fn product(
         pairs.is_multiple_of(TILE) && a_ld >= pairs && b.ld.is_multiple_of(LANES) && b.ld >= cols
     );
     assert!(a.len() >= rows.next_multiple_of(TILE) * a_ld);
-    assert!(b.words.len() >= pairs * b.ld && ld_c >= cols && c.len() >= rows * ld_c);
+    let lanes = cols.next_multiple_of(TILE);
+    assert!(pairs == 0 || b.words.len() >= (pairs - 1) * b.ld + lanes);
+    assert!(ld_c >= cols && c.len() >= rows * ld_c);
     if rows == 0 || cols == 0 {
         return;
     }

@@ -28,6 +28,35 @@ pub mod softmax_grad;
 use pulp::{Scalar, Simd, WithSimd};
 
 pub use attn_core::Isa;
+use attn_core::{Dtype, Precision};
+
+use element::Element;
+
+/// How the GEMM tiles of both passes multiply: faer's f32 GEMM, or bf16 natively.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Products {
+    /// f32 (half inputs widened exactly).
+    F32,
+    /// bf16 pairs on AVX512_BF16 ([`pair_dot`]; the forward pass).
+    Pairs,
+    /// bf16 tiles on AMX ([`amx`]).
+    Tiles,
+}
+
+impl Products {
+    /// The products of inputs `T` at `precision` on this process's path.
+    pub(crate) fn of<T: Element>(precision: Precision) -> Self {
+        if T::DTYPE != Dtype::Bf16 || precision != Precision::Native {
+            Products::F32
+        } else if amx::available() {
+            Products::Tiles
+        } else if pair_dot::available() {
+            Products::Pairs
+        } else {
+            Products::F32
+        }
+    }
+}
 
 /// Generates `$name`, which runs `$body::<FMA>` compiled for AVX-512, AVX2+FMA or baseline
 /// x86-64 (or the target's baseline elsewhere), chosen by [`Isa::current`] at run time.
