@@ -144,7 +144,7 @@ pub fn naive(
 /// `Δ = max_visible γ_{d_k+6}·scale·Σ_t |q_t k_jt| + 4u|b_j|`,
 /// `W = e^{Δ+4u}·(1 + 2u·(ln n_k + 2Δ + 16)) − 1`. Valid for `n_k ≤ 1024` (no split-KV
 /// merges). bf16 inputs on a CPU with bf16 units (native precision, the default) round
-/// the weights to bf16 before `P·V`: `+ 2·2⁻⁸·M_c` (`docs/accuracy.md`). Returned in
+/// the weights to bf16 before `P·V`: `+ 2·2·2⁻⁸·M_c` (`docs/accuracy.md`). Returned in
 /// `[b, h_q, n_q, d_v]` order.
 #[allow(clippy::too_many_arguments)]
 pub fn bound(
@@ -162,7 +162,7 @@ pub fn bound(
     assert!(n_k <= 1024, "the bound here has no merge term");
     let native =
         q.dtype() == DType::BF16 && attn_core::Isa::current().includes(attn_core::Isa::Avx512Bf16);
-    let u_w = if native { 2f64.powi(-8) } else { 0.0 };
+    let u_w = if native { 2.0 * 2f64.powi(-8) } else { 0.0 };
     let (q, k, v) = (flat(q), flat(k), flat(v));
     let bias = bias.map(flat);
     let u = 2f64.powi(-24);

@@ -9,6 +9,7 @@ use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par};
 
 use super::Scratch;
+use super::native::Values;
 use crate::exact::rescore;
 use crate::kernel::Products;
 use crate::kernel::element::Element;
@@ -53,6 +54,7 @@ impl Scratch {
         let products = self.shape.products;
         let native = products != Products::F32;
         let q_native = native && self.pairs.pack_queries(head.q.subrows(rows.start, nr));
+        self.l_delta[..nr].fill(0.0);
         self.acc.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
@@ -136,12 +138,30 @@ impl Scratch {
             if rescale {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
+            if rescale && native {
+                for (d, a) in self.l_delta[..nr].iter_mut().zip(&self.alpha) {
+                    *d *= a;
+                }
+            }
             // Native bf16 products: P rounded to bf16 (the scores and the sums stay f32),
-            // unless V holds a subnormal or a non-finite entry (see `Pairs::pack_values`).
-            if native && self.pairs.pack_values(products, &vb) {
-                let acc = &mut self.acc;
+            // unless V holds an entry too small for them (see `Pairs::pack_values`).
+            let values = if native {
+                self.pairs.pack_values(products, &vb, d_v)
+            } else {
+                Values::F32
+            };
+            if values != Values::F32 {
+                let (acc, delta) = (&mut self.acc, &mut self.l_delta);
                 self.pairs
-                    .add_weighted_values(products, &self.s, nr, nc, d_v, acc, br);
+                    .add_weighted_values(products, &self.s, nr, nc, d_v, acc, br, delta);
+                if values == Values::WithoutNonFinite {
+                    // The non-finite rows' terms, for the rows that see them.
+                    let v_tile = vb.to_f32(&mut self.v_wide);
+                    let (s, acc) = (&self.s, &mut self.acc);
+                    let at = (rows.clone(), cols.clone());
+                    let p = |i: usize, jj: usize| s[jj * br + i];
+                    add_non_finite_terms(head, at, v_tile, p, |i, c, x| acc[c * br + i] += x);
+                }
                 continue;
             }
             let p = MatRef::from_column_major_slice_with_stride(&self.s, nr, nc, br);
@@ -170,6 +190,20 @@ impl Scratch {
             } else {
                 matmul(acc, Accum::Add, p, v_tile, 1.0, Par::Seq);
             }
+        }
+        if native {
+            // The weights P·V multiplied are the rounded ones, whose sum is l + delta: the
+            // row is rescaled to that sum, so the output stays a convex combination of the
+            // values it sees (the LSE keeps the exact l).
+            for ((f, &l), &d) in self.alpha[..nr].iter_mut().zip(&self.l).zip(&self.l_delta) {
+                let sum = l + d;
+                *f = if d == 0.0 || sum == 0.0 || !sum.is_finite() {
+                    1.0
+                } else {
+                    l / sum
+                };
+            }
+            scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
         }
     }
 }

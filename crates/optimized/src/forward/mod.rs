@@ -293,8 +293,11 @@ pub(crate) struct Scratch {
     row_tile: bool,
     /// One output row in f32, before it is rounded to the output type in one pass.
     out_row: Vec<f32>,
-    /// Packed operands of the native bf16 products (empty unless `shape.pairs`).
+    /// Packed operands of the native bf16 products (empty for f32 products).
     pairs: Pairs,
+    /// Per row, what rounding P to bf16 added to the weights `P·V` summed (rescaled with
+    /// `l`): the output is normalised by their sum.
+    l_delta: Vec<f32>,
 }
 
 impl Scratch {
@@ -330,6 +333,7 @@ impl Scratch {
             } else {
                 Pairs::default()
             },
+            l_delta: vec![0.0; br],
         }
     }
 

@@ -10,6 +10,17 @@ use crate::kernel::element::Element;
 use crate::kernel::pair_dot::{self, Broadcast, Columns, Lanes};
 use crate::keys::{KeySource, PairOrder};
 
+/// How a block of values was packed ([`Pairs::pack_values`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Values {
+    /// As they are.
+    Exact,
+    /// With their non-finite rows as zeros.
+    WithoutNonFinite,
+    /// Not usable: the block is multiplied in f32.
+    F32,
+}
+
 impl Pairs {
     /// Packs the query tile `q` as it is (exact; the scale multiplies the sums): `false`
     /// when the inputs are not bf16 or an entry is subnormal (read as zero).
@@ -24,18 +35,38 @@ impl Pairs {
         k.to_pairs(order, &mut self.k).is_some_and(|r| !r.subnormal)
     }
 
-    /// Packs a block of values for `products`: `false` when an entry is subnormal (read
-    /// as zero) or not finite (a hidden key must then contribute nothing, not `0·∞`).
+    /// Packs a block of values for `products`: [`Values::F32`] when an entry is so small
+    /// that its products could be flushed; a non-finite row is packed as zeros
+    /// ([`Values::WithoutNonFinite`]: a hidden key must contribute nothing, not `0·∞`, and
+    /// the rows that see it add its terms alone).
     pub(super) fn pack_values<T: Element, K: KeySource<T>>(
         &mut self,
         products: Products,
         v: &K,
-    ) -> bool {
+        d_v: usize,
+    ) -> Values {
         let order = match products {
             Products::Tiles => PairOrder::Columns { ld: self.v_ld },
             _ => PairOrder::RowPairs,
         };
-        v.to_pairs(order, &mut self.v).is_some_and(|r| r.exact())
+        match v.to_pairs(order, &mut self.v) {
+            Some(r) if r.exact() => Values::Exact,
+            Some(r) if !r.tiny => {
+                for j in (0..v.len()).filter(|&j| !v.row_finite(j)) {
+                    // Row j is the low (even j) or high (odd j) half of pair j / 2.
+                    let keep = if j % 2 == 0 { 0xffff_0000 } else { 0x0000_ffff };
+                    for c in 0..d_v {
+                        let at = match order {
+                            PairOrder::Columns { ld } => c * ld + j / 2,
+                            _ => (j / 2) * d_v + c,
+                        };
+                        self.v[at] &= keep;
+                    }
+                }
+                Values::WithoutNonFinite
+            }
+            _ => Values::F32,
+        }
     }
 
     /// `s = alpha·Q·Kᵀ` for the packed `nr` queries and `nc` keys, `s` column-major
@@ -81,7 +112,8 @@ impl Pairs {
     }
 
     /// `acc += P·V` for the packed values, P the probabilities in `s` rounded to bf16;
-    /// `acc` column-major (`ld` floats per value column), like `s`.
+    /// `acc` column-major (`ld` floats per value column), like `s`. `delta[i]` gains what
+    /// the rounding added to row `i`'s weights.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add_weighted_values(
         &mut self,
@@ -92,9 +124,10 @@ impl Pairs {
         d_v: usize,
         acc: &mut [f32],
         ld: usize,
+        delta: &mut [f32],
     ) {
         let lanes = self.ld;
-        pair_dot::pack_probabilities(s, ld, nr, nc, &mut self.p, lanes);
+        pair_dot::pack_probabilities(s, ld, nr, nc, &mut self.p, lanes, delta);
         let pairs = pair_dot::pairs(nc);
         match products {
             Products::Tiles => {

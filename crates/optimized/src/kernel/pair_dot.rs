@@ -117,26 +117,40 @@ pub(crate) fn pack_lanes(a: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> boo
 pub(crate) struct PackReport {
     /// An entry is subnormal (the products would read it as zero).
     pub subnormal: bool,
+    /// An entry is nonzero and below `2⁻¹⁰²` in magnitude: its products with weights
+    /// above `2⁻²⁴` could be flushed to zero (a value's products, not a key's, matter).
+    pub tiny: bool,
     /// An entry is infinite or NaN.
     pub non_finite: bool,
 }
 
 impl PackReport {
-    /// Whether the pair products compute this block exactly as f32 would, up to rounding.
+    const CLEAN: PackReport = PackReport {
+        subnormal: false,
+        tiny: false,
+        non_finite: false,
+    };
+
+    /// Whether the products compute this block of values as f32 would, up to rounding.
     pub fn exact(self) -> bool {
-        !self.subnormal && !self.non_finite
+        !self.tiny && !self.non_finite
     }
 }
+
+/// The exponent field below which a bf16 value is [`PackReport::tiny`] (`2⁻¹⁰²`).
+const TINY_EXPONENT: u16 = 127 - 102;
 
 /// Scans bits for the report.
 #[inline(always)]
 fn scan(bits: impl Iterator<Item = u16>, report: &mut PackReport) {
-    let (mut tiny, mut wild) = (false, false);
+    let (mut sub, mut tiny, mut wild) = (false, false, false);
     for b in bits {
-        tiny |= subnormal(b);
+        sub |= subnormal(b);
+        tiny |= b & 0x7f80 < TINY_EXPONENT << 7 && b & 0x7fff != 0;
         wild |= non_finite(b);
     }
-    report.subnormal |= tiny;
+    report.subnormal |= sub;
+    report.tiny |= tiny;
     report.non_finite |= wild;
 }
 
@@ -147,10 +161,7 @@ pub(crate) fn pack_rows(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> Pack
     let (n, k) = (m.nrows(), m.ncols());
     let kp = pairs(k);
     assert!(ld >= kp);
-    let mut report = PackReport {
-        subnormal: false,
-        non_finite: false,
-    };
+    let mut report = PackReport::CLEAN;
     for (j, row_out) in dst.chunks_exact_mut(ld.max(1)).take(n).enumerate() {
         let (out, pad) = row_out.split_at_mut(kp);
         pad.fill(0);
@@ -187,10 +198,7 @@ pub(crate) fn pack_rows(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> Pack
 /// paired with zero).
 pub(crate) fn pack_row_pairs(m: MatRef<'_, bf16>, dst: &mut [u32]) -> PackReport {
     let (n, w) = (m.nrows(), m.ncols());
-    let mut report = PackReport {
-        subnormal: false,
-        non_finite: false,
-    };
+    let mut report = PackReport::CLEAN;
     let row = |r: usize| m.row(r).try_as_row_major().map(|row| row.as_slice());
     for (p, out) in dst.chunks_exact_mut(w.max(1)).take(pairs(n)).enumerate() {
         let (r0, r1) = (2 * p, 2 * p + 1);
@@ -227,10 +235,7 @@ pub(crate) fn pack_columns(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> P
     let (n, w) = (m.nrows(), m.ncols());
     let np = pairs(n);
     assert!(ld >= np && dst.len() >= w * ld);
-    let mut report = PackReport {
-        subnormal: false,
-        non_finite: false,
-    };
+    let mut report = PackReport::CLEAN;
     for col in dst.chunks_exact_mut(ld).take(w) {
         col[np..].fill(0);
     }
@@ -275,8 +280,10 @@ pub(crate) fn pack_columns(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> P
 }
 
 /// Packs the f32 probabilities `s` (`cols` columns of `rows`, `ld_s` apart) as A, each
-/// rounded to bf16 (to nearest even; subnormals flushed): word `(p, i)` at `p·ld + i`.
-/// Without AVX512_BF16, does nothing (the caller computes in f32 there).
+/// rounded to bf16 (to nearest even; subnormals flushed): word `(p, i)` at `p·ld + i`;
+/// adds to `delta[i]` what rounding added to row `i`'s sum. Without AVX512_BF16, does
+/// nothing (the caller computes in f32 there).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn pack_probabilities(
     s: &[f32],
     ld_s: usize,
@@ -284,15 +291,16 @@ pub(crate) fn pack_probabilities(
     cols: usize,
     dst: &mut [u32],
     ld: usize,
+    delta: &mut [f32],
 ) {
-    assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
+    assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES) && delta.len() >= rows);
     assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
     assert!(dst.len() >= pairs(cols) * ld);
     #[cfg(target_arch = "x86_64")]
     if has_instructions() {
         // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
         // asserts above bound every access (loads are masked to `rows`).
-        unsafe { x86::pack_probabilities(s, ld_s, rows, cols, dst, ld) }
+        unsafe { x86::pack_probabilities(s, ld_s, rows, cols, dst, ld, delta) }
     }
 }
 
@@ -425,7 +433,11 @@ mod x86 {
             return 0;
         }
         let (exponent, mantissa) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x007f));
-        let (mut wild, mut tiny) = (0u32, 0u32);
+        let (magnitude, small) = (
+            _mm512_set1_epi16(0x7fff),
+            _mm512_set1_epi16((super::TINY_EXPONENT << 7) as i16),
+        );
+        let (mut wild, mut sub, mut tiny) = (0u32, 0u32, 0u32);
         let d = dst.as_mut_ptr();
         for p0 in (0..rows.len() / 2).step_by(LANES) {
             for c0 in (0..w - w % LANES).step_by(LANES) {
@@ -445,8 +457,10 @@ mod x86 {
                     );
                     let e = _mm512_and_si512(*x, exponent);
                     wild |= _mm512_cmpeq_epi16_mask(e, exponent);
-                    tiny |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
+                    sub |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
                         & _mm512_test_epi16_mask(*x, mantissa);
+                    tiny |=
+                        _mm512_cmplt_epu16_mask(e, small) & _mm512_test_epi16_mask(*x, magnitude);
                 }
                 let mut t = [_mm512_setzero_si512(); LANES];
                 for k in 0..8 {
@@ -479,7 +493,8 @@ mod x86 {
             }
         }
         report.non_finite |= wild != 0;
-        report.subnormal |= tiny != 0;
+        report.subnormal |= sub != 0;
+        report.tiny |= tiny != 0;
         rows.len() / 2
     }
 
@@ -488,6 +503,7 @@ mod x86 {
     /// # Safety
     /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::pack_probabilities`] asserts.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn pack_probabilities(
         s: &[f32],
         ld_s: usize,
@@ -495,6 +511,7 @@ mod x86 {
         cols: usize,
         dst: &mut [u32],
         ld: usize,
+        delta: &mut [f32],
     ) {
         // Word i of the result takes bf16 i of the even column and bf16 i of the odd one
         // (which `cvtne2ps` puts 16 places higher).
@@ -502,7 +519,7 @@ mod x86 {
             31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
             4, 19, 3, 18, 2, 17, 1, 16, 0,
         );
-        let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
+        let (s, d, dl) = (s.as_ptr(), dst.as_mut_ptr(), delta.as_mut_ptr());
         for p in 0..cols.div_ceil(2) {
             let (c0, c1) = (2 * p, 2 * p + 1);
             let mut i = 0;
@@ -524,6 +541,17 @@ mod x86 {
                         core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd, even));
                     let words = _mm512_permutexvar_epi16(interleave, both);
                     _mm512_storeu_epi32(d.add(p * ld + i) as *mut i32, words);
+                    // What rounding added: the rounded values back in f32, minus the exact.
+                    let even_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)),
+                    ));
+                    let odd_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(both)),
+                    ));
+                    let added =
+                        _mm512_add_ps(_mm512_sub_ps(even_r, even), _mm512_sub_ps(odd_r, odd));
+                    let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dl.add(i)), added);
+                    _mm512_mask_storeu_ps(dl.add(i), mask, sum);
                 }
                 i += LANES;
             }
@@ -697,7 +725,14 @@ mod tests {
             );
             let ld = m.next_multiple_of(LANES);
             let mut pp = vec![0u32; pairs(keys) * ld];
-            pack_probabilities(&s, m, m, keys, &mut pp, ld);
+            let mut delta = vec![0.0f32; m];
+            pack_probabilities(&s, m, m, keys, &mut pp, ld, &mut delta);
+            for (i, d) in delta.iter().enumerate() {
+                let want: f32 = (0..keys)
+                    .map(|j| bf(s[j * m + i]).to_f32() - s[j * m + i])
+                    .sum();
+                assert!((d - want).abs() <= 1e-5, "row {i}: {d} vs {want}");
+            }
             let mut vp = vec![0u32; pairs(keys) * w];
             assert!(pack_row_pairs(v.as_ref(), &mut vp).exact());
             let mut acc = vec![1.0f32; w * m];
