@@ -325,7 +325,11 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
             sink_want[h] += r.dsink;
             sink_err[h] += hb.dsink;
         }
-        let acc = gamma((n_q * group) as f64 + 2.0);
+        // bf16 at native precision on AMX rounds P and dS to bf16 before dV and dK.
+        let native = T::DTYPE == attn_core::Dtype::Bf16
+            && attn_optimized::Isa::current().includes(attn_optimized::Isa::Amx);
+        let rounded = if native { unit::<T>() } else { 0.0 };
+        let acc = gamma((n_q * group) as f64 + 2.0) + rounded;
         for (kv, s) in kv_sums.iter().enumerate() {
             for j in 0..n_k {
                 for col in 0..d {

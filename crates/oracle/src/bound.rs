@@ -805,9 +805,15 @@ fn group_kv(
                 .any(|r| (0..n_q).any(|i| r.forward.scores[(i, j)] != f64::NEG_INFINITY))
         })
         .collect();
-    let (ue, te) = match model.compute {
-        Compute::RoundedOnce => (0.0, 0.0),
-        Compute::F32 { weights, .. } => (U32, native_products(f32_precision(1.0), weights).tiny),
+    // With native products, P and dS are rounded to `weights` before dV = PᵀdO and
+    // dK = dSᵀQ: each term off by u_w of itself, on top of the accumulation's γ.
+    let (ue, te, uw) = match model.compute {
+        Compute::RoundedOnce => (0.0, 0.0, 0.0),
+        Compute::F32 { weights, .. } => (
+            U32,
+            native_products(f32_precision(1.0), weights).tiny,
+            weights.map_or(0.0, |t| t.unit_roundoff()),
+        ),
     };
     let engine = || heads.iter().filter_map(|h| h.engine.as_ref());
     let refr = || heads.iter().map(|h| &h.reference);
@@ -819,10 +825,10 @@ fn group_kv(
     fn v_terms(t: &GradTerms) -> (MatRef<'_, f64>, MatRef<'_, f64>) {
         (t.dv_err.as_ref(), t.dv_abs.as_ref())
     }
-    let ek = has_engine.then(|| group_sum(engine().map(k_terms), n_k, d_k, m + 2.0, ue, te));
-    let rk = group_sum(refr().map(k_terms), n_k, d_k, m + 2.0, U64, 0.0);
-    let ev = has_engine.then(|| group_sum(engine().map(v_terms), n_k, d_v, m, ue, te));
-    let rv = group_sum(refr().map(v_terms), n_k, d_v, m, U64, 0.0);
+    let ek = has_engine.then(|| group_sum(engine().map(k_terms), n_k, d_k, m + 2.0, ue, te, uw));
+    let rk = group_sum(refr().map(k_terms), n_k, d_k, m + 2.0, U64, 0.0, 0.0);
+    let ev = has_engine.then(|| group_sum(engine().map(v_terms), n_k, d_v, m, ue, te, uw));
+    let rv = group_sum(refr().map(v_terms), n_k, d_v, m, U64, 0.0, 0.0);
     let bound = |e: &Option<Mat<f64>>, r: &Mat<f64>, g: &Mat<f64>, cols: usize| {
         Mat::from_fn(n_k, cols, |j, c| {
             if !seen[j] {
@@ -834,8 +840,8 @@ fn group_kv(
     (bound(&ek, &rk, dk, d_k), bound(&ev, &rv, dv, d_v))
 }
 
-/// `Σ err + γ_acc·Σ abs` over the terms of a group, plus the underflow of `2·(acc + 2)`
-/// products.
+/// `Σ err + (γ_acc + rounded)·Σ abs` over the terms of a group (`rounded`: the relative
+/// rounding of one factor of each term), plus the underflow of `2·(acc + 2)` products.
 fn group_sum<'a>(
     terms: impl Iterator<Item = (MatRef<'a, f64>, MatRef<'a, f64>)>,
     rows: usize,
@@ -843,8 +849,9 @@ fn group_sum<'a>(
     acc: f64,
     u: f64,
     tiny: f64,
+    rounded: f64,
 ) -> Mat<f64> {
-    let g = gamma(acc, u);
+    let g = gamma(acc, u) + rounded;
     let mut out = Mat::from_fn(rows, cols, |_, _| 2.0 * (acc + 2.0) * tiny);
     for (err, abs) in terms {
         for j in 0..rows {

@@ -1,8 +1,9 @@
 //! One key block of the backward pass: its dK and dV stay in the task's scratch while the
 //! query tiles of every head of the group that see it stream past, five faer GEMMs per
 //! (query tile, key block) pair and two element-wise passes between them. For bf16 at
-//! native precision on AMX, the two products of exact inputs (`S = Q·Kᵀ`, `dP = dO·Vᵀ`)
-//! are tile products instead; those with `P` and `dS` stay f32.
+//! native precision on AMX, four are tile products instead: `S = Q·Kᵀ` and `dP = dO·Vᵀ` of
+//! exact inputs, `dV += Pᵀ·dO` and `dK += dSᵀ·Q` with `P` and `dS` rounded to bf16 (as the
+//! forward rounds `P`); `dQ += dS·K` stays f32.
 
 use core::ops::Range;
 
@@ -10,6 +11,7 @@ use attn_core::{Error, HeadShape, Result, TileCoverage};
 use faer::linalg::matmul::matmul;
 use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par, RowMut};
+use half::bf16;
 
 use super::{Group, QueryHead};
 use crate::exact::{rescore, row_top};
@@ -17,7 +19,9 @@ use crate::kernel::amx;
 use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
-use crate::kernel::pair_dot::{LANES, Lanes, pack_lanes, pairs};
+use crate::kernel::pair_dot::{
+    LANES, Lanes, pack_f32_rows, pack_lanes, pack_row_pairs_into, pairs,
+};
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
 use crate::keys::{KeySource, PairOrder};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
@@ -105,14 +109,23 @@ impl RowTerms {
     }
 }
 
-/// The rows of one key block in bf16 pairs for the tile products ([`amx`]): K and V, each
-/// row padded to whole tiles of pairs.
+/// The operands of the tile products ([`amx`]) in bf16 pairs, each row padded to whole
+/// tiles: the key block's K and V rows (once per block); per query tile, P and dS as rows
+/// of the block's keys over the tile's queries, and the tile's dO and Q rows in pairs.
 #[derive(Debug, Default)]
 struct KeyRows {
     k: Vec<u32>,
     v: Vec<u32>,
     k_ld: usize,
     v_ld: usize,
+    /// P (then dS) rounded to bf16: `bc` rows of `weights_ld` words.
+    weights: Vec<u32>,
+    weights_ld: usize,
+    /// dO and Q of the query tile, pairs of rows across `d_v` (`d_k`) lanes, padded.
+    d_out_pairs: Vec<u32>,
+    q_pairs: Vec<u32>,
+    d_out_ld: usize,
+    q_ld: usize,
 }
 
 /// Per-task working memory: fixed by the tile plan and the widths.
@@ -200,11 +213,23 @@ impl Scratch {
         let key_rows = if tiles {
             let (k_ld, v_ld) = (padded_pairs(d_k), padded_pairs(d_v));
             let rows = bc.next_multiple_of(amx::TILE);
+            let (weights_ld, query_pairs) = (padded_pairs(br), padded_pairs(br));
+            let (d_out_ld, q_ld) = (d_v.next_multiple_of(LANES), d_k.next_multiple_of(LANES));
             KeyRows {
                 k: filled("backward packed K", rows.checked_mul(k_ld), 0u32)?,
                 v: filled("backward packed V", rows.checked_mul(v_ld), 0u32)?,
                 k_ld,
                 v_ld,
+                weights: filled("backward packed P", rows.checked_mul(weights_ld), 0u32)?,
+                weights_ld,
+                d_out_pairs: filled(
+                    "backward packed dO",
+                    query_pairs.checked_mul(d_out_ld),
+                    0u32,
+                )?,
+                q_pairs: filled("backward packed Q", query_pairs.checked_mul(q_ld), 0u32)?,
+                d_out_ld,
+                q_ld,
             }
         } else {
             KeyRows::default()
@@ -374,8 +399,29 @@ impl Scratch {
                 // dV += Pᵀ dO: a zero weight must not meet a non-finite dO row.
                 let careful =
                     (0..nr).any(|i| !terms.d_out_finite[rows.start + i] && zero_in_row(p_tile, i));
-                let dv_acc = MatMut::from_column_major_slice_with_stride_mut(dv, nc, d_v, bc);
-                if careful {
+                let dv_acc = accumulator(dv, nc, d_v, bc, *tiles);
+                let d_out_rows = T::as_bf16(d_out.subrows(rows.start, nr));
+                let pairs_of = |m: Option<MatRef<'_, bf16>>, buf: &mut Vec<u32>, ld: usize| {
+                    m.is_some_and(|m| {
+                        let ok = !pack_row_pairs_into(m, buf, ld).subnormal;
+                        buf[pairs(nr) * ld..].fill(0);
+                        ok
+                    })
+                };
+                if *tiles
+                    && !careful
+                    && pairs_of(d_out_rows, &mut key_rows.d_out_pairs, key_rows.d_out_ld)
+                {
+                    // dV += Pᵀ·dO with P rounded to bf16.
+                    let ld = key_rows.weights_ld;
+                    pack_f32_rows(p, br, nc, nr, &mut key_rows.weights, ld);
+                    let d_o = Lanes {
+                        words: &key_rows.d_out_pairs,
+                        rows: d_v,
+                        ld: key_rows.d_out_ld,
+                    };
+                    amx::product(&key_rows.weights, ld, nc, d_o, ld, dv, d_v, 1.0, true);
+                } else if careful {
                     add_product_skipping_zeros(dv_acc, p_tile.transpose(), d_out_tile);
                 } else {
                     matmul(
@@ -391,8 +437,19 @@ impl Scratch {
                 // dK += dSᵀ Q (unscaled Q; the scale comes once, at the end).
                 let careful =
                     (0..nr).any(|i| !terms.q_finite[rows.start + i] && zero_in_row(ds_tile, i));
-                let dk_acc = MatMut::from_column_major_slice_with_stride_mut(dk, nc, d_k, bc);
-                if careful {
+                let dk_acc = accumulator(dk, nc, d_k, bc, *tiles);
+                let q_rows = T::as_bf16(head.q.subrows(rows.start, nr));
+                if *tiles && !careful && pairs_of(q_rows, &mut key_rows.q_pairs, key_rows.q_ld) {
+                    // dK += dSᵀ·Q with dS rounded to bf16.
+                    let ld = key_rows.weights_ld;
+                    pack_f32_rows(ds, br, nc, nr, &mut key_rows.weights, ld);
+                    let q = Lanes {
+                        words: &key_rows.q_pairs,
+                        rows: d_k,
+                        ld: key_rows.q_ld,
+                    };
+                    amx::product(&key_rows.weights, ld, nc, q, ld, dk, d_k, 1.0, true);
+                } else if careful {
                     add_product_skipping_zeros(dk_acc, ds_tile.transpose(), q_tile);
                 } else {
                     matmul(
@@ -429,17 +486,53 @@ impl Scratch {
         dk: &mut [RowMut<'_, G>],
         dv: &mut [RowMut<'_, G>],
     ) {
-        let bc = self.plan.bc;
+        let (bc, d_k, d_v) = (self.plan.bc, self.d_k, self.d_v);
+        let nc = dk.len();
+        let (dk_acc, dv_acc) = (
+            accumulator_ref(&self.dk, nc, d_k, bc, self.tiles),
+            accumulator_ref(&self.dv, nc, d_v, bc, self.tiles),
+        );
         for (jj, row) in dk.iter_mut().enumerate() {
             for (c, x) in row.rb_mut().iter_mut().enumerate() {
-                *x = G::from_f32(scale * self.dk[c * bc + jj]);
+                *x = G::from_f32(scale * dk_acc[(jj, c)]);
             }
         }
         for (jj, row) in dv.iter_mut().enumerate() {
             for (c, x) in row.rb_mut().iter_mut().enumerate() {
-                *x = G::from_f32(self.dv[c * bc + jj]);
+                *x = G::from_f32(dv_acc[(jj, c)]);
             }
         }
+    }
+}
+
+/// The block's dK or dV accumulator (`rows` keys by `cols`): column-major, `bc` apart, for
+/// faer's products; row-major for the tile products, whose C rows are keys.
+fn accumulator(
+    acc: &mut [f32],
+    rows: usize,
+    cols: usize,
+    bc: usize,
+    tiles: bool,
+) -> MatMut<'_, f32> {
+    if tiles {
+        MatMut::from_row_major_slice_mut(&mut acc[..rows * cols], rows, cols)
+    } else {
+        MatMut::from_column_major_slice_with_stride_mut(acc, rows, cols, bc)
+    }
+}
+
+/// [`accumulator`], read.
+fn accumulator_ref(
+    acc: &[f32],
+    rows: usize,
+    cols: usize,
+    bc: usize,
+    tiles: bool,
+) -> MatRef<'_, f32> {
+    if tiles {
+        MatRef::from_row_major_slice(&acc[..rows * cols], rows, cols)
+    } else {
+        MatRef::from_column_major_slice_with_stride(acc, rows, cols, bc)
     }
 }
 

@@ -197,10 +197,18 @@ pub(crate) fn pack_rows(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> Pack
 /// `p·w + c` holds rows `2p` and `2p + 1` of column `c` (V for `P·V`; an odd last row is
 /// paired with zero).
 pub(crate) fn pack_row_pairs(m: MatRef<'_, bf16>, dst: &mut [u32]) -> PackReport {
+    pack_row_pairs_into(m, dst, m.ncols())
+}
+
+/// [`pack_row_pairs`] with `ld ≥ w` words per pair of rows (the padding zero).
+pub(crate) fn pack_row_pairs_into(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> PackReport {
     let (n, w) = (m.nrows(), m.ncols());
+    assert!(ld >= w);
     let mut report = PackReport::CLEAN;
     let row = |r: usize| m.row(r).try_as_row_major().map(|row| row.as_slice());
-    for (p, out) in dst.chunks_exact_mut(w.max(1)).take(pairs(n)).enumerate() {
+    for (p, padded) in dst.chunks_exact_mut(ld.max(1)).take(pairs(n)).enumerate() {
+        let (out, pad) = padded.split_at_mut(w);
+        pad.fill(0);
         let (r0, r1) = (2 * p, 2 * p + 1);
         match (row(r0), (r1 < n).then(|| row(r1))) {
             (Some(a), Some(Some(b))) => {
@@ -226,6 +234,29 @@ pub(crate) fn pack_row_pairs(m: MatRef<'_, bf16>, dst: &mut [u32]) -> PackReport
         }
     }
     report
+}
+
+/// Packs the f32 tile `s` (`rows` columns of `cols` floats, `ld_s` apart: column-major
+/// with the roles swapped, each of its rows contiguous) as the rows of an A operand, each
+/// entry rounded to bf16 (to nearest even; subnormals flushed): row `j` takes
+/// `s[j·ld_s ..][..cols]` in pairs, `ld ≥ pairs(cols)` words apart (the padding zero).
+/// Without AVX512_BF16, does nothing (the caller computes in f32 there).
+pub(crate) fn pack_f32_rows(
+    s: &[f32],
+    ld_s: usize,
+    rows: usize,
+    cols: usize,
+    dst: &mut [u32],
+    ld: usize,
+) {
+    assert!(cols <= ld_s && ld >= pairs(cols) && dst.len() >= rows * ld);
+    assert!(rows == 0 || s.len() >= (rows - 1) * ld_s + cols);
+    #[cfg(target_arch = "x86_64")]
+    if has_instructions() {
+        // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
+        // asserts above bound every access (loads are masked to `cols`).
+        unsafe { x86::pack_f32_rows(s, ld_s, rows, cols, dst, ld) }
+    }
 }
 
 /// Packs the columns of `m : [n, w]` with its rows in pairs, `ld ≥ pairs(n)` words per
@@ -496,6 +527,51 @@ mod x86 {
         report.subnormal |= sub != 0;
         report.tiny |= tiny != 0;
         rows.len() / 2
+    }
+
+    /// See [`super::pack_f32_rows`].
+    ///
+    /// # Safety
+    /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::pack_f32_rows`] asserts.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pack_f32_rows(
+        s: &[f32],
+        ld_s: usize,
+        rows: usize,
+        cols: usize,
+        dst: &mut [u32],
+        ld: usize,
+    ) {
+        let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
+        let mask = |left: usize| -> __mmask16 {
+            if left >= LANES {
+                0xffff
+            } else {
+                (1u16 << left) - 1
+            }
+        };
+        for j in 0..rows {
+            let mut c = 0;
+            while c < 2 * ld {
+                // SAFETY: loads masked to the row's `cols` floats, stores inside its `ld`
+                // words (`2·ld` entries; `2·ld` is a multiple of 32 or the row is padded
+                // below).
+                unsafe {
+                    let (lo, hi) = (cols.saturating_sub(c), cols.saturating_sub(c + LANES));
+                    let a = _mm512_maskz_loadu_ps(mask(lo), s.add(j * ld_s + c.min(cols)));
+                    let b =
+                        _mm512_maskz_loadu_ps(mask(hi), s.add(j * ld_s + (c + LANES).min(cols)));
+                    let both = core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(b, a));
+                    let words_left = ld - c / 2;
+                    _mm512_mask_storeu_epi32(
+                        d.add(j * ld + c / 2) as *mut i32,
+                        mask(words_left),
+                        both,
+                    );
+                }
+                c += 2 * LANES;
+            }
+        }
     }
 
     /// Rounds f32 probabilities to bf16 pairs (see [`super::pack_probabilities`]).
@@ -811,6 +887,38 @@ mod tests {
             bad[(0, 0)] = bf16::INFINITY;
             bad[(n - 1, w - 1)] = bf16::ONE;
             assert!(pack_columns(bad.as_ref(), &mut fast, ld).non_finite);
+        }
+    }
+
+    /// f32 rows rounded to bf16 pairs, padding zero.
+    #[test]
+    fn f32_rows_are_rounded_in_pairs() {
+        if !has_instructions() {
+            return;
+        }
+        for &(rows, cols, ld_s) in &[(3, 5, 8), (16, 32, 32), (7, 100, 128), (2, 1, 4)] {
+            let s: Vec<f32> = (0..rows * ld_s)
+                .map(|x| (x as f32 * 0.37).sin() * 3.0)
+                .collect();
+            let ld = pairs(cols).next_multiple_of(16);
+            let mut dst = vec![7u32; rows * ld];
+            pack_f32_rows(&s, ld_s, rows, cols, &mut dst, ld);
+            for j in 0..rows {
+                for p in 0..ld {
+                    let at = |c: usize| {
+                        if c < cols {
+                            bf(s[j * ld_s + c]).to_bits()
+                        } else {
+                            0
+                        }
+                    };
+                    assert_eq!(
+                        dst[j * ld + p],
+                        word(at(2 * p), at(2 * p + 1)),
+                        "{rows}x{cols} ({j},{p})"
+                    );
+                }
+            }
         }
     }
 
