@@ -212,6 +212,13 @@ pub(crate) fn pack_row_pairs_into(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usiz
         let (r0, r1) = (2 * p, 2 * p + 1);
         match (row(r0), (r1 < n).then(|| row(r1))) {
             (Some(a), Some(Some(b))) => {
+                #[cfg(target_arch = "x86_64")]
+                if Isa::current().vectors() == Isa::Avx512 {
+                    // SAFETY: AVX-512 F and BW are part of the chosen path; both rows and
+                    // `out` hold `w` entries.
+                    unsafe { x86::pair_rows(a, b, out, &mut report) };
+                    continue;
+                }
                 scan(a.iter().chain(b).map(|x| x.to_bits()), &mut report);
                 for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
                     *o = word(x.to_bits(), y.to_bits());
@@ -527,6 +534,53 @@ mod x86 {
         report.subnormal |= sub != 0;
         report.tiny |= tiny != 0;
         rows.len() / 2
+    }
+
+    /// Rows `a` and `b` (`w` entries each) as `w` pair words into `out`, with the report
+    /// of their entries (see [`super::pack_row_pairs`]).
+    ///
+    /// # Safety
+    /// AVX-512 F and BW; `a`, `b` and `out` hold at least `out.len()` entries.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn pair_rows(
+        a: &[half::bf16],
+        b: &[half::bf16],
+        out: &mut [u32],
+        report: &mut super::PackReport,
+    ) {
+        let w = out.len().min(a.len()).min(b.len());
+        let (exponent, mantissa) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x007f));
+        let magnitude = _mm512_set1_epi16(0x7fff);
+        let small = _mm512_set1_epi16((super::TINY_EXPONENT << 7) as i16);
+        let (mut wild, mut sub, mut tiny) = (0u32, 0u32, 0u32);
+        let mut c = 0;
+        while c < w {
+            let left = w - c;
+            let mask: __mmask16 = if left >= LANES {
+                0xffff
+            } else {
+                (1u16 << left) - 1
+            };
+            // SAFETY: loads and the store are masked to the `w` entries.
+            unsafe {
+                let x = _mm256_maskz_loadu_epi16(mask, a.as_ptr().add(c) as *const i16);
+                let y = _mm256_maskz_loadu_epi16(mask, b.as_ptr().add(c) as *const i16);
+                let v = _mm512_or_si512(
+                    _mm512_cvtepu16_epi32(x),
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(y)),
+                );
+                let e = _mm512_and_si512(v, exponent);
+                wild |= _mm512_cmpeq_epi16_mask(e, exponent);
+                sub |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
+                    & _mm512_test_epi16_mask(v, mantissa);
+                tiny |= _mm512_cmplt_epu16_mask(e, small) & _mm512_test_epi16_mask(v, magnitude);
+                _mm512_mask_storeu_epi32(out.as_mut_ptr().add(c) as *mut i32, mask, v);
+            }
+            c += LANES;
+        }
+        report.non_finite |= wild != 0;
+        report.subnormal |= sub != 0;
+        report.tiny |= tiny != 0;
     }
 
     /// See [`super::pack_f32_rows`].
