@@ -412,7 +412,7 @@ mod x86 {
         add: bool,
         last: __mmask16,
     ) {
-        // SAFETY (whole body): the caller's bounds.
+        // SAFETY: the caller's bounds (the whole body).
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); N]; M];
             let mut a = op.a.add(p0 * op.a_ld + i0);
