@@ -42,11 +42,11 @@ fn to_py_err(e: attn_core::Error) -> PyErr {
     }
 }
 
-/// The instruction set attn's kernels run with on this CPU: `"avx512"`, `"avx2"` or
-/// `"baseline"`.
+/// The instruction set attn's kernels run with on this CPU: `"amx"`, `"avx512bf16"`,
+/// `"avx512"`, `"avx2"` or `"baseline"` (the names `ATTN_ISA` takes).
 #[pyfunction]
 fn isa() -> String {
-    format!("{:?}", attn_optimized::exp::isa()).to_lowercase()
+    attn_optimized::exp::isa().name().to_owned()
 }
 
 /// The threads attn computes with: its rayon pool's (set ``RAYON_NUM_THREADS`` before

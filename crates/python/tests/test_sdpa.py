@@ -443,7 +443,7 @@ def test_kv_cache_ragged_entries_and_errors():
 
 
 def test_module_surface():
-    assert attn.isa() in {"avx512", "avx2", "baseline"}
+    assert attn.isa() in {"amx", "avx512bf16", "avx512", "avx2", "baseline"}
     assert attn.num_threads() >= 1
     doc = attn.scaled_dot_product_attention.__doc__
     for difference in ("never reaches the output", "is 0, never NaN", "No dropout", "attention_with_lse"):
