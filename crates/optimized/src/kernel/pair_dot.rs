@@ -168,6 +168,13 @@ pub(crate) fn pack_rows(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> Pack
         match m.row(j).try_as_row_major() {
             Some(row) => {
                 let row = row.as_slice();
+                #[cfg(target_arch = "x86_64")]
+                if Isa::current().vectors() == Isa::Avx512 {
+                    // SAFETY: AVX-512 F and BW are part of the chosen path; the row holds
+                    // `k` entries and `out` its `pairs(k)` words.
+                    unsafe { x86::copy_row(row, out, &mut report) };
+                    continue;
+                }
                 scan(row.iter().map(|x| x.to_bits()), &mut report);
                 let (whole, rest) = row.split_at(k - k % 2);
                 for (w, two) in out.iter_mut().zip(whole.chunks_exact(2)) {
@@ -534,6 +541,52 @@ mod x86 {
         report.subnormal |= sub != 0;
         report.tiny |= tiny != 0;
         rows.len() / 2
+    }
+
+    /// A row of `k` bf16 entries as its `pairs(k)` words (the bits as they are, an odd last
+    /// entry paired with zero), with the report of its entries (see [`super::pack_rows`]).
+    ///
+    /// # Safety
+    /// AVX-512 F and BW; `out` holds `row.len().div_ceil(2)` words.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn copy_row(
+        row: &[half::bf16],
+        out: &mut [u32],
+        report: &mut super::PackReport,
+    ) {
+        let k = row.len();
+        let (exponent, mantissa) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x007f));
+        let magnitude = _mm512_set1_epi16(0x7fff);
+        let small = _mm512_set1_epi16((super::TINY_EXPONENT << 7) as i16);
+        let (mut wild, mut sub, mut tiny) = (0u32, 0u32, 0u32);
+        let (src, dst) = (row.as_ptr() as *const i16, out.as_mut_ptr() as *mut i16);
+        let mut c = 0;
+        while c < k {
+            let left = k - c;
+            let mask: __mmask32 = if left >= 32 {
+                u32::MAX
+            } else {
+                (1u32 << left) - 1
+            };
+            // SAFETY: the load and the store are masked to the row's `k` entries, which
+            // `out`'s words hold (an odd last entry's partner stays as written: zero below).
+            unsafe {
+                let v = _mm512_maskz_loadu_epi16(mask, src.add(c));
+                let e = _mm512_and_si512(v, exponent);
+                wild |= _mm512_cmpeq_epi16_mask(e, exponent) & mask;
+                sub |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
+                    & _mm512_test_epi16_mask(v, mantissa);
+                tiny |= _mm512_cmplt_epu16_mask(e, small) & _mm512_test_epi16_mask(v, magnitude);
+                _mm512_mask_storeu_epi16(dst.add(c), mask, v);
+            }
+            c += 32;
+        }
+        if k % 2 == 1 {
+            out[k / 2] &= 0x0000_ffff;
+        }
+        report.non_finite |= wild != 0;
+        report.subnormal |= sub != 0;
+        report.tiny |= tiny != 0;
     }
 
     /// Rows `a` and `b` (`w` entries each) as `w` pair words into `out`, with the report
