@@ -15,7 +15,7 @@ use half::bf16;
 
 use super::{Group, QueryHead};
 use crate::exact::{rescore, row_top};
-use crate::kernel::amx;
+use crate::kernel::amx::{self, TileRows};
 use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
@@ -126,6 +126,46 @@ struct KeyRows {
     q_pairs: Vec<u32>,
     d_out_ld: usize,
     q_ld: usize,
+}
+
+/// Which of the query tile's operands in pairs [`KeyRows::add_weighted`] multiplies.
+#[derive(Debug, Clone, Copy)]
+enum QueryRows {
+    DOut,
+    Q,
+}
+
+impl KeyRows {
+    /// `acc += Wᵀ·X` on tiles: `W` the f32 tile `w` (`nc` keys of `nr` queries, `ld_w`
+    /// apart) rounded to bf16, `X` the query tile's `which` rows in pairs (`width` wide),
+    /// `acc` row-major (`nc` keys by `width`).
+    fn add_weighted(
+        &mut self,
+        w: &[f32],
+        (ld_w, nc, nr): (usize, usize, usize),
+        which: QueryRows,
+        acc: &mut [f32],
+        width: usize,
+    ) {
+        let ld = self.weights_ld;
+        pack_f32_rows(w, ld_w, nc, nr, &mut self.weights, ld);
+        let (words, x_ld) = match which {
+            QueryRows::DOut => (&self.d_out_pairs, self.d_out_ld),
+            QueryRows::Q => (&self.q_pairs, self.q_ld),
+        };
+        let x = Lanes {
+            words,
+            rows: width,
+            ld: x_ld,
+        };
+        let weights = TileRows {
+            words: &self.weights,
+            ld,
+            rows: nc,
+            pairs: ld,
+        };
+        amx::product(weights, x, acc, width, 1.0, true);
+    }
 }
 
 /// Per-task working memory: fixed by the tile plan and the widths.
@@ -320,17 +360,13 @@ impl Scratch {
                         rows: nr,
                         ld,
                     };
-                    amx::product(
-                        &key_rows.k,
-                        k_ld,
-                        nc,
-                        q,
-                        k_ld,
-                        p,
-                        br,
-                        head.scale_log2,
-                        false,
-                    );
+                    let k = TileRows {
+                        words: &key_rows.k,
+                        ld: k_ld,
+                        rows: nc,
+                        pairs: k_ld,
+                    };
+                    amx::product(k, q, p, br, head.scale_log2, false);
                 } else {
                     matmul(
                         MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
@@ -375,7 +411,19 @@ impl Scratch {
                         rows: nr,
                         ld,
                     };
-                    amx::product(&key_rows.v, v_ld, nc, d_o, v_ld, ds, br, 1.0, false);
+                    amx::product(
+                        TileRows {
+                            words: &key_rows.v,
+                            ld: v_ld,
+                            rows: nc,
+                            pairs: v_ld,
+                        },
+                        d_o,
+                        ds,
+                        br,
+                        1.0,
+                        false,
+                    );
                 } else {
                     matmul(
                         dp.rb_mut(),
@@ -413,14 +461,7 @@ impl Scratch {
                     && pairs_of(d_out_rows, &mut key_rows.d_out_pairs, key_rows.d_out_ld)
                 {
                     // dV += Pᵀ·dO with P rounded to bf16.
-                    let ld = key_rows.weights_ld;
-                    pack_f32_rows(p, br, nc, nr, &mut key_rows.weights, ld);
-                    let d_o = Lanes {
-                        words: &key_rows.d_out_pairs,
-                        rows: d_v,
-                        ld: key_rows.d_out_ld,
-                    };
-                    amx::product(&key_rows.weights, ld, nc, d_o, ld, dv, d_v, 1.0, true);
+                    key_rows.add_weighted(p, (br, nc, nr), QueryRows::DOut, dv, d_v);
                 } else if careful {
                     add_product_skipping_zeros(dv_acc, p_tile.transpose(), d_out_tile);
                 } else {
@@ -441,14 +482,7 @@ impl Scratch {
                 let q_rows = T::as_bf16(head.q.subrows(rows.start, nr));
                 if *tiles && !careful && pairs_of(q_rows, &mut key_rows.q_pairs, key_rows.q_ld) {
                     // dK += dSᵀ·Q with dS rounded to bf16.
-                    let ld = key_rows.weights_ld;
-                    pack_f32_rows(ds, br, nc, nr, &mut key_rows.weights, ld);
-                    let q = Lanes {
-                        words: &key_rows.q_pairs,
-                        rows: d_k,
-                        ld: key_rows.q_ld,
-                    };
-                    amx::product(&key_rows.weights, ld, nc, q, ld, dk, d_k, 1.0, true);
+                    key_rows.add_weighted(ds, (br, nc, nr), QueryRows::Q, dk, d_k);
                 } else if careful {
                     add_product_skipping_zeros(dk_acc, ds_tile.transpose(), q_tile);
                 } else {

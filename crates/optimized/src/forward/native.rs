@@ -5,7 +5,7 @@ use faer::MatRef;
 
 use super::Pairs;
 use crate::kernel::Products;
-use crate::kernel::amx;
+use crate::kernel::amx::{self, TileRows};
 use crate::kernel::element::Element;
 use crate::kernel::pair_dot::{self, Broadcast, Columns, Lanes};
 use crate::keys::{KeySource, PairOrder};
@@ -89,7 +89,13 @@ impl Pairs {
         };
         match products {
             Products::Tiles => {
-                amx::product(&self.k, self.k_ld, nc, q, self.k_ld, s, ld_s, alpha, false)
+                let k = TileRows {
+                    words: &self.k,
+                    ld: self.k_ld,
+                    rows: nc,
+                    pairs: self.k_ld,
+                };
+                amx::product(k, q, s, ld_s, alpha, false)
             }
             _ => {
                 let kp = pair_dot::pairs(d_k);
@@ -139,7 +145,13 @@ impl Pairs {
                     rows: nr,
                     ld: lanes,
                 };
-                amx::product(&self.v, self.v_ld, d_v, p, padded, acc, ld, 1.0, true);
+                let v = TileRows {
+                    words: &self.v,
+                    ld: self.v_ld,
+                    rows: d_v,
+                    pairs: padded,
+                };
+                amx::product(v, p, acc, ld, 1.0, true);
             }
             _ => {
                 let p = Lanes {

@@ -38,30 +38,42 @@ pub(crate) fn available() -> bool {
         })
 }
 
-/// `c (+)= alpha · A·B`, C with `rows` rows of `b.rows` floats, `ld_c` apart: A is `rows`
-/// rows (padded to a multiple of [`TILE`]) of `a_ld` words, `pairs` of them used (a
-/// multiple of [`TILE`], the padding zero); B is `pairs` pairs across `b.rows` lanes
-/// (padded with zero pairs; `b.words` may start inside a longer row of lanes). `accumulate` adds to `c` (then `alpha` must be 1). Lanes
+/// The A operand of a tile product: `rows` rows of `ld` words (pairs of bf16), of which the
+/// first `pairs` (a multiple of [`TILE`], the padding zero) are multiplied; the buffer
+/// holds `rows` rounded up to whole tiles.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TileRows<'a> {
+    pub words: &'a [u32],
+    pub ld: usize,
+    pub rows: usize,
+    pub pairs: usize,
+}
+
+/// `c (+)= alpha · A·B`: C has `a.rows` rows of `b.rows` floats, `ld_c` apart; B is
+/// `a.pairs` pairs across `b.rows` lanes (padded with zero pairs; `b.words` may start
+/// inside a longer row of lanes). `accumulate` adds to `c` (then `alpha` must be 1). Lanes
 /// past `b.rows` of a row of C may be overwritten up to `ld_c` (the tiles' scratch lanes);
 /// nothing past a row's `ld_c` floats is. Does nothing without AMX.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn product(
-    a: &[u32],
-    a_ld: usize,
-    rows: usize,
+    a: TileRows<'_>,
     b: Lanes<'_>,
-    pairs: usize,
     c: &mut [f32],
     ld_c: usize,
     alpha: f32,
     accumulate: bool,
 ) {
+    let TileRows {
+        ld: a_ld,
+        rows,
+        pairs,
+        ..
+    } = a;
     let cols = b.rows;
     assert!(!accumulate || alpha == 1.0);
     assert!(
         pairs.is_multiple_of(TILE) && a_ld >= pairs && b.ld.is_multiple_of(LANES) && b.ld >= cols
     );
-    assert!(a.len() >= rows.next_multiple_of(TILE) * a_ld);
+    assert!(a.words.len() >= rows.next_multiple_of(TILE) * a_ld);
     let lanes = cols.next_multiple_of(TILE);
     assert!(pairs == 0 || b.words.len() >= (pairs - 1) * b.ld + lanes);
     assert!(ld_c >= cols && c.len() >= rows * ld_c);
@@ -73,7 +85,7 @@ pub(crate) fn product(
         // SAFETY: AMX-BF16 and AMX-TILE are part of the chosen path and the tile state was
         // granted; the asserts above bound every tile load and store (edge tiles go through
         // a buffer of their own).
-        unsafe { x86::product(a, a_ld, rows, b, pairs, c, ld_c, alpha, accumulate) }
+        unsafe { x86::product(a, b, c, ld_c, alpha, accumulate) }
     }
 }
 
@@ -81,7 +93,7 @@ pub(crate) fn product(
 mod x86 {
     use core::arch::asm;
 
-    use super::{Lanes, TILE};
+    use super::{Lanes, TILE, TileRows};
 
     /// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: whether Linux grants this
     /// process the tile state.
@@ -253,19 +265,21 @@ mod x86 {
     ///
     /// # Safety
     /// AMX-BF16 and AMX-TILE, the tile state granted; the bounds [`super::product`] asserts.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn product(
-        a: &[u32],
-        a_ld: usize,
-        rows: usize,
+        a: TileRows<'_>,
         b: Lanes<'_>,
-        pairs: usize,
         c: &mut [f32],
         ld_c: usize,
         alpha: f32,
         accumulate: bool,
     ) {
+        let TileRows {
+            words: a,
+            ld: a_ld,
+            rows,
+            pairs,
+        } = a;
         let cols = b.rows;
         let cfg = Config::full();
         let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
@@ -412,7 +426,13 @@ mod tests {
                     rows: m,
                     ld,
                 };
-                product(&ap, padded, n, b, padded, &mut c, ld_c, alpha, accumulate);
+                let rows = TileRows {
+                    words: &ap,
+                    ld: padded,
+                    rows: n,
+                    pairs: padded,
+                };
+                product(rows, b, &mut c, ld_c, alpha, accumulate);
                 for j in 0..n {
                     for i in 0..m {
                         let dot: f64 = (0..k)
