@@ -83,7 +83,7 @@ pub(crate) struct Backward<'a, T, K = Dense<'a, T>> {
     groups: Vec<Group<'a, T, K>>,
     /// `Some(h_q)` when the call has sink logits: [`Backward::run`] returns their gradients.
     sinks: Option<usize>,
-    /// How the tiles multiply (the products of Q·Kᵀ and dO·Vᵀ: exact inputs).
+    /// How the tiles multiply: AMX tiles or f32 (the backward has no pair products).
     products: Products,
 }
 
@@ -301,8 +301,8 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         sinks: Option<usize>,
         precision: Precision,
     ) -> Self {
-        // The score and dP products take exact inputs (Q, K, dO, V): on AMX tiles there;
-        // the products with P and dS (which bf16 would round) stay f32.
+        // On AMX, S, dP, dV and dK are tile products (`key_block`); the pair products
+        // serve the forward only.
         let products = match Products::of::<T>(precision) {
             Products::Tiles => Products::Tiles,
             _ => Products::F32,

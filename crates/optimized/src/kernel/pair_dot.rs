@@ -458,6 +458,50 @@ mod x86 {
         }
     }
 
+    /// [`super::PackReport`]'s questions asked of 32 bf16 entries at a time (zero entries,
+    /// as masked loads leave them, answer no to each).
+    struct Scan {
+        exponent: __m512i,
+        mantissa: __m512i,
+        magnitude: __m512i,
+        small: __m512i,
+        non_finite: u32,
+        subnormal: u32,
+        tiny: u32,
+    }
+
+    impl Scan {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn new() -> Self {
+            Self {
+                exponent: _mm512_set1_epi16(0x7f80),
+                mantissa: _mm512_set1_epi16(0x007f),
+                magnitude: _mm512_set1_epi16(0x7fff),
+                small: _mm512_set1_epi16((super::TINY_EXPONENT << 7) as i16),
+                non_finite: 0,
+                subnormal: 0,
+                tiny: 0,
+            }
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw")]
+        #[inline]
+        fn add(&mut self, v: __m512i) {
+            let e = _mm512_and_si512(v, self.exponent);
+            self.non_finite |= _mm512_cmpeq_epi16_mask(e, self.exponent);
+            self.subnormal |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
+                & _mm512_test_epi16_mask(v, self.mantissa);
+            self.tiny |=
+                _mm512_cmplt_epu16_mask(e, self.small) & _mm512_test_epi16_mask(v, self.magnitude);
+        }
+
+        fn finish(self, report: &mut super::PackReport) {
+            report.non_finite |= self.non_finite != 0;
+            report.subnormal |= self.subnormal != 0;
+            report.tiny |= self.tiny != 0;
+        }
+    }
+
     /// [`super::pack_columns`] for whole blocks of 16 pairs (32 rows) × 16 columns: each
     /// pair of rows becomes a vector of 16 words (one per column), and 16 such vectors are
     /// transposed so each column's 16 words are stored at once. Returns the pairs done
@@ -477,12 +521,7 @@ mod x86 {
         if w < LANES {
             return 0;
         }
-        let (exponent, mantissa) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x007f));
-        let (magnitude, small) = (
-            _mm512_set1_epi16(0x7fff),
-            _mm512_set1_epi16((super::TINY_EXPONENT << 7) as i16),
-        );
-        let (mut wild, mut sub, mut tiny) = (0u32, 0u32, 0u32);
+        let mut scan = Scan::new();
         let d = dst.as_mut_ptr();
         for p0 in (0..rows.len() / 2).step_by(LANES) {
             for c0 in (0..w - w % LANES).step_by(LANES) {
@@ -500,12 +539,7 @@ mod x86 {
                         _mm512_cvtepu16_epi32(a),
                         _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(b)),
                     );
-                    let e = _mm512_and_si512(*x, exponent);
-                    wild |= _mm512_cmpeq_epi16_mask(e, exponent);
-                    sub |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
-                        & _mm512_test_epi16_mask(*x, mantissa);
-                    tiny |=
-                        _mm512_cmplt_epu16_mask(e, small) & _mm512_test_epi16_mask(*x, magnitude);
+                    scan.add(*x);
                 }
                 let mut t = [_mm512_setzero_si512(); LANES];
                 for k in 0..8 {
@@ -537,9 +571,7 @@ mod x86 {
                 }
             }
         }
-        report.non_finite |= wild != 0;
-        report.subnormal |= sub != 0;
-        report.tiny |= tiny != 0;
+        scan.finish(report);
         rows.len() / 2
     }
 
@@ -555,10 +587,7 @@ mod x86 {
         report: &mut super::PackReport,
     ) {
         let k = row.len();
-        let (exponent, mantissa) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x007f));
-        let magnitude = _mm512_set1_epi16(0x7fff);
-        let small = _mm512_set1_epi16((super::TINY_EXPONENT << 7) as i16);
-        let (mut wild, mut sub, mut tiny) = (0u32, 0u32, 0u32);
+        let mut scan = Scan::new();
         let (src, dst) = (row.as_ptr() as *const i16, out.as_mut_ptr() as *mut i16);
         let mut c = 0;
         while c < k {
@@ -572,11 +601,7 @@ mod x86 {
             // `out`'s words hold (an odd last entry's partner stays as written: zero below).
             unsafe {
                 let v = _mm512_maskz_loadu_epi16(mask, src.add(c));
-                let e = _mm512_and_si512(v, exponent);
-                wild |= _mm512_cmpeq_epi16_mask(e, exponent) & mask;
-                sub |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
-                    & _mm512_test_epi16_mask(v, mantissa);
-                tiny |= _mm512_cmplt_epu16_mask(e, small) & _mm512_test_epi16_mask(v, magnitude);
+                scan.add(v);
                 _mm512_mask_storeu_epi16(dst.add(c), mask, v);
             }
             c += 32;
@@ -584,9 +609,7 @@ mod x86 {
         if k % 2 == 1 {
             out[k / 2] &= 0x0000_ffff;
         }
-        report.non_finite |= wild != 0;
-        report.subnormal |= sub != 0;
-        report.tiny |= tiny != 0;
+        scan.finish(report);
     }
 
     /// Rows `a` and `b` (`w` entries each) as `w` pair words into `out`, with the report
@@ -602,10 +625,7 @@ mod x86 {
         report: &mut super::PackReport,
     ) {
         let w = out.len().min(a.len()).min(b.len());
-        let (exponent, mantissa) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x007f));
-        let magnitude = _mm512_set1_epi16(0x7fff);
-        let small = _mm512_set1_epi16((super::TINY_EXPONENT << 7) as i16);
-        let (mut wild, mut sub, mut tiny) = (0u32, 0u32, 0u32);
+        let mut scan = Scan::new();
         let mut c = 0;
         while c < w {
             let left = w - c;
@@ -622,18 +642,12 @@ mod x86 {
                     _mm512_cvtepu16_epi32(x),
                     _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(y)),
                 );
-                let e = _mm512_and_si512(v, exponent);
-                wild |= _mm512_cmpeq_epi16_mask(e, exponent);
-                sub |= _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512())
-                    & _mm512_test_epi16_mask(v, mantissa);
-                tiny |= _mm512_cmplt_epu16_mask(e, small) & _mm512_test_epi16_mask(v, magnitude);
+                scan.add(v);
                 _mm512_mask_storeu_epi32(out.as_mut_ptr().add(c) as *mut i32, mask, v);
             }
             c += LANES;
         }
-        report.non_finite |= wild != 0;
-        report.subnormal |= sub != 0;
-        report.tiny |= tiny != 0;
+        scan.finish(report);
     }
 
     /// See [`super::pack_f32_rows`].
