@@ -68,8 +68,9 @@ pub fn random_mat(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
     Mat::from_fn(rows, cols, |i, j| data[i * cols + j])
 }
 
-/// Q, K and V of one batch entry with `heads` heads, stored contiguously in the
-/// `[B,H,S,D]` layout, in any element type that f32 values convert into.
+/// Q, K and V of one batch entry with `heads` query heads (and as many K/V heads, or
+/// fewer for grouped-query attention), stored contiguously in the `[B,H,S,D]` layout, in
+/// any element type that f32 values convert into.
 ///
 /// ```
 /// use attn_benches::inputs::Qkv;
@@ -78,6 +79,8 @@ pub fn random_mat(rows: usize, cols: usize, seed: u64) -> Mat<f32> {
 /// assert_eq!(x.k().dims(), [1, 2, 32, 8]);
 /// let h = x.map(half::f16::from_f32);
 /// assert_eq!(h.v().dims(), [1, 2, 32, 8]);
+/// let g = Qkv::<f32>::random_grouped([4, 2], 16, 32, 8, 1);
+/// assert_eq!((g.q().dims(), g.k().dims()), ([1, 4, 16, 8], [1, 2, 32, 8]));
 /// ```
 #[derive(Debug, Clone)]
 pub struct Qkv<T> {
@@ -85,6 +88,7 @@ pub struct Qkv<T> {
     k: Vec<T>,
     v: Vec<T>,
     heads: usize,
+    kv_heads: usize,
     n_q: usize,
     n_k: usize,
     d: usize,
@@ -93,11 +97,23 @@ pub struct Qkv<T> {
 impl Qkv<f32> {
     /// Uniform values in `[-1, 1)`; Q, K and V use seeds `seed`, `seed + 1`, `seed + 2`.
     pub fn random(heads: usize, n_q: usize, n_k: usize, d: usize, seed: u64) -> Self {
+        Self::random_grouped([heads, heads], n_q, n_k, d, seed)
+    }
+
+    /// [`Qkv::random`] with `[heads, kv_heads]` query and K/V heads.
+    pub fn random_grouped(
+        [heads, kv_heads]: [usize; 2],
+        n_q: usize,
+        n_k: usize,
+        d: usize,
+        seed: u64,
+    ) -> Self {
         Self {
             q: random_vec(heads * n_q * d, seed),
-            k: random_vec(heads * n_k * d, seed.wrapping_add(1)),
-            v: random_vec(heads * n_k * d, seed.wrapping_add(2)),
+            k: random_vec(kv_heads * n_k * d, seed.wrapping_add(1)),
+            v: random_vec(kv_heads * n_k * d, seed.wrapping_add(2)),
             heads,
+            kv_heads,
             n_q,
             n_k,
             d,
@@ -117,29 +133,30 @@ impl<T> Qkv<T> {
             k: conv(&self.k),
             v: conv(&self.v),
             heads: self.heads,
+            kv_heads: self.kv_heads,
             n_q: self.n_q,
             n_k: self.n_k,
             d: self.d,
         }
     }
 
-    fn view<'a>(&self, data: &'a [T], seq: usize) -> Tensor4Ref<'a, T> {
-        Tensor4Ref::from_layout(data, [1, self.heads, seq, self.d], Layout::Bhsd)
+    fn view<'a>(&self, data: &'a [T], heads: usize, seq: usize) -> Tensor4Ref<'a, T> {
+        Tensor4Ref::from_layout(data, [1, heads, seq, self.d], Layout::Bhsd)
             .expect("the buffer was sized for these dims")
     }
 
     /// Q as `[1, heads, n_q, d]`.
     pub fn q(&self) -> Tensor4Ref<'_, T> {
-        self.view(&self.q, self.n_q)
+        self.view(&self.q, self.heads, self.n_q)
     }
 
-    /// K as `[1, heads, n_k, d]`.
+    /// K as `[1, kv_heads, n_k, d]`.
     pub fn k(&self) -> Tensor4Ref<'_, T> {
-        self.view(&self.k, self.n_k)
+        self.view(&self.k, self.kv_heads, self.n_k)
     }
 
-    /// V as `[1, heads, n_k, d]`.
+    /// V as `[1, kv_heads, n_k, d]`.
     pub fn v(&self) -> Tensor4Ref<'_, T> {
-        self.view(&self.v, self.n_k)
+        self.view(&self.v, self.kv_heads, self.n_k)
     }
 }

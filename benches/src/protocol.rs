@@ -36,6 +36,9 @@ pub struct CaseRequest {
     pub causal: bool,
     /// Heads of the one batch entry.
     pub heads: usize,
+    /// K/V heads when fewer than `heads` (grouped-query attention); `None`: as many.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
     /// Queries per head.
     pub n_q: usize,
     /// Keys (and values) per head.
@@ -68,6 +71,7 @@ impl CaseRequest {
             dtype,
             causal: false,
             heads: 1,
+            kv_heads: None,
             n_q: n,
             n_k: n,
             d,
@@ -77,6 +81,11 @@ impl CaseRequest {
             seed: 0x5eed,
             roof_gemm_n: None,
         }
+    }
+
+    /// K/V heads of the case: [`CaseRequest::kv_heads`], or one per query head.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads.unwrap_or(self.heads)
     }
 }
 

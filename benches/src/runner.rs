@@ -35,7 +35,19 @@ pub enum Buffers {
 impl Buffers {
     /// Deterministic operands of `heads` heads (batch 1, `[B,H,S,D]` layout).
     pub fn random(dtype: Dtype, heads: usize, n_q: usize, n_k: usize, d: usize, seed: u64) -> Self {
-        let x = Qkv::random(heads, n_q, n_k, d, seed);
+        Self::random_grouped(dtype, [heads, heads], n_q, n_k, d, seed)
+    }
+
+    /// [`Buffers::random`] with `[heads, kv_heads]` query and K/V heads.
+    pub fn random_grouped(
+        dtype: Dtype,
+        heads: [usize; 2],
+        n_q: usize,
+        n_k: usize,
+        d: usize,
+        seed: u64,
+    ) -> Self {
+        let x = Qkv::random_grouped(heads, n_q, n_k, d, seed);
         match dtype {
             Dtype::F32 => Buffers::F32(x),
             Dtype::F16 => Buffers::F16(x.map(f16::from_f32)),
@@ -174,20 +186,20 @@ enum CaseInputs {
 }
 
 impl CaseInputs {
-    /// Deterministic inputs of `request`'s pass and dtype with `heads` heads of `n_q`
-    /// queries and `n_k` keys (a backward case computes the optimized forward here, so
-    /// that its output and LSE exist before anything is measured).
+    /// Deterministic inputs of `request`'s pass and dtype with `heads` query and K/V heads
+    /// of `n_q` queries and `n_k` keys (a backward case computes the optimized forward
+    /// here, so that its output and LSE exist before anything is measured).
     fn random(
         request: &CaseRequest,
-        [heads, n_q, n_k]: [usize; 3],
+        [heads, kv_heads, n_q, n_k]: [usize; 4],
         options: &Options<'_>,
     ) -> Result<Self, Error> {
-        let r = request;
+        let (r, heads) = (request, [heads, kv_heads]);
         Ok(match r.pass {
-            Pass::Forward => {
-                CaseInputs::Forward(Buffers::random(r.dtype, heads, n_q, n_k, r.d, r.seed))
-            }
-            Pass::Backward => CaseInputs::Backward(Steps::random(
+            Pass::Forward => CaseInputs::Forward(Buffers::random_grouped(
+                r.dtype, heads, n_q, n_k, r.d, r.seed,
+            )),
+            Pass::Backward => CaseInputs::Backward(Steps::random_grouped(
                 r.dtype, heads, n_q, n_k, r.d, r.seed, options,
             )?),
         })
@@ -245,7 +257,7 @@ pub fn run_case(request: &CaseRequest) -> CaseReport {
     pool(r.threads).install(|| {
         // A tiny call first: it tells whether the pair is supported before the real inputs
         // are built, and starts the pool's threads so their stacks are not counted below.
-        let probe = match CaseInputs::random(r, [1, 2, 2], &options) {
+        let probe = match CaseInputs::random(r, [1, 1, 2, 2], &options) {
             Ok(probe) => probe,
             Err(e) => return CaseReport::without_timings(Status::Failed, e.to_string()),
         };
@@ -267,7 +279,7 @@ pub fn run_case(request: &CaseRequest) -> CaseReport {
 
         // Everything the call reads exists before the peak is reset: for a backward case
         // that includes the upstream gradient and the forward's output and LSE.
-        let inputs = match CaseInputs::random(r, [r.heads, r.n_q, r.n_k], &options) {
+        let inputs = match CaseInputs::random(r, [r.heads, r.kv_heads(), r.n_q, r.n_k], &options) {
             Ok(inputs) => inputs,
             Err(e) => return CaseReport::without_timings(Status::Failed, e.to_string()),
         };

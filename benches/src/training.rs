@@ -120,7 +120,20 @@ impl Steps {
         seed: u64,
         options: &Options<'_>,
     ) -> Result<Self, Error> {
-        let x = Qkv::random(heads, n_q, n_k, d, seed);
+        Self::random_grouped(dtype, [heads, heads], n_q, n_k, d, seed, options)
+    }
+
+    /// [`Steps::random`] with `[heads, kv_heads]` query and K/V heads.
+    pub fn random_grouped(
+        dtype: Dtype,
+        [heads, kv_heads]: [usize; 2],
+        n_q: usize,
+        n_k: usize,
+        d: usize,
+        seed: u64,
+        options: &Options<'_>,
+    ) -> Result<Self, Error> {
+        let x = Qkv::random_grouped([heads, kv_heads], n_q, n_k, d, seed);
         let d_out = random_vec(heads * n_q * d, seed.wrapping_add(3));
         Ok(match dtype {
             Dtype::F32 => Steps::F32(Step::new(x, d_out, options)?),

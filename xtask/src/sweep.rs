@@ -158,6 +158,7 @@ pub fn run(s: &Settings) -> Result<(), String> {
             dtype: case.dtype,
             causal: s.causal,
             heads: s.heads,
+            kv_heads: None,
             n_q: s.workload.queries(case.n),
             n_k: case.n,
             d: s.d,
