@@ -8,14 +8,14 @@ use faer::linalg::matmul::matmul;
 use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par};
 
-use super::Scratch;
 use super::native::Values;
+use super::{Pairs, Scratch};
 use crate::exact::rescore;
 use crate::kernel::Products;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
-use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update};
+use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update, softmax_update_pairs};
 use crate::keys::KeySource;
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_tile, without_non_finite_rows,
@@ -68,8 +68,7 @@ impl Scratch {
                 head.v.block(local..local + nc),
             );
             let k_native = q_native && self.pairs.pack_keys(&kb);
-            let pairs = &self.pairs;
-            let scores = |s: &mut [f32], k_wide: &mut Vec<f32>| {
+            let scores = |pairs: &Pairs, s: &mut [f32], k_wide: &mut Vec<f32>| {
                 if k_native {
                     return pairs.scores(products, s, br, nr, nc, d_k, head.scale_log2);
                 }
@@ -84,7 +83,7 @@ impl Scratch {
                     Par::Seq,
                 );
             };
-            scores(&mut self.s, &mut self.k_wide);
+            scores(&self.pairs, &mut self.s, &mut self.k_wide);
             let (q, k) = (head.q.subrows(rows.start, nr), &kb);
             let rescaled_rows = Some(&self.rescaled[..nr]);
             // A tile with nothing hidden is checked for a non-finite score by the softmax's
@@ -111,6 +110,14 @@ impl Scratch {
                 (rows.clone(), cols.clone()),
                 coverage,
             );
+            // Native bf16 products: P rounded to bf16 (the scores and the sums stay f32),
+            // unless V holds an entry too small for them (see `Pairs::pack_values`). V is
+            // packed first: when it is exact, the softmax writes P's pairs itself.
+            let values = if native {
+                self.pairs.pack_values(products, &vb, d_v)
+            } else {
+                Values::F32
+            };
             let mut state = RowState {
                 m: &mut self.m,
                 l: &mut self.l,
@@ -118,42 +125,42 @@ impl Scratch {
                 m_safe: &mut self.m_safe,
             };
             let check = !scan && !rescaled;
-            let rescale =
-                match softmax_update(&mut self.s, br, nr, nc, &mut state, all_visible, check) {
-                    Some(rescale) => rescale,
-                    None => {
-                        if modified {
-                            // The tile was modified: start again from the raw scores.
-                            scores(&mut self.s, &mut self.k_wide);
-                        }
-                        rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
-                        let at = (rows.clone(), cols.clone());
-                        modify_scores(&mut self.s, (1, br), head, at, None);
-                        // What is still not finite comes from the operands: no second check.
-                        let again =
-                            softmax_update(&mut self.s, br, nr, nc, &mut state, true, false);
-                        again.unwrap_or(false)
+            let s = &mut self.s;
+            let first = if values == Values::Exact {
+                let mut out = self.pairs.probabilities(&mut self.l_delta);
+                softmax_update_pairs(s, br, nr, nc, &mut state, all_visible, check, &mut out)
+                    .map(|rescale| (rescale, true))
+            } else {
+                softmax_update(s, br, nr, nc, &mut state, all_visible, check)
+                    .map(|rescale| (rescale, false))
+            };
+            let (rescale, packed) = match first {
+                Some(first) => first,
+                None => {
+                    if modified {
+                        // The tile was modified: start again from the raw scores.
+                        scores(&self.pairs, &mut self.s, &mut self.k_wide);
                     }
-                };
+                    rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
+                    let at = (rows.clone(), cols.clone());
+                    modify_scores(&mut self.s, (1, br), head, at, None);
+                    // What is still not finite comes from the operands: no second check.
+                    let again = softmax_update(&mut self.s, br, nr, nc, &mut state, true, false);
+                    (again.unwrap_or(false), false)
+                }
+            };
             if rescale {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
-            if rescale && native {
+            if rescale && native && !packed {
                 for (d, a) in self.l_delta[..nr].iter_mut().zip(&self.alpha) {
                     *d *= a;
                 }
             }
-            // Native bf16 products: P rounded to bf16 (the scores and the sums stay f32),
-            // unless V holds an entry too small for them (see `Pairs::pack_values`).
-            let values = if native {
-                self.pairs.pack_values(products, &vb, d_v)
-            } else {
-                Values::F32
-            };
             if values != Values::F32 {
-                let (acc, delta) = (&mut self.acc, &mut self.l_delta);
+                let (acc, delta, p) = (&mut self.acc, &mut self.l_delta, (&self.s[..], packed));
                 self.pairs
-                    .add_weighted_values(products, &self.s, nr, nc, d_v, acc, br, delta);
+                    .add_weighted_values(products, p, nr, nc, d_v, acc, br, delta);
                 if values == Values::WithoutNonFinite {
                     // The non-finite rows' terms, for the rows that see them.
                     let v_tile = vb.to_f32(&mut self.v_wide);

@@ -26,7 +26,7 @@ use faer::{Mat, MatMut, Par, RowMut};
 use crate::exact;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
-use crate::kernel::online_softmax::scale_rows;
+use crate::kernel::online_softmax::{log_sum_exp, scale_rows};
 use crate::kernel::{Products, amx, pair_dot};
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
@@ -436,16 +436,14 @@ impl Scratch {
             narrow_row(buf, row.rb_mut());
         }
         if let Some(lse) = lse {
-            for (i, x) in lse[..rows].iter_mut().enumerate() {
-                *x = self.lse_row(i, sink);
-            }
+            self.lse_rows(sink, &mut lse[..rows]);
         }
     }
 
     /// Folds the sink logit `sink` (natural units) into the state `(m, l)` and the
     /// accumulator of the first `rows` rows: the sink is one more term of each row's sum,
     /// without a value. A row that saw nothing keeps its state (`l = 0`, output 0), and its
-    /// LSE is `sink` itself ([`Scratch::lse_row`]).
+    /// LSE is `sink` itself ([`Scratch::lse_rows`]).
     fn fold_sink(&mut self, rows: usize, sink: f32) {
         let sink2 = sink * core::f32::consts::LOG2_E;
         for i in 0..rows {
@@ -481,7 +479,8 @@ impl Scratch {
         let (n, d_v) = (rows.len(), self.shape.d_v);
         let mut out = Mat::from_fn(n, d_v, |i, c| self.normalised(i, c));
         // A partial state leaves the sink out: it is merged once, after every chunk.
-        let mut lse: Vec<f32> = (0..n).map(|i| self.lse_row(i, None)).collect();
+        let mut lse = vec![0.0; n];
+        self.lse_rows(None, &mut lse);
         if !self.accumulators_finite(n) {
             let bad = |i: usize| !self.row_finite(i);
             exact::repair_rows(head, rows, keys, bad, |i, o, l| {
@@ -521,14 +520,15 @@ impl Scratch {
         normalise(a, self.l[i])
     }
 
-    /// Row `i`'s natural-log LSE; a row that saw nothing has the sink's logit itself (not
-    /// a rounding of it), or `-inf` without one.
-    fn lse_row(&self, i: usize, sink: Option<f32>) -> f32 {
-        let l = self.l[i];
-        if l == 0.0 {
-            sink.unwrap_or(f32::NEG_INFINITY)
-        } else {
-            (self.m[i] + l.log2()) * core::f32::consts::LN_2
-        }
+    /// The natural-log LSE of the first `lse.len()` rows; a row that saw nothing has the
+    /// sink's logit itself (not a rounding of it), or `-inf` without one.
+    fn lse_rows(&self, sink: Option<f32>, lse: &mut [f32]) {
+        let n = lse.len();
+        log_sum_exp(
+            &self.m[..n],
+            &self.l[..n],
+            sink.unwrap_or(f32::NEG_INFINITY),
+            lse,
+        );
     }
 }

@@ -7,6 +7,7 @@ use super::Pairs;
 use crate::kernel::Products;
 use crate::kernel::amx::{self, TileRows};
 use crate::kernel::element::Element;
+use crate::kernel::online_softmax::PairsOut;
 use crate::kernel::pair_dot::{self, Broadcast, Columns, Lanes};
 use crate::keys::{KeySource, PairOrder};
 
@@ -117,14 +118,27 @@ impl Pairs {
         }
     }
 
-    /// `acc += P·V` for the packed values, P the probabilities in `s` rounded to bf16;
+    /// Where the softmax writes P's pairs itself ([`softmax_update_pairs`]), its rounding
+    /// added to `delta`.
+    ///
+    /// [`softmax_update_pairs`]: crate::kernel::online_softmax::softmax_update_pairs
+    pub(super) fn probabilities<'a>(&'a mut self, delta: &'a mut [f32]) -> PairsOut<'a> {
+        PairsOut {
+            words: &mut self.p,
+            ld: self.ld,
+            delta,
+        }
+    }
+
+    /// `acc += P·V` for the packed values, P the probabilities in `s` rounded to bf16 —
+    /// or, when `packed`, the pairs the softmax already wrote ([`Pairs::probabilities`]);
     /// `acc` column-major (`ld` floats per value column), like `s`. `delta[i]` gains what
     /// the rounding added to row `i`'s weights.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add_weighted_values(
         &mut self,
         products: Products,
-        s: &[f32],
+        (s, packed): (&[f32], bool),
         nr: usize,
         nc: usize,
         d_v: usize,
@@ -133,7 +147,9 @@ impl Pairs {
         delta: &mut [f32],
     ) {
         let lanes = self.ld;
-        pair_dot::pack_probabilities(s, ld, nr, nc, &mut self.p, lanes, delta);
+        if !packed {
+            pair_dot::pack_probabilities(s, ld, nr, nc, &mut self.p, lanes, delta);
+        }
         let pairs = pair_dot::pairs(nc);
         match products {
             Products::Tiles => {

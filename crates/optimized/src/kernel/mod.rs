@@ -66,10 +66,13 @@ macro_rules! multiversion {
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
+                // The shims take what the function takes, however many arguments.
+                #[allow(clippy::too_many_arguments)]
                 #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,bmi1,bmi2,lzcnt")]
                 fn v4($($arg: $ty),*) $(-> $ret)? {
                     $body::<true>($($arg),*)
                 }
+                #[allow(clippy::too_many_arguments)]
                 #[target_feature(enable = "avx2,fma,bmi1,bmi2,lzcnt")]
                 fn v3($($arg: $ty),*) $(-> $ret)? {
                     $body::<true>($($arg),*)

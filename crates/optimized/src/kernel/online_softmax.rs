@@ -11,9 +11,12 @@
 //! at most `2^LAZY_RESCALE_LOG2`, far from overflow, and the final division by `l` makes
 //! the result independent of when `m` moved.
 
-use super::exp2::exp2_approx;
+use super::exp2::{exp2_approx, log2_approx};
 use super::finite::{INF_BITS, magnitude_max};
-use super::multiversion;
+use super::{multiversion, pair_dot};
+
+/// Rows whose block maxima the first step keeps in registers (one AVX-512 vector).
+const BLOCK_ROWS: usize = 16;
 
 /// How far (in log2 units) a block maximum may exceed the reference maximum before the
 /// accumulator is rescaled.
@@ -69,8 +72,71 @@ pub(crate) struct RowState<'a> {
     pub m_safe: &'a mut [f32],
 }
 
+/// Where [`softmax_update_pairs`] puts the probabilities: rounded to bf16 in pairs of
+/// columns ([`pair_dot::pack_probabilities`]'s layout, `ld` words between pairs), with
+/// what rounding added to each row's weights in `delta`.
+#[derive(Debug)]
+pub(crate) struct PairsOut<'a> {
+    pub words: &'a mut [u32],
+    pub ld: usize,
+    pub delta: &'a mut [f32],
+}
+
 #[inline(always)]
 fn update_body<const FMA: bool>(
+    s: &mut [f32],
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    state: &mut RowState<'_>,
+    all_visible: bool,
+    check_finite: bool,
+) -> Option<bool> {
+    let rescale = maxima_body::<FMA>(s, ld, rows, cols, state, all_visible, check_finite)?;
+    // 3. P = 2^(s − m) in place, and the row sums.
+    let (m_safe, l) = (&state.m_safe[..rows], &mut state.l[..rows]);
+    for j in 0..cols {
+        let col = &mut s[j * ld..j * ld + rows];
+        for ((x, &mi), li) in col.iter_mut().zip(m_safe).zip(l.iter_mut()) {
+            let p = exp2_approx::<FMA>(*x - mi);
+            *x = p;
+            *li += p;
+        }
+    }
+    Some(rescale)
+}
+
+#[inline(always)]
+fn update_pairs_body<const FMA: bool>(
+    s: &mut [f32],
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    state: &mut RowState<'_>,
+    all_visible: bool,
+    check_finite: bool,
+    out: &mut PairsOut<'_>,
+) -> Option<bool> {
+    let rescale = maxima_body::<FMA>(s, ld, rows, cols, state, all_visible, check_finite)?;
+    let (m_safe, l) = (&state.m_safe[..rows], &mut state.l[..rows]);
+    let delta = &mut out.delta[..rows];
+    if rescale {
+        for (d, &a) in delta.iter_mut().zip(&state.alpha[..rows]) {
+            *d *= a;
+        }
+    }
+    // 3. P = 2^(s − m), the row sums, and P rounded into its pairs in one pass over the
+    //    tile, which is read once and not written.
+    let words = (&mut *out.words, out.ld);
+    pair_dot::exponentiate_pairs(s, ld, rows, cols, m_safe, l, words, delta);
+    Some(rescale)
+}
+
+/// Steps 1 and 2 of the softmax update: the block maxima, the saturation of overflowed
+/// rows, and the lazy move of the reference maxima (`state.alpha`, `state.m_safe`, `l`
+/// rescaled); `None` when `check_finite` finds a non-finite score (nothing changed).
+#[inline(always)]
+fn maxima_body<const FMA: bool>(
     s: &mut [f32],
     ld: usize,
     rows: usize,
@@ -88,11 +154,28 @@ fn update_body<const FMA: bool>(
     //    still poison their own row through the exponential below. When asked, the same
     //    pass finds a non-finite score (the magnitude bits, see `finite`), and the update
     //    stops before it has changed any state.
+    //    Sixteen rows at a time, their maxima (and magnitudes) in registers across the
+    //    columns; then the rows past the last sixteen.
     alpha.fill(f32::NEG_INFINITY);
-    let mut high = 0u32;
+    let whole = rows - rows % BLOCK_ROWS;
+    let mut highs = [0u32; BLOCK_ROWS];
+    for i in (0..whole).step_by(BLOCK_ROWS) {
+        let mut max = [f32::NEG_INFINITY; BLOCK_ROWS];
+        for j in 0..cols {
+            let col = &s[j * ld + i..][..BLOCK_ROWS];
+            for t in 0..BLOCK_ROWS {
+                max[t] = if col[t] > max[t] { col[t] } else { max[t] };
+                if check_finite {
+                    highs[t] = highs[t].max(col[t].to_bits() & !(1 << 31));
+                }
+            }
+        }
+        alpha[i..i + BLOCK_ROWS].copy_from_slice(&max);
+    }
+    let mut high = highs.into_iter().max().unwrap_or(0);
     for j in 0..cols {
-        let col = &s[j * ld..j * ld + rows];
-        for (b, &x) in alpha.iter_mut().zip(col) {
+        let col = &s[j * ld + whole..j * ld + rows];
+        for (b, &x) in alpha[whole..].iter_mut().zip(col) {
             *b = if x > *b { x } else { *b };
         }
         if check_finite {
@@ -127,16 +210,6 @@ fn update_body<const FMA: bool>(
         m_safe[i] = if m[i] == f32::NEG_INFINITY { 0.0 } else { m[i] };
         l[i] *= alpha[i];
     }
-
-    // 3. P = 2^(s − m) in place, and the row sums.
-    for j in 0..cols {
-        let col = &mut s[j * ld..j * ld + rows];
-        for ((x, &mi), li) in col.iter_mut().zip(&*m_safe).zip(l.iter_mut()) {
-            let p = exp2_approx::<FMA>(*x - mi);
-            *x = p;
-            *li += p;
-        }
-    }
     Some(rescale)
 }
 
@@ -160,6 +233,25 @@ multiversion! {
     ) -> Option<bool> = update_body
 }
 
+multiversion! {
+    /// [`softmax_update`] for the native bf16 products: the probabilities go into `out` as
+    /// bf16 pairs (and `out.delta`, first rescaled like the sums, gains what rounding
+    /// added) instead of into the tile, which keeps its scores. The sums and the state
+    /// are bit for bit those of [`softmax_update`] followed by
+    /// [`pair_dot::pack_probabilities`]. Without AVX512_BF16 the words are not written.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn softmax_update_pairs(
+        s: &mut [f32],
+        ld: usize,
+        rows: usize,
+        cols: usize,
+        state: &mut RowState<'_>,
+        all_visible: bool,
+        check_finite: bool,
+        out: &mut PairsOut<'_>,
+    ) -> Option<bool> = update_pairs_body
+}
+
 #[inline(always)]
 fn scale_rows_body<const FMA: bool>(
     acc: &mut [f32],
@@ -178,6 +270,20 @@ fn scale_rows_body<const FMA: bool>(
 multiversion! {
     /// Multiplies row `i` of a column-major `rows × cols` matrix by `alpha[i]`.
     pub(crate) fn scale_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, alpha: &[f32]) = scale_rows_body
+}
+
+#[inline(always)]
+fn log_sum_exp_body<const FMA: bool>(m: &[f32], l: &[f32], empty: f32, lse: &mut [f32]) {
+    for ((x, &m), &l) in lse.iter_mut().zip(m).zip(l) {
+        let y = (m + log2_approx::<FMA>(l)) * core::f32::consts::LN_2;
+        *x = if l == 0.0 { empty } else { y };
+    }
+}
+
+multiversion! {
+    /// The natural-log LSE `ln 2 · (m + log2 l)` of each row from its online-softmax state
+    /// (log2 domain), vectorised; a row with `l = 0` (it saw nothing) gets `empty`.
+    pub(crate) fn log_sum_exp(m: &[f32], l: &[f32], empty: f32, lse: &mut [f32]) = log_sum_exp_body
 }
 
 /// Lanes of the row pass's running maxima and sums (one AVX-512 vector).
@@ -334,5 +440,66 @@ mod tests {
         softmax_row(&mut p, &mut m, &mut l, false);
         assert_eq!(l, 0.0);
         assert!(p.iter().all(|&x| x == 0.0));
+    }
+
+    /// The fused update writes what the plain update and the packer write, bit for bit:
+    /// the same words, sums, maxima and rounding terms, over blocks that rescale and
+    /// ragged shapes (an odd column count, rows past a vector).
+    #[test]
+    fn pairs_update_is_the_update_then_the_packer() {
+        if !pair_dot::available() && !crate::kernel::amx::available() {
+            return;
+        }
+        for (rows, cols) in [(1usize, 1usize), (5, 7), (16, 32), (37, 64), (128, 33)] {
+            let ld = rows.next_multiple_of(pair_dot::LANES);
+            let mut plain = state_vecs(rows);
+            let mut fused = state_vecs(rows);
+            let (mut delta_plain, mut delta_fused) = (vec![0.25f32; rows], vec![0.25f32; rows]);
+            for block in 0..3 {
+                let tile: Vec<f32> = (0..cols * rows)
+                    .map(|x| ((x * 7 + block * 13) % 23) as f32 * 0.37 + 10.0 * block as f32)
+                    .collect();
+                let (mut s1, mut s2) = (tile.clone(), tile.clone());
+                let mut words_plain = vec![0u32; pair_dot::pairs(cols) * ld];
+                let mut words_fused = words_plain.clone();
+                let rescale = update(&mut s1, rows, rows, cols, &mut plain);
+                if rescale {
+                    for (d, a) in delta_plain.iter_mut().zip(&plain[2]) {
+                        *d *= a;
+                    }
+                }
+                pair_dot::pack_probabilities(
+                    &s1,
+                    rows,
+                    rows,
+                    cols,
+                    &mut words_plain,
+                    ld,
+                    &mut delta_plain,
+                );
+                let [m, l, alpha, m_safe] = &mut fused;
+                let mut st = RowState {
+                    m,
+                    l,
+                    alpha,
+                    m_safe,
+                };
+                let mut out = PairsOut {
+                    words: &mut words_fused,
+                    ld,
+                    delta: &mut delta_fused,
+                };
+                let r = softmax_update_pairs(
+                    &mut s2, rows, rows, cols, &mut st, false, false, &mut out,
+                );
+                assert_eq!(r, Some(rescale));
+                assert_eq!(s2, tile, "the tile keeps its scores");
+                assert_eq!(words_fused, words_plain, "{rows}x{cols} block {block}");
+                for (a, b) in plain.iter().zip(&fused) {
+                    assert_eq!(a, b);
+                }
+                assert_eq!(delta_fused, delta_plain);
+            }
+        }
     }
 }

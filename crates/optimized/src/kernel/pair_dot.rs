@@ -349,6 +349,35 @@ pub(crate) fn pack_probabilities(
     }
 }
 
+/// Step 3 of the softmax for the native products, fused with [`pack_probabilities`]: for
+/// the `cols` columns of scores `s` (`rows` each, `ld_s` apart), `p = 2^(s − m_safe)`
+/// added to the row sums `l` in column order, rounded into the pair words of `dst` (`ld`
+/// apart) and what rounding added accumulated into `delta` — bit for bit what the plain
+/// step and the packer compute, without writing the probabilities anywhere else. Without
+/// AVX512_BF16, does nothing.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn exponentiate_pairs(
+    s: &[f32],
+    ld_s: usize,
+    rows: usize,
+    cols: usize,
+    m_safe: &[f32],
+    l: &mut [f32],
+    (dst, ld): (&mut [u32], usize),
+    delta: &mut [f32],
+) {
+    assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
+    assert!(m_safe.len() >= rows && l.len() >= rows && delta.len() >= rows);
+    assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
+    assert!(dst.len() >= pairs(cols) * ld);
+    #[cfg(target_arch = "x86_64")]
+    if has_instructions() {
+        // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
+        // asserts above bound every access (loads and stores are masked to `rows`).
+        unsafe { x86::exponentiate_pairs(s, ld_s, rows, cols, m_safe, l, dst, ld, delta) }
+    }
+}
+
 /// `c (+)= alpha · A·B`: `accumulate` adds to `c`, otherwise overwrites it. Without
 /// AVX512_BF16, does nothing (the caller computes in f32 there).
 pub(crate) fn product(
@@ -710,27 +739,87 @@ mod x86 {
         ld: usize,
         delta: &mut [f32],
     ) {
-        // Word i of the result takes bf16 i of the even column and bf16 i of the odd one
-        // (which `cvtne2ps` puts 16 places higher).
+        let (s, d, dl) = (s.as_ptr(), dst.as_mut_ptr(), delta.as_mut_ptr());
+        for p in 0..cols.div_ceil(2) {
+            let (c0, c1) = (2 * p, 2 * p + 1);
+            // SAFETY: column `c1` is read only when it exists; the caller's bounds.
+            unsafe {
+                let odd = (c1 < cols).then(|| s.add(c1 * ld_s));
+                pack_pair(s.add(c0 * ld_s), odd, rows, d.add(p * ld), dl);
+            }
+        }
+    }
+
+    /// [`super::super::exp2::exp2_approx`] on sixteen lanes: the same steps, so the same
+    /// bits.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn exp2(x: __m512) -> __m512 {
+        use super::super::exp2::{EXP2_POLY, ROUND};
+        let round = _mm512_set1_ps(ROUND);
+        let t = _mm512_add_ps(x, round);
+        let f = _mm512_sub_ps(x, _mm512_sub_ps(t, round));
+        let mut p = _mm512_set1_ps(EXP2_POLY[0]);
+        for &c in &EXP2_POLY[1..] {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+        }
+        let ki = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B40_0000));
+        let two_k = _mm512_slli_epi32::<23>(_mm512_add_epi32(ki, _mm512_set1_epi32(127)));
+        let r = _mm512_mul_ps(p, _mm512_castsi512_ps(two_k));
+        let top = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(128.0));
+        let r = _mm512_mask_mov_ps(r, top, _mm512_set1_ps(f32::INFINITY));
+        let low = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-126.0));
+        _mm512_mask_mov_ps(r, low, _mm512_setzero_ps())
+    }
+
+    /// See [`super::exponentiate_pairs`]; sixteen rows at a time, their sums, rounding
+    /// terms and maxima in registers across the columns.
+    ///
+    /// # Safety
+    /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::exponentiate_pairs`] asserts.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn exponentiate_pairs(
+        s: &[f32],
+        ld_s: usize,
+        rows: usize,
+        cols: usize,
+        m_safe: &[f32],
+        l: &mut [f32],
+        dst: &mut [u32],
+        ld: usize,
+        delta: &mut [f32],
+    ) {
         let interleave = _mm512_set_epi16(
             31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
             4, 19, 3, 18, 2, 17, 1, 16, 0,
         );
-        let (s, d, dl) = (s.as_ptr(), dst.as_mut_ptr(), delta.as_mut_ptr());
-        for p in 0..cols.div_ceil(2) {
-            let (c0, c1) = (2 * p, 2 * p + 1);
-            let mut i = 0;
-            while i < rows {
-                let mask: __mmask16 = if rows - i >= LANES {
-                    0xffff
-                } else {
-                    (1u16 << (rows - i)) - 1
+        let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
+        let mut i = 0;
+        while i < rows {
+            let mask: __mmask16 = if rows - i >= LANES {
+                0xffff
+            } else {
+                (1u16 << (rows - i)) - 1
+            };
+            // SAFETY: lanes past `rows` are masked (and their words are zero pairs, inside
+            // the vector that `ld` rounds up to); column `2p + 1` is read only when it
+            // exists.
+            unsafe {
+                let m = _mm512_maskz_loadu_ps(mask, m_safe.as_ptr().add(i));
+                let mut sum = _mm512_maskz_loadu_ps(mask, l.as_ptr().add(i));
+                let mut added = _mm512_maskz_loadu_ps(mask, delta.as_ptr().add(i));
+                let p_of = |c: usize| {
+                    let x = _mm512_maskz_loadu_ps(mask, s.add(c * ld_s + i));
+                    _mm512_maskz_mov_ps(mask, exp2(_mm512_sub_ps(x, m)))
                 };
-                // SAFETY: lanes past `rows` are masked; column `c1` exists when read.
-                unsafe {
-                    let even = _mm512_maskz_loadu_ps(mask, s.add(c0 * ld_s + i));
-                    let odd = if c1 < cols {
-                        _mm512_maskz_loadu_ps(mask, s.add(c1 * ld_s + i))
+                for p in 0..cols.div_ceil(2) {
+                    let even = p_of(2 * p);
+                    sum = _mm512_add_ps(sum, even);
+                    let odd = if 2 * p + 1 < cols {
+                        let odd = p_of(2 * p + 1);
+                        sum = _mm512_add_ps(sum, odd);
+                        odd
                     } else {
                         _mm512_setzero_ps()
                     };
@@ -738,20 +827,75 @@ mod x86 {
                         core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd, even));
                     let words = _mm512_permutexvar_epi16(interleave, both);
                     _mm512_storeu_epi32(d.add(p * ld + i) as *mut i32, words);
-                    // What rounding added: the rounded values back in f32, minus the exact.
                     let even_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
                         _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)),
                     ));
                     let odd_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
                         _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(both)),
                     ));
-                    let added =
+                    let step =
                         _mm512_add_ps(_mm512_sub_ps(even_r, even), _mm512_sub_ps(odd_r, odd));
-                    let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dl.add(i)), added);
-                    _mm512_mask_storeu_ps(dl.add(i), mask, sum);
+                    added = _mm512_add_ps(added, step);
                 }
-                i += LANES;
+                _mm512_mask_storeu_ps(l.as_mut_ptr().add(i), mask, sum);
+                _mm512_mask_storeu_ps(delta.as_mut_ptr().add(i), mask, added);
             }
+            i += LANES;
+        }
+    }
+
+    /// One pair of columns of probabilities (`odd` zero when absent), `rows` of each, into
+    /// the words at `dst` (whole vectors: lanes past `rows` get zero pairs); adds what
+    /// rounding added to `delta`.
+    ///
+    /// # Safety
+    /// AVX512_BF16, AVX-512 F and BW; `rows` floats at `even`, `odd` and `delta`, `rows`
+    /// rounded up to [`LANES`] words at `dst`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pack_pair(
+        even: *const f32,
+        odd: Option<*const f32>,
+        rows: usize,
+        dst: *mut u32,
+        delta: *mut f32,
+    ) {
+        // Word i of the result takes bf16 i of the even column and bf16 i of the odd one
+        // (which `cvtne2ps` puts 16 places higher).
+        let interleave = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        let mut i = 0;
+        while i < rows {
+            let mask: __mmask16 = if rows - i >= LANES {
+                0xffff
+            } else {
+                (1u16 << (rows - i)) - 1
+            };
+            // SAFETY: lanes past `rows` are masked; the caller's bounds.
+            unsafe {
+                let even_x = _mm512_maskz_loadu_ps(mask, even.add(i));
+                let odd_x = match odd {
+                    Some(odd) => _mm512_maskz_loadu_ps(mask, odd.add(i)),
+                    None => _mm512_setzero_ps(),
+                };
+                let both =
+                    core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd_x, even_x));
+                let words = _mm512_permutexvar_epi16(interleave, both);
+                _mm512_storeu_epi32(dst.add(i) as *mut i32, words);
+                // What rounding added: the rounded values back in f32, minus the exact.
+                let even_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm512_castsi512_si256(both),
+                )));
+                let odd_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm512_extracti64x4_epi64::<1>(both),
+                )));
+                let added =
+                    _mm512_add_ps(_mm512_sub_ps(even_r, even_x), _mm512_sub_ps(odd_r, odd_x));
+                let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, delta.add(i)), added);
+                _mm512_mask_storeu_ps(delta.add(i), mask, sum);
+            }
+            i += LANES;
         }
     }
 
