@@ -46,6 +46,10 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
     fn row_finite(&self, j: usize) -> bool {
         (0..self.width()).all(|c| self.at(j, c).is_finite())
     }
+
+    /// Whether `other` is this very source (the same rows in the same memory): query heads
+    /// that share it can share what is packed from it.
+    fn same_rows(&self, other: &Self) -> bool;
 }
 
 /// How [`KeySource::to_pairs`] lays out the pairs.
@@ -107,5 +111,12 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
     #[inline]
     fn row_finite(&self, j: usize) -> bool {
         row_is_finite(self.0.row(j))
+    }
+
+    fn same_rows(&self, other: &Self) -> bool {
+        let (a, b) = (self.0, other.0);
+        core::ptr::eq(a.as_ptr(), b.as_ptr())
+            && (a.nrows(), a.ncols()) == (b.nrows(), b.ncols())
+            && (a.row_stride(), a.col_stride()) == (b.row_stride(), b.col_stride())
     }
 }

@@ -9,6 +9,7 @@ use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par};
 
 use super::native::Values;
+use super::packed_head::PackedHead;
 use super::{Pairs, Scratch};
 use crate::exact::rescore;
 use crate::kernel::Products;
@@ -35,6 +36,7 @@ impl Scratch {
         head: &HeadInputs<'_, T, K>,
         rows: Range<usize>,
         keys: Range<usize>,
+        packed: Option<&PackedHead>,
     ) {
         let TilePlan { br, bc } = self.plan;
         let nr = rows.len();
@@ -67,10 +69,15 @@ impl Scratch {
                 head.k.block(local..local + nc),
                 head.v.block(local..local + nc),
             );
-            let k_native = q_native && self.pairs.pack_keys(&kb);
+            // K and V from the head packed once when they are there, else packed per block.
+            let local_keys = local..local + nc;
+            let k_tiles = packed.and_then(|p| p.keys(local_keys.clone()));
+            let v_tiles = packed.and_then(|p| p.values(local_keys));
+            let k_native = q_native && (k_tiles.is_some() || self.pairs.pack_keys(&kb));
             let scores = |pairs: &Pairs, s: &mut [f32], k_wide: &mut Vec<f32>| {
                 if k_native {
-                    return pairs.scores(products, s, br, nr, nc, d_k, head.scale_log2);
+                    let scale = head.scale_log2;
+                    return pairs.scores(products, s, (br, nr, nc, d_k), k_tiles, scale);
                 }
                 let s_tile = MatMut::from_column_major_slice_with_stride_mut(s, nr, nc, br);
                 let k_tile = kb.to_f32(k_wide);
@@ -113,10 +120,10 @@ impl Scratch {
             // Native bf16 products: P rounded to bf16 (the scores and the sums stay f32),
             // unless V holds an entry too small for them (see `Pairs::pack_values`). V is
             // packed first: when it is exact, the softmax writes P's pairs itself.
-            let values = if native {
-                self.pairs.pack_values(products, &vb, d_v)
-            } else {
-                Values::F32
+            let values = match (native, v_tiles) {
+                (false, _) => Values::F32,
+                (true, Some(_)) => Values::Exact,
+                (true, None) => self.pairs.pack_values(products, &vb, d_v),
             };
             let mut state = RowState {
                 m: &mut self.m,
@@ -160,7 +167,7 @@ impl Scratch {
             if values != Values::F32 {
                 let (acc, delta, p) = (&mut self.acc, &mut self.l_delta, (&self.s[..], packed));
                 self.pairs
-                    .add_weighted_values(products, p, nr, nc, d_v, acc, br, delta);
+                    .add_weighted_values(products, p, (nr, nc, d_v), v_tiles, acc, br, delta);
                 if values == Values::WithoutNonFinite {
                     // The non-finite rows' terms, for the rows that see them.
                     let v_tile = vb.to_f32(&mut self.v_wide);

@@ -12,6 +12,7 @@
 
 mod gemm_tile;
 mod native;
+mod packed_head;
 mod row_tile;
 mod split_kv;
 
@@ -23,6 +24,7 @@ use attn_core::{Error, PartialState, Result, Tensor4Mut};
 use faer::reborrow::ReborrowMut;
 use faer::{Mat, MatMut, Par, RowMut};
 
+use self::packed_head::{PackedHead, PackedHeads};
 use crate::exact;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
@@ -106,6 +108,8 @@ struct TileTask<'s, 'o, T, O, K> {
     out: &'s mut [RowMut<'o, O>],
     lse: Option<&'s mut [f32]>,
     work: usize,
+    /// The slot of its K/V source in the call's [`PackedHeads`], when it shares one.
+    source: Option<usize>,
 }
 
 /// Splits the first `n` entries off `lse`.
@@ -140,6 +144,10 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
     }
 
     let mut tasks = Vec::with_capacity(tiles);
+    // With the tile products, each K/V source that several query tiles read (a head's
+    // tiles, a grouped-query group's heads: consecutive jobs) is packed once.
+    let shared = Products::of::<T>(problem.precision) == Products::Tiles;
+    let mut sources: Vec<(K, K, usize)> = Vec::new();
     for job in jobs {
         let HeadJob {
             inputs,
@@ -147,6 +155,16 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
             mut out,
             mut lse,
         } = job;
+        let source = shared.then(|| match sources.last_mut() {
+            Some((k, v, n)) if k.same_rows(&inputs.k) && v.same_rows(&inputs.v) => {
+                *n += plan.query_tiles(out.len());
+                sources.len() - 1
+            }
+            _ => {
+                sources.push((inputs.k, inputs.v, plan.query_tiles(out.len())));
+                sources.len() - 1
+            }
+        });
         let n_q = out.len();
         for t in 0..plan.query_tiles(n_q) {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
@@ -162,9 +180,14 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
                 out: tile,
                 lse,
                 work,
+                source,
             });
         }
     }
+    for task in &mut tasks {
+        task.source = task.source.filter(|&i| sources[i].2 > 1);
+    }
+    let packed = PackedHeads::new(sources.len());
     // Heaviest first (causal: the last query tiles), so no core idles at the end.
     tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
     let tasks: Vec<Mutex<Option<TileTask<'_, '_, T, O, K>>>> =
@@ -174,7 +197,9 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
             return;
         };
         Scratch::with::<T, _>(problem, |scratch| {
-            scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone());
+            let (k, v) = (&task.inputs.k, &task.inputs.v);
+            let head = task.source.and_then(|i| packed.get(i, k, v));
+            scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone(), head);
             let (rows, out, mut lse) = (task.rows.clone(), task.out, task.lse);
             let sink = task.inputs.mods.sink;
             scratch.write_normalised(rows.len(), out, lse.as_deref_mut(), sink);
@@ -369,6 +394,7 @@ impl Scratch {
         head: &HeadInputs<'_, T, K>,
         rows: Range<usize>,
         keys: Range<usize>,
+        packed: Option<&PackedHead>,
     ) {
         debug_assert!(rows.len() <= self.plan.br);
         // The row kernels stream K and V in place: a source that cannot lend its rows in
@@ -378,7 +404,7 @@ impl Scratch {
         self.row_tile = few_rows && in_place.is_some();
         match in_place {
             Some(kv) if self.row_tile => self.attend_rows(head, kv, rows, keys),
-            _ => self.attend_gemm(head, rows, keys),
+            _ => self.attend_gemm(head, rows, keys, packed),
         }
     }
 

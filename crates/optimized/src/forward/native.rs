@@ -71,16 +71,14 @@ impl Pairs {
     }
 
     /// `s = alpha·Q·Kᵀ` for the packed `nr` queries and `nc` keys, `s` column-major
-    /// (`ld_s` floats per key).
-    #[allow(clippy::too_many_arguments)]
+    /// (`ld_s` floats per key); K packed here, or `k_tiles` (the tile products' K, packed
+    /// elsewhere).
     pub(super) fn scores(
         &self,
         products: Products,
         s: &mut [f32],
-        ld_s: usize,
-        nr: usize,
-        nc: usize,
-        d_k: usize,
+        (ld_s, nr, nc, d_k): (usize, usize, usize, usize),
+        k_tiles: Option<TileRows<'_>>,
         alpha: f32,
     ) {
         let q = Lanes {
@@ -90,12 +88,12 @@ impl Pairs {
         };
         match products {
             Products::Tiles => {
-                let k = TileRows {
+                let k = k_tiles.unwrap_or(TileRows {
                     words: &self.k,
                     ld: self.k_ld,
                     rows: nc,
                     pairs: self.k_ld,
-                };
+                });
                 amx::product(k, q, s, ld_s, alpha, false)
             }
             _ => {
@@ -132,6 +130,7 @@ impl Pairs {
 
     /// `acc += P·V` for the packed values, P the probabilities in `s` rounded to bf16 —
     /// or, when `packed`, the pairs the softmax already wrote ([`Pairs::probabilities`]);
+    /// V packed here, or `v_tiles` (the tile products' V, packed elsewhere);
     /// `acc` column-major (`ld` floats per value column), like `s`. `delta[i]` gains what
     /// the rounding added to row `i`'s weights.
     #[allow(clippy::too_many_arguments)]
@@ -139,9 +138,8 @@ impl Pairs {
         &mut self,
         products: Products,
         (s, packed): (&[f32], bool),
-        nr: usize,
-        nc: usize,
-        d_v: usize,
+        (nr, nc, d_v): (usize, usize, usize),
+        v_tiles: Option<TileRows<'_>>,
         acc: &mut [f32],
         ld: usize,
         delta: &mut [f32],
@@ -161,12 +159,12 @@ impl Pairs {
                     rows: nr,
                     ld: lanes,
                 };
-                let v = TileRows {
+                let v = v_tiles.unwrap_or(TileRows {
                     words: &self.v,
                     ld: self.v_ld,
                     rows: d_v,
                     pairs: padded,
-                };
+                });
                 amx::product(v, p, acc, ld, 1.0, true);
             }
             _ => {

@@ -37,7 +37,7 @@ pub(super) fn run<T: Element, O: Element, K: KeySource<T>>(
         let state = Scratch::with::<T, _>(problem, |scratch| {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let keys = chunks[j].get(c).cloned().unwrap_or(0..0);
-            scratch.attend(&jobs[j].inputs, rows.clone(), keys.clone());
+            scratch.attend(&jobs[j].inputs, rows.clone(), keys.clone(), None);
             scratch.partial_state(&jobs[j].inputs, rows, keys)
         });
         // Each index is handed out once, so the slot is empty.

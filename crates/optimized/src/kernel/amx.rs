@@ -73,7 +73,9 @@ pub(crate) fn product(
     assert!(
         pairs.is_multiple_of(TILE) && a_ld >= pairs && b.ld.is_multiple_of(LANES) && b.ld >= cols
     );
-    assert!(a.words.len() >= rows.next_multiple_of(TILE) * a_ld);
+    // The last tile row reads its `pairs` words, not a whole `a_ld`.
+    let last_row = rows.next_multiple_of(TILE).saturating_sub(1);
+    assert!(rows == 0 || pairs == 0 || a.words.len() >= last_row * a_ld + pairs);
     let lanes = cols.next_multiple_of(TILE);
     assert!(pairs == 0 || b.words.len() >= (pairs - 1) * b.ld + lanes);
     assert!(ld_c >= cols && c.len() >= rows * ld_c);
