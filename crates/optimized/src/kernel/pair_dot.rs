@@ -750,6 +750,16 @@ mod x86 {
         }
     }
 
+    /// The two bf16 of each word (the even entry in the low half) back in f32: a shift and
+    /// a mask, lane for lane (no shuffle).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn unpair(words: __m512i) -> (__m512, __m512) {
+        let even = _mm512_slli_epi32::<16>(words);
+        let odd = _mm512_and_si512(words, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+        (_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd))
+    }
+
     /// [`super::super::exp2::exp2_approx`] on sixteen lanes: the same steps, so the same
     /// bits.
     #[target_feature(enable = "avx512f")]
@@ -827,12 +837,7 @@ mod x86 {
                         core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd, even));
                     let words = _mm512_permutexvar_epi16(interleave, both);
                     _mm512_storeu_epi32(d.add(p * ld + i) as *mut i32, words);
-                    let even_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
-                        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both)),
-                    ));
-                    let odd_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
-                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(both)),
-                    ));
+                    let (even_r, odd_r) = unpair(words);
                     let step =
                         _mm512_add_ps(_mm512_sub_ps(even_r, even), _mm512_sub_ps(odd_r, odd));
                     added = _mm512_add_ps(added, step);
@@ -884,12 +889,7 @@ mod x86 {
                 let words = _mm512_permutexvar_epi16(interleave, both);
                 _mm512_storeu_epi32(dst.add(i) as *mut i32, words);
                 // What rounding added: the rounded values back in f32, minus the exact.
-                let even_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                    _mm512_castsi512_si256(both),
-                )));
-                let odd_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                    _mm512_extracti64x4_epi64::<1>(both),
-                )));
+                let (even_r, odd_r) = unpair(words);
                 let added =
                     _mm512_add_ps(_mm512_sub_ps(even_r, even_x), _mm512_sub_ps(odd_r, odd_x));
                 let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, delta.add(i)), added);
