@@ -72,7 +72,7 @@ pub(crate) fn log2_approx<const FMA: bool>(x: f32) -> f32 {
     p = mul_add::<FMA>(p, f, -1.666_805_8e-1);
     p = mul_add::<FMA>(p, f, 2.000_071_4e-1);
     p = mul_add::<FMA>(p, f, -2.499_999_4e-1);
-    p = mul_add::<FMA>(p, f, 3.333_333_1e-1);
+    p = mul_add::<FMA>(p, f, 3.333_333e-1);
     let z = f * f;
     let ln = mul_add::<FMA>(z * f, p, mul_add::<FMA>(-0.5, z, f));
     let r = mul_add::<FMA>(ln, core::f32::consts::LOG2_E, e);

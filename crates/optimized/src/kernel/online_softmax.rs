@@ -107,6 +107,7 @@ fn update_body<const FMA: bool>(
 }
 
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn update_pairs_body<const FMA: bool>(
     s: &mut [f32],
     ld: usize,

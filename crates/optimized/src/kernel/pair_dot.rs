@@ -750,14 +750,40 @@ mod x86 {
         }
     }
 
-    /// The two bf16 of each word (the even entry in the low half) back in f32: a shift and
-    /// a mask, lane for lane (no shuffle).
-    #[target_feature(enable = "avx512f")]
+    /// The mask of the first `rest` lanes of a vector (all sixteen from 16 on).
     #[inline]
-    fn unpair(words: __m512i) -> (__m512, __m512) {
-        let even = _mm512_slli_epi32::<16>(words);
-        let odd = _mm512_and_si512(words, _mm512_set1_epi32(0xffff_0000_u32 as i32));
-        (_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd))
+    fn lanes_below(rest: usize) -> __mmask16 {
+        if rest >= LANES {
+            0xffff
+        } else {
+            (1u16 << rest) - 1
+        }
+    }
+
+    /// Sixteen pairs of probabilities rounded to bf16 into their words (the even entry in
+    /// the low half), and what rounding added to each lane's pair.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    fn round_pair(even: __m512, odd: __m512) -> (__m512i, __m512) {
+        // Word i takes bf16 i of the even column and bf16 i of the odd one (which
+        // `cvtne2ps` puts 16 places higher).
+        let interleave = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        // SAFETY: a vector of 32 bf16 is a vector of 512 bits.
+        let both =
+            unsafe { core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd, even)) };
+        let words = _mm512_permutexvar_epi16(interleave, both);
+        // The rounded values back in f32 (a shift and a mask, lane for lane), minus the
+        // exact ones.
+        let even_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words));
+        let odd_r = _mm512_castsi512_ps(_mm512_and_si512(
+            words,
+            _mm512_set1_epi32(0xffff_0000_u32 as i32),
+        ));
+        let added = _mm512_add_ps(_mm512_sub_ps(even_r, even), _mm512_sub_ps(odd_r, odd));
+        (words, added)
     }
 
     /// [`super::super::exp2::exp2_approx`] on sixteen lanes: the same steps, so the same
@@ -800,18 +826,10 @@ mod x86 {
         ld: usize,
         delta: &mut [f32],
     ) {
-        let interleave = _mm512_set_epi16(
-            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
-            4, 19, 3, 18, 2, 17, 1, 16, 0,
-        );
         let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
         let mut i = 0;
         while i < rows {
-            let mask: __mmask16 = if rows - i >= LANES {
-                0xffff
-            } else {
-                (1u16 << (rows - i)) - 1
-            };
+            let mask = lanes_below(rows - i);
             // SAFETY: lanes past `rows` are masked (and their words are zero pairs, inside
             // the vector that `ld` rounds up to); column `2p + 1` is read only when it
             // exists.
@@ -833,13 +851,8 @@ mod x86 {
                     } else {
                         _mm512_setzero_ps()
                     };
-                    let both =
-                        core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd, even));
-                    let words = _mm512_permutexvar_epi16(interleave, both);
+                    let (words, step) = round_pair(even, odd);
                     _mm512_storeu_epi32(d.add(p * ld + i) as *mut i32, words);
-                    let (even_r, odd_r) = unpair(words);
-                    let step =
-                        _mm512_add_ps(_mm512_sub_ps(even_r, even), _mm512_sub_ps(odd_r, odd));
                     added = _mm512_add_ps(added, step);
                 }
                 _mm512_mask_storeu_ps(l.as_mut_ptr().add(i), mask, sum);
@@ -864,19 +877,9 @@ mod x86 {
         dst: *mut u32,
         delta: *mut f32,
     ) {
-        // Word i of the result takes bf16 i of the even column and bf16 i of the odd one
-        // (which `cvtne2ps` puts 16 places higher).
-        let interleave = _mm512_set_epi16(
-            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
-            4, 19, 3, 18, 2, 17, 1, 16, 0,
-        );
         let mut i = 0;
         while i < rows {
-            let mask: __mmask16 = if rows - i >= LANES {
-                0xffff
-            } else {
-                (1u16 << (rows - i)) - 1
-            };
+            let mask = lanes_below(rows - i);
             // SAFETY: lanes past `rows` are masked; the caller's bounds.
             unsafe {
                 let even_x = _mm512_maskz_loadu_ps(mask, even.add(i));
@@ -884,14 +887,8 @@ mod x86 {
                     Some(odd) => _mm512_maskz_loadu_ps(mask, odd.add(i)),
                     None => _mm512_setzero_ps(),
                 };
-                let both =
-                    core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd_x, even_x));
-                let words = _mm512_permutexvar_epi16(interleave, both);
+                let (words, added) = round_pair(even_x, odd_x);
                 _mm512_storeu_epi32(dst.add(i) as *mut i32, words);
-                // What rounding added: the rounded values back in f32, minus the exact.
-                let (even_r, odd_r) = unpair(words);
-                let added =
-                    _mm512_add_ps(_mm512_sub_ps(even_r, even_x), _mm512_sub_ps(odd_r, odd_x));
                 let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, delta.add(i)), added);
                 _mm512_mask_storeu_ps(delta.add(i), mask, sum);
             }
