@@ -80,10 +80,7 @@ impl Scratch {
                     return pairs.scores(products, s, (br, nr, nc, d_k), k_tiles, scale);
                 }
                 let s_tile = MatMut::from_column_major_slice_with_stride_mut(s, nr, nc, br);
-                let k_tile = match packed.and_then(|p| p.keys_f32(local..local + nc)) {
-                    Some(k) => k,
-                    None => kb.to_f32(k_wide),
-                };
+                let k_tile = kb.to_f32(k_wide);
                 matmul(
                     s_tile,
                     Accum::Replace,
@@ -144,7 +141,7 @@ impl Scratch {
                 softmax_update(s, br, nr, nc, &mut state, all_visible, check)
                     .map(|rescale| (rescale, false))
             };
-            let (rescale, p_in_pairs) = match first {
+            let (rescale, packed) = match first {
                 Some(first) => first,
                 None => {
                     if modified {
@@ -162,13 +159,13 @@ impl Scratch {
             if rescale {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
-            if rescale && native && !p_in_pairs {
+            if rescale && native && !packed {
                 for (d, a) in self.l_delta[..nr].iter_mut().zip(&self.alpha) {
                     *d *= a;
                 }
             }
             if values != Values::F32 {
-                let (acc, delta, p) = (&mut self.acc, &mut self.l_delta, (&self.s[..], p_in_pairs));
+                let (acc, delta, p) = (&mut self.acc, &mut self.l_delta, (&self.s[..], packed));
                 self.pairs
                     .add_weighted_values(products, p, (nr, nc, d_v), v_tiles, acc, br, delta);
                 if values == Values::WithoutNonFinite {
@@ -184,10 +181,7 @@ impl Scratch {
             let p = MatRef::from_column_major_slice_with_stride(&self.s, nr, nc, br);
             let mut acc =
                 MatMut::from_column_major_slice_with_stride_mut(&mut self.acc, nr, d_v, br);
-            let v_tile = match packed.and_then(|p| p.values_f32(local..local + nc)) {
-                Some(v) => v,
-                None => vb.to_f32(&mut self.v_wide),
-            };
+            let v_tile = vb.to_f32(&mut self.v_wide);
             let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
             let zero_weight = |jj: usize| (0..nr).any(|i| self.s[jj * br + i] == 0.0);
             if masked && zero_weight_meets_non_finite(v_tile, zero_weight) {

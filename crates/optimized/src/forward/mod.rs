@@ -144,11 +144,9 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
     }
 
     let mut tasks = Vec::with_capacity(tiles);
-    // Each K/V source that several query tiles read (a head's tiles, a grouped-query
-    // group's heads: consecutive jobs) is packed once for the tiles, or widened once when
-    // half inputs are multiplied in f32.
-    let products = Products::of::<T>(problem.precision);
-    let shared = products == Products::Tiles || T::DTYPE != attn_core::Dtype::F32;
+    // With the tile products, each K/V source that several query tiles read (a head's
+    // tiles, a grouped-query group's heads: consecutive jobs) is packed once.
+    let shared = Products::of::<T>(problem.precision) == Products::Tiles;
     let mut sources: Vec<(K, K, usize)> = Vec::new();
     for job in jobs {
         let HeadJob {
@@ -200,7 +198,7 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
         };
         Scratch::with::<T, _>(problem, |scratch| {
             let (k, v) = (&task.inputs.k, &task.inputs.v);
-            let head = task.source.and_then(|i| packed.get(i, products, (k, v)));
+            let head = task.source.and_then(|i| packed.get(i, k, v));
             scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone(), head);
             let (rows, out, mut lse) = (task.rows.clone(), task.out, task.lse);
             let sink = task.inputs.mods.sink;

@@ -1,7 +1,6 @@
-//! K and V of a head packed once — in bf16 pairs for the tile products
-//! ([`Products::Tiles`]), or widened to f32 for the f32 products of half inputs — for every
-//! query tile of the head, and every query head of a grouped-query group, to read instead
-//! of each query tile packing or widening each key block again.
+//! K and V of a head packed once for the tile products ([`Products::Tiles`]), for every
+//! query tile of the head — and every query head of a grouped-query group — to read,
+//! instead of each query tile packing each key block again.
 //!
 //! K is packed as rows (`k_ld` words each) and V as columns of row pairs (`v_ld` words
 //! each) over the head's whole key range, so a block of keys is a slice: any block for K,
@@ -12,9 +11,6 @@
 
 use std::sync::OnceLock;
 
-use faer::MatRef;
-
-use crate::kernel::Products;
 use crate::kernel::amx::{self, TileRows};
 use crate::kernel::element::Element;
 use crate::kernel::pair_dot;
@@ -22,77 +18,29 @@ use crate::keys::{KeySource, PairOrder};
 
 /// One head's packed K and V; either may be missing (an entry the tiles cannot multiply
 /// exactly: that part is packed per block as before).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct PackedHead {
     k: Option<Vec<u32>>,
     k_ld: usize,
     v: Option<Vec<u32>>,
     v_ld: usize,
     d_v: usize,
-    /// K and V widened to f32, row-major.
-    k_f32: Option<Vec<f32>>,
-    v_f32: Option<Vec<f32>>,
-    d_k: usize,
 }
 
 impl PackedHead {
-    /// Packs `k` and `v` (the head's whole key range) for `products`; `None` when nothing
-    /// is to be gained or nothing can be packed (an entry too small for the tiles, no
-    /// memory for the buffers).
-    pub(super) fn new<T: Element, K: KeySource<T>>(
-        products: Products,
-        k: &K,
-        v: &K,
-    ) -> Option<Self> {
-        match products {
-            Products::Tiles => Self::pairs(k, v),
-            Products::F32 if T::DTYPE != attn_core::Dtype::F32 => Self::widened(k, v),
-            _ => None,
-        }
-    }
-
-    /// K and V widened to f32 once.
-    fn widened<T: Element, K: KeySource<T>>(k: &K, v: &K) -> Option<Self> {
-        let widen = |x: &K| {
-            let mut buf = zeroed::<f32>(x.len() * x.width())?;
-            x.to_f32(&mut buf);
-            Some(buf)
-        };
-        Some(Self {
-            k_f32: Some(widen(k)?),
-            v_f32: Some(widen(v)?),
-            d_k: k.width(),
-            d_v: v.width(),
-            ..Self::default()
-        })
-    }
-
-    /// Keys `keys` (of the head's range) widened to f32.
-    pub(super) fn keys_f32(&self, keys: core::ops::Range<usize>) -> Option<MatRef<'_, f32>> {
-        let k = self.k_f32.as_deref()?;
-        let rows = &k[keys.start * self.d_k..keys.end * self.d_k];
-        Some(MatRef::from_row_major_slice(rows, keys.len(), self.d_k))
-    }
-
-    /// Values of keys `keys` widened to f32.
-    pub(super) fn values_f32(&self, keys: core::ops::Range<usize>) -> Option<MatRef<'_, f32>> {
-        let v = self.v_f32.as_deref()?;
-        let rows = &v[keys.start * self.d_v..keys.end * self.d_v];
-        Some(MatRef::from_row_major_slice(rows, keys.len(), self.d_v))
-    }
-
-    /// K and V in bf16 pairs for the tiles.
-    fn pairs<T: Element, K: KeySource<T>>(k: &K, v: &K) -> Option<Self> {
+    /// Packs `k` and `v` (the head's whole key range); `None` when neither can be packed
+    /// (not bf16, an entry too small for the tiles, or no memory for the buffers).
+    pub(super) fn new<T: Element, K: KeySource<T>>(k: &K, v: &K) -> Option<Self> {
         let (n, d_k, d_v) = (k.len(), k.width(), v.width());
         let k_ld = pair_dot::pairs(d_k).next_multiple_of(amx::TILE);
         // A block's last tile reads up to a tile past the block.
         let rows = n.next_multiple_of(amx::TILE) + amx::TILE;
         let v_ld = pair_dot::pairs(n).next_multiple_of(amx::TILE) + amx::TILE;
-        let k = zeroed::<u32>(rows * k_ld).and_then(|mut buf| {
+        let k = zeroed(rows * k_ld).and_then(|mut buf| {
             let report = k.to_pairs(PairOrder::Rows { ld: k_ld }, &mut buf)?;
             (!report.subnormal).then_some(buf)
         });
-        let v = zeroed::<u32>(d_v.next_multiple_of(amx::TILE) * v_ld).and_then(|mut buf| {
+        let v = zeroed(d_v.next_multiple_of(amx::TILE) * v_ld).and_then(|mut buf| {
             let report = v.to_pairs(PairOrder::Columns { ld: v_ld }, &mut buf)?;
             report.exact().then_some(buf)
         });
@@ -102,7 +50,6 @@ impl PackedHead {
             v,
             v_ld,
             d_v,
-            ..Self::default()
         })
     }
 
@@ -130,10 +77,13 @@ impl PackedHead {
     }
 }
 
-/// A zeroed buffer of `n` entries, or `None` when it cannot be allocated (the caller then
+/// A zeroed buffer of `n` words, or `None` when it cannot be allocated (the caller then
 /// packs per block, as without this module).
-fn zeroed<X: Clone + Default>(n: usize) -> Option<Vec<X>> {
-    attn_core::zeroed("packed keys", Some(n)).ok()
+fn zeroed(n: usize) -> Option<Vec<u32>> {
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(n).ok()?;
+    buf.resize(n, 0);
+    Some(buf)
 }
 
 /// The packed heads of one call: one slot per distinct K/V source, packed by the first
@@ -155,12 +105,12 @@ impl PackedHeads {
     pub(super) fn get<T: Element, K: KeySource<T>>(
         &self,
         slot: usize,
-        products: Products,
-        (k, v): (&K, &K),
+        k: &K,
+        v: &K,
     ) -> Option<&PackedHead> {
         self.slots
             .get(slot)?
-            .get_or_init(|| PackedHead::new(products, k, v))
+            .get_or_init(|| PackedHead::new(k, v))
             .as_ref()
     }
 }
