@@ -264,6 +264,8 @@ pub(crate) struct Pairs {
     v: Vec<u32>,
     /// P rounded to bf16, its rows across the lanes.
     p: Vec<u32>,
+    /// The softmax's scratch: two floats a row.
+    settle: Vec<f32>,
     /// Words between pairs of `q` and `p`: the query tile rounded up to whole vectors.
     ld: usize,
     /// Words of a row of `k`: `pairs(d_k)`, padded.
@@ -284,6 +286,7 @@ impl Pairs {
             k: vec![0; rows * k_ld],
             v: vec![0; v_len],
             p: vec![0; v_ld * ld],
+            settle: vec![0.0; 2 * ld],
             ld,
             k_ld,
             v_ld,

@@ -125,6 +125,7 @@ impl Pairs {
             words: &mut self.p,
             ld: self.ld,
             delta,
+            scratch: &mut self.settle,
         }
     }
 

@@ -80,6 +80,8 @@ pub(crate) struct PairsOut<'a> {
     pub words: &'a mut [u32],
     pub ld: usize,
     pub delta: &'a mut [f32],
+    /// `2·rows` floats of scratch.
+    pub scratch: &'a mut [f32],
 }
 
 #[inline(always)]
@@ -118,6 +120,24 @@ fn update_pairs_body<const FMA: bool>(
     check_finite: bool,
     out: &mut PairsOut<'_>,
 ) -> Option<bool> {
+    // Most blocks move no row's maximum: then one pass finds that out and exponentiates
+    // at the maxima as they are (the same bits as the two passes below).
+    let m = &state.m[..rows];
+    if m.iter().all(|x| x.is_finite()) {
+        let settle = pair_dot::Settle {
+            threshold: LAZY_RESCALE_LOG2,
+            huge: HUGE,
+            all_visible,
+            check_finite,
+            scratch: &mut *out.scratch,
+        };
+        let (l, words) = (&mut state.l[..rows], (&mut *out.words, out.ld));
+        let delta = &mut out.delta[..rows];
+        if pair_dot::settled_pairs(s, ld, rows, cols, m, l, words, delta, settle) {
+            state.alpha[..rows].fill(1.0);
+            return Some(false);
+        }
+    }
     let rescale = maxima_body::<FMA>(s, ld, rows, cols, state, all_visible, check_finite)?;
     let (m_safe, l) = (&state.m_safe[..rows], &mut state.l[..rows]);
     let delta = &mut out.delta[..rows];
@@ -451,14 +471,16 @@ mod tests {
         if !pair_dot::available() && !crate::kernel::amx::available() {
             return;
         }
+        // Blocks that move the maxima (a rescale), then blocks that do not (one pass).
+        const OFFSETS: [f32; 4] = [0.0, 10.0, 12.0, 11.0];
         for (rows, cols) in [(1usize, 1usize), (5, 7), (16, 32), (37, 64), (128, 33)] {
             let ld = rows.next_multiple_of(pair_dot::LANES);
             let mut plain = state_vecs(rows);
             let mut fused = state_vecs(rows);
             let (mut delta_plain, mut delta_fused) = (vec![0.25f32; rows], vec![0.25f32; rows]);
-            for block in 0..3 {
+            for block in 0..OFFSETS.len() {
                 let tile: Vec<f32> = (0..cols * rows)
-                    .map(|x| ((x * 7 + block * 13) % 23) as f32 * 0.37 + 10.0 * block as f32)
+                    .map(|x| ((x * 7 + block * 13) % 23) as f32 * 0.37 + OFFSETS[block])
                     .collect();
                 let (mut s1, mut s2) = (tile.clone(), tile.clone());
                 let mut words_plain = vec![0u32; pair_dot::pairs(cols) * ld];
@@ -478,6 +500,7 @@ mod tests {
                     ld,
                     &mut delta_plain,
                 );
+                let mut scratch = vec![0.0; 2 * rows + 5]; // longer than needed, as in the engine
                 let [m, l, alpha, m_safe] = &mut fused;
                 let mut st = RowState {
                     m,
@@ -489,6 +512,7 @@ mod tests {
                     words: &mut words_fused,
                     ld,
                     delta: &mut delta_fused,
+                    scratch: &mut scratch,
                 };
                 let r = softmax_update_pairs(
                     &mut s2, rows, rows, cols, &mut st, false, false, &mut out,

@@ -374,8 +374,57 @@ pub(crate) fn exponentiate_pairs(
     if has_instructions() {
         // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
         // asserts above bound every access (loads and stores are masked to `rows`).
-        unsafe { x86::exponentiate_pairs(s, ld_s, rows, cols, m_safe, l, dst, ld, delta) }
+        unsafe { x86::exponentiate_pairs(s, ld_s, rows, cols, m_safe, l, dst, ld, delta, None) };
     }
+}
+
+/// What [`settled_pairs`] checks a block against: the maxima pass's rules.
+#[derive(Debug)]
+pub(crate) struct Settle<'a> {
+    /// How far a block maximum may exceed the reference maximum without a rescale.
+    pub threshold: f32,
+    /// A block maximum beyond this magnitude overflowed.
+    pub huge: f32,
+    /// Nothing in the block is hidden (a huge negative maximum overflowed too).
+    pub all_visible: bool,
+    /// A non-finite score fails the block.
+    pub check_finite: bool,
+    /// `2·rows` floats for the sums and terms until the whole block is known settled.
+    pub scratch: &'a mut [f32],
+}
+
+/// [`exponentiate_pairs`] in one pass with the maxima pass, for a block whose rows all have
+/// a finite reference maximum `m` (their `m_safe`): when no row's block maximum moves past
+/// the lazy threshold, overflows or (with `check_finite`) meets a non-finite score, the
+/// sums, terms and words are exactly what the two passes give, and this returns `true`;
+/// otherwise `false` with `l` and `delta` untouched (the words are scratch), and the caller
+/// runs the two passes. Without AVX512_BF16, returns `false`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn settled_pairs(
+    s: &[f32],
+    ld_s: usize,
+    rows: usize,
+    cols: usize,
+    m: &[f32],
+    l: &mut [f32],
+    (dst, ld): (&mut [u32], usize),
+    delta: &mut [f32],
+    settle: Settle<'_>,
+) -> bool {
+    assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
+    assert!(m.len() >= rows && l.len() >= rows && delta.len() >= rows);
+    assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
+    assert!(dst.len() >= pairs(cols) * ld && settle.scratch.len() >= 2 * rows);
+    assert!(m[..rows].iter().all(|x| x.is_finite()));
+    #[cfg(target_arch = "x86_64")]
+    if has_instructions() {
+        // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
+        // asserts above bound every access (loads and stores are masked to `rows`).
+        return unsafe {
+            x86::exponentiate_pairs(s, ld_s, rows, cols, m, l, dst, ld, delta, Some(settle))
+        };
+    }
+    false
 }
 
 /// `c (+)= alpha · A·B`: `accumulate` adds to `c`, otherwise overwrites it. Without
@@ -808,11 +857,14 @@ mod x86 {
         _mm512_mask_mov_ps(r, low, _mm512_setzero_ps())
     }
 
-    /// See [`super::exponentiate_pairs`]; sixteen rows at a time, their sums, rounding
-    /// terms and maxima in registers across the columns.
+    /// See [`super::exponentiate_pairs`] (and, with `settle`, [`super::settled_pairs`]);
+    /// sixteen rows at a time, their sums, rounding terms and maxima in registers across
+    /// the columns. Returns `false` (the sums and terms untouched) when `settle` finds a
+    /// row that is not settled.
     ///
     /// # Safety
-    /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::exponentiate_pairs`] asserts.
+    /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::exponentiate_pairs`] asserts,
+    /// and `2·rows` floats of `settle`'s scratch.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn exponentiate_pairs(
@@ -825,8 +877,11 @@ mod x86 {
         dst: &mut [u32],
         ld: usize,
         delta: &mut [f32],
-    ) {
+        mut settle: Option<super::Settle<'_>>,
+    ) -> bool {
         let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
+        let checked = settle.is_some();
+        let magnitude = _mm512_set1_epi32(0x7fff_ffff);
         let mut i = 0;
         while i < rows {
             let mask = lanes_below(rows - i);
@@ -837,8 +892,17 @@ mod x86 {
                 let m = _mm512_maskz_loadu_ps(mask, m_safe.as_ptr().add(i));
                 let mut sum = _mm512_maskz_loadu_ps(mask, l.as_ptr().add(i));
                 let mut added = _mm512_maskz_loadu_ps(mask, delta.as_ptr().add(i));
-                let p_of = |c: usize| {
+                let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+                let mut high = _mm512_setzero_si512();
+                let mut p_of = |c: usize| {
                     let x = _mm512_maskz_loadu_ps(mask, s.add(c * ld_s + i));
+                    if checked {
+                        // NaN is passed over (the maximum's second operand), as in the
+                        // maxima pass.
+                        max = _mm512_max_ps(x, max);
+                        let bits = _mm512_and_si512(_mm512_castps_si512(x), magnitude);
+                        high = _mm512_max_epu32(high, bits);
+                    }
                     _mm512_maskz_mov_ps(mask, exp2(_mm512_sub_ps(x, m)))
                 };
                 for p in 0..cols.div_ceil(2) {
@@ -855,11 +919,49 @@ mod x86 {
                     _mm512_storeu_epi32(d.add(p * ld + i) as *mut i32, words);
                     added = _mm512_add_ps(added, step);
                 }
-                _mm512_mask_storeu_ps(l.as_mut_ptr().add(i), mask, sum);
-                _mm512_mask_storeu_ps(delta.as_mut_ptr().add(i), mask, added);
+                let (sums, terms) = match settle.as_mut() {
+                    Some(settle) => {
+                        // Settled: finite (when asked), not overflowed, and no maximum
+                        // past the lazy threshold — what the maxima pass would find.
+                        let non_finite = _mm512_mask_cmpge_epu32_mask(
+                            mask,
+                            high,
+                            _mm512_set1_epi32(super::super::finite::INF_BITS as i32),
+                        );
+                        let limit = _mm512_add_ps(m, _mm512_set1_ps(settle.threshold));
+                        let moved = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, max, limit);
+                        let huge = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(
+                            mask,
+                            _mm512_abs_ps(max),
+                            _mm512_set1_ps(settle.huge),
+                        );
+                        let above =
+                            _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, max, _mm512_setzero_ps());
+                        let overflowed = if settle.all_visible {
+                            huge
+                        } else {
+                            huge & above
+                        };
+                        if (settle.check_finite && non_finite != 0) || moved != 0 || overflowed != 0
+                        {
+                            return false;
+                        }
+                        let (sums, terms) = settle.scratch[..2 * rows].split_at_mut(rows);
+                        (sums.as_mut_ptr(), terms.as_mut_ptr())
+                    }
+                    None => (l.as_mut_ptr(), delta.as_mut_ptr()),
+                };
+                _mm512_mask_storeu_ps(sums.add(i), mask, sum);
+                _mm512_mask_storeu_ps(terms.add(i), mask, added);
             }
             i += LANES;
         }
+        if let Some(settle) = settle {
+            let (sums, terms) = settle.scratch[..2 * rows].split_at(rows);
+            l[..rows].copy_from_slice(sums);
+            delta[..rows].copy_from_slice(terms);
+        }
+        true
     }
 
     /// One pair of columns of probabilities (`odd` zero when absent), `rows` of each, into
