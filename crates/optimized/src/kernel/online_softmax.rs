@@ -478,9 +478,9 @@ mod tests {
             let mut plain = state_vecs(rows);
             let mut fused = state_vecs(rows);
             let (mut delta_plain, mut delta_fused) = (vec![0.25f32; rows], vec![0.25f32; rows]);
-            for block in 0..OFFSETS.len() {
+            for (block, offset) in OFFSETS.into_iter().enumerate() {
                 let tile: Vec<f32> = (0..cols * rows)
-                    .map(|x| ((x * 7 + block * 13) % 23) as f32 * 0.37 + OFFSETS[block])
+                    .map(|x| ((x * 7 + block * 13) % 23) as f32 * 0.37 + offset)
                     .collect();
                 let (mut s1, mut s2) = (tile.clone(), tile.clone());
                 let mut words_plain = vec![0u32; pair_dot::pairs(cols) * ld];
