@@ -133,7 +133,7 @@ fn update_pairs_body<const FMA: bool>(
         };
         let (l, words) = (&mut state.l[..rows], (&mut *out.words, out.ld));
         let delta = &mut out.delta[..rows];
-        if pair_dot::settled_pairs(s, ld, rows, cols, m, l, words, delta, settle) {
+        if pair_dot::exponentiate_pairs(s, ld, rows, cols, m, l, words, delta, Some(settle)) {
             state.alpha[..rows].fill(1.0);
             return Some(false);
         }
@@ -149,7 +149,7 @@ fn update_pairs_body<const FMA: bool>(
     // 3. P = 2^(s − m), the row sums, and P rounded into its pairs in one pass over the
     //    tile, which is read once and not written.
     let words = (&mut *out.words, out.ld);
-    pair_dot::exponentiate_pairs(s, ld, rows, cols, m_safe, l, words, delta);
+    pair_dot::exponentiate_pairs(s, ld, rows, cols, m_safe, l, words, delta, None);
     Some(rescale)
 }
 

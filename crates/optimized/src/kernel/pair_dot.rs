@@ -349,36 +349,8 @@ pub(crate) fn pack_probabilities(
     }
 }
 
-/// Step 3 of the softmax for the native products, fused with [`pack_probabilities`]: for
-/// the `cols` columns of scores `s` (`rows` each, `ld_s` apart), `p = 2^(s − m_safe)`
-/// added to the row sums `l` in column order, rounded into the pair words of `dst` (`ld`
-/// apart) and what rounding added accumulated into `delta` — bit for bit what the plain
-/// step and the packer compute, without writing the probabilities anywhere else. Without
-/// AVX512_BF16, does nothing.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn exponentiate_pairs(
-    s: &[f32],
-    ld_s: usize,
-    rows: usize,
-    cols: usize,
-    m_safe: &[f32],
-    l: &mut [f32],
-    (dst, ld): (&mut [u32], usize),
-    delta: &mut [f32],
-) {
-    assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
-    assert!(m_safe.len() >= rows && l.len() >= rows && delta.len() >= rows);
-    assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
-    assert!(dst.len() >= pairs(cols) * ld);
-    #[cfg(target_arch = "x86_64")]
-    if has_instructions() {
-        // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
-        // asserts above bound every access (loads and stores are masked to `rows`).
-        unsafe { x86::exponentiate_pairs(s, ld_s, rows, cols, m_safe, l, dst, ld, delta, None) };
-    }
-}
-
-/// What [`settled_pairs`] checks a block against: the maxima pass's rules.
+/// What [`exponentiate_pairs`] checks a block against when it runs in one pass with the
+/// maxima pass: that pass's rules.
 #[derive(Debug)]
 pub(crate) struct Settle<'a> {
     /// How far a block maximum may exceed the reference maximum without a rescale.
@@ -393,35 +365,44 @@ pub(crate) struct Settle<'a> {
     pub scratch: &'a mut [f32],
 }
 
-/// [`exponentiate_pairs`] in one pass with the maxima pass, for a block whose rows all have
-/// a finite reference maximum `m` (their `m_safe`): when no row's block maximum moves past
-/// the lazy threshold, overflows or (with `check_finite`) meets a non-finite score, the
-/// sums, terms and words are exactly what the two passes give, and this returns `true`;
-/// otherwise `false` with `l` and `delta` untouched (the words are scratch), and the caller
-/// runs the two passes. Without AVX512_BF16, returns `false`.
+/// Step 3 of the softmax for the native products, fused with [`pack_probabilities`]: for
+/// the `cols` columns of scores `s` (`rows` each, `ld_s` apart), `p = 2^(s − m_safe)`
+/// added to the row sums `l` in column order, rounded into the pair words of `dst` (`ld`
+/// apart) and what rounding added accumulated into `delta` — bit for bit what the plain
+/// step and the packer compute, without writing the probabilities anywhere else.
+///
+/// With `settle`, in one pass with the maxima pass, for a block whose rows all have a
+/// finite reference maximum (their `m_safe`): when no row's block maximum moves past the
+/// lazy threshold, overflows or (with `check_finite`) meets a non-finite score, the result
+/// is exactly what the two passes give and this returns `true`; otherwise `false` with `l`
+/// and `delta` untouched (the words are scratch), and the caller runs the two passes.
+/// Without AVX512_BF16, does nothing and returns `false`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn settled_pairs(
+pub(crate) fn exponentiate_pairs(
     s: &[f32],
     ld_s: usize,
     rows: usize,
     cols: usize,
-    m: &[f32],
+    m_safe: &[f32],
     l: &mut [f32],
     (dst, ld): (&mut [u32], usize),
     delta: &mut [f32],
-    settle: Settle<'_>,
+    settle: Option<Settle<'_>>,
 ) -> bool {
     assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
-    assert!(m.len() >= rows && l.len() >= rows && delta.len() >= rows);
+    assert!(m_safe.len() >= rows && l.len() >= rows && delta.len() >= rows);
     assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
-    assert!(dst.len() >= pairs(cols) * ld && settle.scratch.len() >= 2 * rows);
-    assert!(m[..rows].iter().all(|x| x.is_finite()));
+    assert!(dst.len() >= pairs(cols) * ld);
+    if let Some(settle) = &settle {
+        assert!(settle.scratch.len() >= 2 * rows);
+        assert!(m_safe[..rows].iter().all(|x| x.is_finite()));
+    }
     #[cfg(target_arch = "x86_64")]
     if has_instructions() {
         // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
         // asserts above bound every access (loads and stores are masked to `rows`).
         return unsafe {
-            x86::exponentiate_pairs(s, ld_s, rows, cols, m, l, dst, ld, delta, Some(settle))
+            x86::exponentiate_pairs(s, ld_s, rows, cols, m_safe, l, dst, ld, delta, settle)
         };
     }
     false
@@ -857,8 +838,7 @@ mod x86 {
         _mm512_mask_mov_ps(r, low, _mm512_setzero_ps())
     }
 
-    /// See [`super::exponentiate_pairs`] (and, with `settle`, [`super::settled_pairs`]);
-    /// sixteen rows at a time, their sums, rounding terms and maxima in registers across
+    /// See [`super::exponentiate_pairs`]; sixteen rows at a time, their sums, rounding terms and maxima in registers across
     /// the columns. Returns `false` (the sums and terms untouched) when `settle` finds a
     /// row that is not settled.
     ///
