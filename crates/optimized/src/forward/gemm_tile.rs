@@ -141,7 +141,7 @@ impl Scratch {
                 softmax_update(s, br, nr, nc, &mut state, all_visible, check)
                     .map(|rescale| (rescale, false))
             };
-            let (rescale, packed) = match first {
+            let (rescale, p_in_pairs) = match first {
                 Some(first) => first,
                 None => {
                     if modified {
@@ -159,13 +159,13 @@ impl Scratch {
             if rescale {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
-            if rescale && native && !packed {
+            if rescale && native && !p_in_pairs {
                 for (d, a) in self.l_delta[..nr].iter_mut().zip(&self.alpha) {
                     *d *= a;
                 }
             }
             if values != Values::F32 {
-                let (acc, delta, p) = (&mut self.acc, &mut self.l_delta, (&self.s[..], packed));
+                let (acc, delta, p) = (&mut self.acc, &mut self.l_delta, (&self.s[..], p_in_pairs));
                 self.pairs
                     .add_weighted_values(products, p, (nr, nc, d_v), v_tiles, acc, br, delta);
                 if values == Values::WithoutNonFinite {
