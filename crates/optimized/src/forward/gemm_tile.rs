@@ -165,9 +165,14 @@ impl Scratch {
                 }
             }
             if values != Values::F32 {
-                let (acc, delta, p) = (&mut self.acc, &mut self.l_delta, (&self.s[..], p_in_pairs));
+                if !p_in_pairs {
+                    let shape = (br, nr, nc);
+                    self.pairs
+                        .pack_probabilities(&self.s, shape, &mut self.l_delta);
+                }
+                let shape = (nr, nc, d_v);
                 self.pairs
-                    .add_weighted_values(products, p, (nr, nc, d_v), v_tiles, acc, br, delta);
+                    .add_weighted_values(products, shape, v_tiles, &mut self.acc, br);
                 if values == Values::WithoutNonFinite {
                     // The non-finite rows' terms, for the rows that see them.
                     let v_tile = vb.to_f32(&mut self.v_wide);

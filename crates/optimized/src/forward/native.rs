@@ -129,26 +129,30 @@ impl Pairs {
         }
     }
 
-    /// `acc += P·V` for the packed values, P the probabilities in `s` rounded to bf16 —
-    /// or, when `packed`, the pairs the softmax already wrote ([`Pairs::probabilities`]);
-    /// V packed here, or `v_tiles` (the tile products' V, packed elsewhere);
-    /// `acc` column-major (`ld` floats per value column), like `s`. `delta[i]` gains what
-    /// the rounding added to row `i`'s weights.
-    #[allow(clippy::too_many_arguments)]
+    /// Rounds the probabilities in `s` (column-major, `ld_s` floats per key) into P's
+    /// pairs, where the softmax did not write them itself; `delta[i]` gains what the
+    /// rounding added to row `i`'s weights.
+    pub(super) fn pack_probabilities(
+        &mut self,
+        s: &[f32],
+        (ld_s, nr, nc): (usize, usize, usize),
+        delta: &mut [f32],
+    ) {
+        pair_dot::pack_probabilities(s, ld_s, nr, nc, &mut self.p, self.ld, delta);
+    }
+
+    /// `acc += P·V` for the packed values and P's pairs ([`Pairs::probabilities`],
+    /// [`Pairs::pack_probabilities`]); V packed here, or `v_tiles` (the tile products' V,
+    /// packed elsewhere); `acc` column-major (`ld` floats per value column).
     pub(super) fn add_weighted_values(
         &mut self,
         products: Products,
-        (s, packed): (&[f32], bool),
         (nr, nc, d_v): (usize, usize, usize),
         v_tiles: Option<TileRows<'_>>,
         acc: &mut [f32],
         ld: usize,
-        delta: &mut [f32],
     ) {
         let lanes = self.ld;
-        if !packed {
-            pair_dot::pack_probabilities(s, ld, nr, nc, &mut self.p, lanes, delta);
-        }
         let pairs = pair_dot::pairs(nc);
         match products {
             Products::Tiles => {

@@ -1,4 +1,5 @@
-//! K and V of a head packed once for the tile products ([`Products::Tiles`]), for every
+//! K and V of a head packed once for the tile products
+//! ([`Products::Tiles`](crate::kernel::Products::Tiles)), for every
 //! query tile of the head — and every query head of a grouped-query group — to read,
 //! instead of each query tile packing each key block again.
 //!
@@ -80,10 +81,7 @@ impl PackedHead {
 /// A zeroed buffer of `n` words, or `None` when it cannot be allocated (the caller then
 /// packs per block, as without this module).
 fn zeroed(n: usize) -> Option<Vec<u32>> {
-    let mut buf = Vec::new();
-    buf.try_reserve_exact(n).ok()?;
-    buf.resize(n, 0);
-    Some(buf)
+    attn_core::zeroed("packed keys and values", Some(n)).ok()
 }
 
 /// The packed heads of one call: one slot per distinct K/V source, packed by the first

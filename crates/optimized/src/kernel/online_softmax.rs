@@ -32,7 +32,7 @@ pub(crate) fn saturate(x: f32) -> f32 {
 
 /// A block maximum beyond this (or `±inf`) means some score overflowed: the block's row is
 /// saturated before the softmax (a rare, slow path).
-const HUGE: f32 = f32::MAX / 2.0;
+pub(crate) const HUGE: f32 = f32::MAX / 2.0;
 
 /// Whether a block maximum says that a score of its row overflowed: `+inf` or huge, or,
 /// when nothing in the block is hidden (`all_visible`), `-inf` or hugely negative too.
@@ -125,8 +125,6 @@ fn update_pairs_body<const FMA: bool>(
     let m = &state.m[..rows];
     if m.iter().all(|x| x.is_finite()) {
         let settle = pair_dot::Settle {
-            threshold: LAZY_RESCALE_LOG2,
-            huge: HUGE,
             all_visible,
             check_finite,
             scratch: &mut *out.scratch,

@@ -349,14 +349,13 @@ pub(crate) fn pack_probabilities(
     }
 }
 
-/// What [`exponentiate_pairs`] checks a block against when it runs in one pass with the
-/// maxima pass: that pass's rules.
+/// How [`exponentiate_pairs`] checks a block when it runs in one pass with the maxima
+/// pass (whose rules it applies: [`LAZY_RESCALE_LOG2`], [`HUGE`]).
+///
+/// [`LAZY_RESCALE_LOG2`]: super::online_softmax::LAZY_RESCALE_LOG2
+/// [`HUGE`]: super::online_softmax::HUGE
 #[derive(Debug)]
 pub(crate) struct Settle<'a> {
-    /// How far a block maximum may exceed the reference maximum without a rescale.
-    pub threshold: f32,
-    /// A block maximum beyond this magnitude overflowed.
-    pub huge: f32,
     /// Nothing in the block is hidden (a huge negative maximum overflowed too).
     pub all_visible: bool,
     /// A non-finite score fails the block.
@@ -441,6 +440,7 @@ pub(crate) fn product(
 mod x86 {
     use core::arch::x86_64::*;
 
+    use super::super::online_softmax::{HUGE, LAZY_RESCALE_LOG2};
     use super::{Broadcast, Columns, LANES, Lanes};
 
     /// Rows (vectors of [`LANES`]) and columns of one register block: 4 × 6 accumulators.
@@ -838,9 +838,9 @@ mod x86 {
         _mm512_mask_mov_ps(r, low, _mm512_setzero_ps())
     }
 
-    /// See [`super::exponentiate_pairs`]; sixteen rows at a time, their sums, rounding terms and maxima in registers across
-    /// the columns. Returns `false` (the sums and terms untouched) when `settle` finds a
-    /// row that is not settled.
+    /// See [`super::exponentiate_pairs`]; sixteen rows at a time, their sums, rounding
+    /// terms and maxima in registers across the columns. Returns `false` (the sums and
+    /// terms untouched) when `settle` finds a row that is not settled.
     ///
     /// # Safety
     /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::exponentiate_pairs`] asserts,
@@ -908,12 +908,12 @@ mod x86 {
                             high,
                             _mm512_set1_epi32(super::super::finite::INF_BITS as i32),
                         );
-                        let limit = _mm512_add_ps(m, _mm512_set1_ps(settle.threshold));
+                        let limit = _mm512_add_ps(m, _mm512_set1_ps(LAZY_RESCALE_LOG2));
                         let moved = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, max, limit);
                         let huge = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(
                             mask,
                             _mm512_abs_ps(max),
-                            _mm512_set1_ps(settle.huge),
+                            _mm512_set1_ps(HUGE),
                         );
                         let above =
                             _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, max, _mm512_setzero_ps());
