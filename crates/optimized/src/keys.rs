@@ -9,11 +9,13 @@
 
 use core::ops::Range;
 
+use attn_core::Dtype;
 use faer::MatRef;
+use half::bf16;
 
 use crate::kernel::element::{Element, f32_rows};
 use crate::kernel::finite::row_is_finite;
-use crate::kernel::pair_dot::{self, PackReport};
+use crate::kernel::pair_dot::{self, PackReport, SplitStage};
 
 /// Rows of keys (or values) of one head, `len()` of them, `width()` wide, of element `T`.
 pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
@@ -39,6 +41,17 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
     /// bf16.
     fn to_pairs(&self, order: PairOrder, buf: &mut [u32]) -> Option<PackReport>;
 
+    /// The rows split exactly in two bf16 parts ([`crate::kernel::amx::Split`]) and packed
+    /// like [`KeySource::to_pairs`] into `hi` and `lo`, through `stage`; `None` when the
+    /// source is not f16 or `stage` is too small for it.
+    fn to_split_pairs(
+        &self,
+        order: PairOrder,
+        hi: &mut [u32],
+        lo: &mut [u32],
+        stage: &mut SplitStage,
+    ) -> Option<PackReport>;
+
     /// Entry `c` of row `j`, as f32 (the exact slow paths, a few rows at a time).
     fn at(&self, j: usize, c: usize) -> f32;
 
@@ -62,6 +75,17 @@ pub(crate) enum PairOrder {
     RowPairs,
     /// Columns of rows in pairs, `ld` words per column (V for the tile products).
     Columns { ld: usize },
+}
+
+impl PairOrder {
+    /// Packs `m` in this order into `buf` ([`pair_dot`]'s packers).
+    fn pack(self, m: MatRef<'_, bf16>, buf: &mut [u32]) -> PackReport {
+        match self {
+            PairOrder::Rows { ld } => pair_dot::pack_rows(m, buf, ld),
+            PairOrder::RowPairs => pair_dot::pack_row_pairs(m, buf),
+            PairOrder::Columns { ld } => pair_dot::pack_columns(m, buf, ld),
+        }
+    }
 }
 
 /// A dense source: a faer view of the rows (any strides).
@@ -96,11 +120,26 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
 
     #[inline]
     fn to_pairs(&self, order: PairOrder, buf: &mut [u32]) -> Option<PackReport> {
-        T::as_bf16(self.0).map(|m| match order {
-            PairOrder::Rows { ld } => pair_dot::pack_rows(m, buf, ld),
-            PairOrder::RowPairs => pair_dot::pack_row_pairs(m, buf),
-            PairOrder::Columns { ld } => pair_dot::pack_columns(m, buf, ld),
-        })
+        T::as_bf16(self.0).map(|m| order.pack(m, buf))
+    }
+
+    fn to_split_pairs(
+        &self,
+        order: PairOrder,
+        hi: &mut [u32],
+        lo: &mut [u32],
+        stage: &mut SplitStage,
+    ) -> Option<PackReport> {
+        let (n, w) = (self.len(), self.width());
+        let [hi_m, lo_m] = (T::DTYPE == Dtype::F16)
+            .then(|| stage.split(|buf| self.to_f32(buf), n, w))
+            .flatten()?;
+        let report = order.pack(hi_m, hi);
+        let lo_report = order.pack(lo_m, lo);
+        // An f16 entry's parts are never subnormal nor tiny in bf16; its infinities and
+        // NaNs are in `hi`.
+        debug_assert!(lo_report.exact() && !lo_report.subnormal);
+        Some(report)
     }
 
     #[inline]

@@ -200,6 +200,51 @@ fn native_bf16_is_the_pair_products_where_the_cpu_has_them() {
     check(&q, &k, &v, &opts, 2f64.powi(-8), "native");
 }
 
+/// On AMX the native f16 path splits each operand in two bf16 parts (its f32 outputs
+/// differ from f32 compute's, by no more than the parts' 2⁻¹⁶ allow); elsewhere it is f32
+/// compute, bit for bit.
+#[test]
+fn native_f16_is_split_tile_products_on_amx() {
+    let (q, k, v) = (
+        mat::<f16>(300, 64, 1, 2.0),
+        mat::<f16>(700, 64, 2, 2.0),
+        mat::<f16>(700, 64, 3, 1.0),
+    );
+    let f32_out = |precision| {
+        let opts = Options::default().with_precision(precision);
+        let mut o = Mat::<f32>::zeros(300, 64);
+        attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+            .and_then(|call| call.forward_into(o.as_mut(), None, attn_optimized::Par::Seq))
+            .unwrap();
+        o
+    };
+    let (native, f32_compute) = (f32_out(Precision::Native), f32_out(Precision::F32));
+    let differ = (0..300)
+        .any(|i| (0..64).any(|c| native[(i, c)].to_bits() != f32_compute[(i, c)].to_bits()));
+    let isa = attn_optimized::Isa::current();
+    assert_eq!(differ, isa == attn_optimized::Isa::Amx, "{isa:?}");
+    let opts = Options::default();
+    let r = attn_reference::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
+        .and_then(|call| call.materialized())
+        .unwrap();
+    let scale = opts.scale_for(64).unwrap();
+    let f32_tol = f64::from(f32_bound(q.as_ref(), k.as_ref(), v.as_ref(), scale));
+    for c in 0..64 {
+        let vmax = (0..700)
+            .map(|j| f64::from(v[(j, c)].to_f32()).abs())
+            .fold(0.0, f64::max);
+        // Scores off by 2⁻¹⁶ of scale·Σ|q||k| (≤ 2⁻¹⁶·64·4·scale here: normalised weights
+        // off by e^twice that − 1), the weights and the products with V by 2⁻¹⁶ each.
+        let scores = 2f64.powi(-16) * 256.0 * f64::from(scale);
+        let tol = f32_tol + (3.0 * 2f64.powi(-16) + (2.0 * scores).exp_m1()) * vmax;
+        for i in 0..300 {
+            let e = (f64::from(native[(i, c)]) - r.output[(i, c)]).abs();
+            assert!(e <= tol, "({i},{c}): err {e:e} > {tol:e}");
+        }
+    }
+    check(&q, &k, &v, &opts, 2f64.powi(-11), "native");
+}
+
 #[test]
 fn half_batched_gqa_both_layouts() {
     let (b, hq, hkv, n_q, n_k, d) = (2, 4, 2, 70, 150, 32);

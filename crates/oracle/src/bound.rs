@@ -75,6 +75,9 @@ struct Precision {
     flush: f64,
     /// Relative error of tanh (the soft-cap).
     tanh_rel: f64,
+    /// Relative error of each product of a dot product whose operands are split in two
+    /// parts (`lo·lo` left out).
+    split: f64,
 }
 
 const REFERENCE: Precision = Precision {
@@ -83,6 +86,7 @@ const REFERENCE: Precision = Precision {
     tiny: 0.0,
     flush: 0.0,
     tanh_rel: 4.0 * U64,
+    split: 0.0,
 };
 
 /// The error model of a user [`attn_core::ScoreMod`] `f`, an f32 function of the score:
@@ -298,7 +302,7 @@ fn abs_products(a: MatRef<'_, f32>, b: MatRef<'_, f32>) -> Mat<f64> {
 
 /// Step 1 for one score and one precision: `δ_ij`.
 fn score_error(p: Precision, d_k: usize, scale: f64, abs_dot: f64, bias: f64) -> f64 {
-    gamma(d_k as f64 + 6.0, p.u) * scale * abs_dot
+    (gamma(d_k as f64 + 6.0, p.u) + p.split) * scale * abs_dot
         + 4.0 * p.u * bias.abs()
         + (d_k as f64 + 6.0) * p.tiny * scale.max(1.0)
 }
@@ -381,17 +385,33 @@ fn f32_precision(exp_ulps: f64) -> Precision {
         tiny: TINY32,
         flush: FLUSH32,
         tanh_rel: TANH32,
+        split: 0.0,
     }
 }
 
-/// `p` for an engine whose products of the inputs run on bf16 units when `weights` is set:
-/// they flush subnormal results (`2⁻¹²⁶` per product instead of `2⁻¹⁵⁰`).
-fn native_products(mut p: Precision, weights: Option<attn_core::Dtype>) -> Precision {
-    if weights.is_some() {
-        p.tiny = FLUSH32;
+/// `p` for an engine whose products of the inputs run on bf16 units when `weights` is set
+/// or its operands are split: they flush subnormal results (`2⁻¹²⁶` per product instead of
+/// `2⁻¹⁵⁰`), and split operands leave out a product below [`SPLIT_REL`] of theirs.
+fn native_products(mut p: Precision, compute: &Compute) -> Precision {
+    if let Compute::F32 {
+        weights,
+        split_operands,
+        ..
+    } = *compute
+    {
+        if weights.is_some() || split_operands {
+            p.tiny = FLUSH32;
+        }
+        if split_operands {
+            p.split = SPLIT_REL;
+        }
     }
     p
 }
+
+/// How far an operand split in two bf16 parts, or a product of two without `lo·lo`, is
+/// from the exact one, relative: `2⁻¹⁶` (each part rounds to bf16's 8 significant bits).
+const SPLIT_REL: f64 = 1.0 / 65536.0;
 
 #[allow(clippy::too_many_arguments)]
 fn forward_parts(
@@ -413,19 +433,28 @@ fn forward_parts(
         Compute::F32 {
             exp_ulps,
             split_keys,
-            weights,
+            ..
         } => {
             // Every leaf the caller merges may itself be split into chunks by the engine; a
             // sink is folded into the merged state once more.
             let internal = split_keys.map_or(0, |s| n_k.div_ceil(s.max(1)) + leaves);
             let sink = usize::from(mods.sink.is_some());
-            let p = native_products(f32_precision(exp_ulps), weights);
+            let p = native_products(f32_precision(exp_ulps), &model.compute);
             Some((p, (merges + internal + sink) as f64))
         }
     };
     // Step 4w: P rounded to `weights` before P·V (relative u_w, flushed below 2⁻¹²⁶) and
     // its products with V flushed: relative to max|v| and absolute, as l ≥ 1.
+    // Split in two parts, P is within 2⁻¹⁶ of itself and each product of P·V leaves out
+    // `lo·lo`, below 2⁻⁸(1 + 2⁻⁸)·2⁻⁸ of it (P's `lo` is what rounding left, itself rounded).
     let (w_rel, w_abs) = match model.compute {
+        Compute::F32 {
+            split_operands: true,
+            ..
+        } => (
+            (2.0 + 1.0 / 256.0) * SPLIT_REL + n_k as f64 * FLUSH32,
+            n_k as f64 * FLUSH32,
+        ),
         Compute::F32 {
             weights: Some(t), ..
         } => (
@@ -743,10 +772,8 @@ fn head_grad(
     );
     let engine = match model.compute {
         Compute::RoundedOnce => None,
-        Compute::F32 {
-            exp_ulps, weights, ..
-        } => Some(grad_terms(
-            native_products(f32_precision(exp_ulps), weights),
+        Compute::F32 { exp_ulps, .. } => Some(grad_terms(
+            native_products(f32_precision(exp_ulps), &model.compute),
             x,
             scale,
             additive,
@@ -811,7 +838,7 @@ fn group_kv(
         Compute::RoundedOnce => (0.0, 0.0, 0.0),
         Compute::F32 { weights, .. } => (
             U32,
-            native_products(f32_precision(1.0), weights).tiny,
+            native_products(f32_precision(1.0), &model.compute).tiny,
             weights.map_or(0.0, |t| t.unit_roundoff()),
         ),
     };

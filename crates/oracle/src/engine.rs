@@ -62,6 +62,11 @@ pub enum Compute {
         /// results — bf16 pair products (`vdpbf16ps`) at native precision; the sums `l`
         /// stay f32. `None`: `P` and every product are f32.
         weights: Option<Dtype>,
+        /// The products of the forward pass take each operand as two bf16 parts, `hi + lo`
+        /// (f16 inputs split exactly, `P` within `2⁻¹⁶` of itself), and leave out `lo·lo`
+        /// — AMX tiles for f16 at native precision: each product within `2⁻¹⁶` of its
+        /// operands' product, `P` within `2⁻¹⁶` relative, subnormal products flushed.
+        split_operands: bool,
     },
 }
 
@@ -71,7 +76,7 @@ pub enum Compute {
 /// ```
 /// use attn_oracle::{Compute, Dtype, ErrorModel};
 /// let m = ErrorModel::f32_streaming(2.0, Some(1024));
-/// assert_eq!(m.compute, Compute::F32 { exp_ulps: 2.0, split_keys: Some(1024), weights: None });
+/// assert_eq!(m.compute, Compute::F32 { exp_ulps: 2.0, split_keys: Some(1024), weights: None, split_operands: false });
 /// assert_eq!(m.output, Dtype::F32);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -91,6 +96,7 @@ impl ErrorModel {
                 exp_ulps,
                 split_keys,
                 weights: None,
+                split_operands: false,
             },
             output: Dtype::F32,
         }

@@ -388,6 +388,7 @@ impl Engine for Toy {
                 exp_ulps: 1.0,
                 split_keys: None,
                 weights: None,
+                split_operands: false,
             },
             output: Dtype::F32,
         }

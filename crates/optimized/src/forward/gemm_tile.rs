@@ -133,7 +133,8 @@ impl Scratch {
             };
             let check = !scan && !rescaled;
             let s = &mut self.s;
-            let first = if values == Values::Exact {
+            // Split products take P in two parts, which only the packer writes.
+            let first = if values == Values::Exact && !products.split() {
                 let mut out = self.pairs.probabilities(&mut self.l_delta);
                 softmax_update_pairs(s, br, nr, nc, &mut state, all_visible, check, &mut out)
                     .map(|rescale| (rescale, true))

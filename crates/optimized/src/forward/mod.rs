@@ -146,7 +146,7 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
     let mut tasks = Vec::with_capacity(tiles);
     // With the tile products, each K/V source that several query tiles read (a head's
     // tiles, a grouped-query group's heads: consecutive jobs) is packed once.
-    let shared = Products::of::<T>(problem.precision) == Products::Tiles;
+    let shared = Products::of::<T>(problem.precision).on_tiles();
     let mut sources: Vec<(K, K, usize)> = Vec::new();
     for job in jobs {
         let HeadJob {
@@ -198,7 +198,8 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
         };
         Scratch::with::<T, _>(problem, |scratch| {
             let (k, v) = (&task.inputs.k, &task.inputs.v);
-            let head = task.source.and_then(|i| packed.get(i, k, v));
+            let split = scratch.shape.products.split();
+            let head = task.source.and_then(|i| packed.get(i, (k, v), split));
             scratch.attend(&task.inputs, task.rows.clone(), task.keys.clone(), head);
             let (rows, out, mut lse) = (task.rows.clone(), task.out, task.lse);
             let sink = task.inputs.mods.sink;
@@ -272,15 +273,40 @@ pub(crate) struct Pairs {
     k_ld: usize,
     /// Words of a column of `v` (tiles): `pairs(bc)`, padded.
     v_ld: usize,
+    /// The low parts of operands split in two ([`Products::SplitTiles`]); `None` for
+    /// operands of one part, or when their memory could not be had (then the tiles are
+    /// multiplied in f32).
+    low: Option<LowParts>,
+}
+
+/// The low bf16 parts of operands split in two ([`amx::Split`]), each laid out as its high
+/// part in [`Pairs`], and the stage that splits them.
+#[derive(Debug)]
+pub(crate) struct LowParts {
+    q: Vec<u32>,
+    k: Vec<u32>,
+    v: Vec<u32>,
+    p: Vec<u32>,
+    stage: pair_dot::SplitStage,
 }
 
 impl Pairs {
-    fn new(plan: TilePlan, d_k: usize, d_v: usize) -> Self {
+    fn new(plan: TilePlan, d_k: usize, d_v: usize, split: bool) -> Self {
         let ld = plan.br.next_multiple_of(pair_dot::LANES);
         let k_ld = pair_dot::pairs(d_k).next_multiple_of(amx::TILE);
         let v_ld = pair_dot::pairs(plan.bc).next_multiple_of(amx::TILE);
         let rows = plan.bc.next_multiple_of(amx::TILE);
         let v_len = (pair_dot::pairs(plan.bc) * d_v).max(d_v.next_multiple_of(amx::TILE) * v_ld);
+        let low = split
+            .then(|| pair_dot::SplitStage::new(plan.br.max(plan.bc) * d_k.max(d_v)))
+            .flatten()
+            .map(|stage| LowParts {
+                q: vec![0; k_ld * ld],
+                k: vec![0; rows * k_ld],
+                v: vec![0; v_len],
+                p: vec![0; v_ld * ld],
+                stage,
+            });
         Self {
             q: vec![0; k_ld * ld],
             k: vec![0; rows * k_ld],
@@ -290,6 +316,7 @@ impl Pairs {
             ld,
             k_ld,
             v_ld,
+            low,
         }
     }
 }
@@ -357,7 +384,7 @@ impl Scratch {
             row_tile: false,
             out_row: vec![0.0; d_v],
             pairs: if products != Products::F32 {
-                Pairs::new(plan, d_k, d_v)
+                Pairs::new(plan, d_k, d_v, products.split())
             } else {
                 Pairs::default()
             },

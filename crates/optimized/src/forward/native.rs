@@ -1,12 +1,13 @@
-//! The native bf16 products of the GEMM tiles ([`Products::Pairs`], [`Products::Tiles`]):
+//! The native products of the GEMM tiles ([`Products::Pairs`], [`Products::Tiles`],
+//! [`Products::SplitTiles`]):
 //! packing the operands into [`Pairs`] and multiplying them, for [`super::gemm_tile`].
 
 use faer::MatRef;
 
 use super::Pairs;
 use crate::kernel::Products;
-use crate::kernel::amx::{self, TileRows};
-use crate::kernel::element::Element;
+use crate::kernel::amx::{self, Split, TileRows};
+use crate::kernel::element::{Element, f32_rows};
 use crate::kernel::online_softmax::PairsOut;
 use crate::kernel::pair_dot::{self, Broadcast, Columns, Lanes};
 use crate::keys::{KeySource, PairOrder};
@@ -23,23 +24,38 @@ pub(super) enum Values {
 }
 
 impl Pairs {
-    /// Packs the query tile `q` as it is (exact; the scale multiplies the sums): `false`
-    /// when the inputs are not bf16 or an entry is subnormal (read as zero).
+    /// Packs the query tile `q` as it is (exact; the scale multiplies the sums), split in
+    /// two parts for split products: `false` when the inputs are neither bf16 nor split,
+    /// or an entry is subnormal (read as zero).
     pub(super) fn pack_queries<T: Element>(&mut self, q: MatRef<'_, T>) -> bool {
         let ld = self.ld;
-        T::as_bf16(q).is_some_and(|q| pair_dot::pack_lanes(q, &mut self.q, ld))
+        match &mut self.low {
+            Some(low) => {
+                let (rows, cols) = (q.nrows(), q.ncols());
+                let split = low.stage.split(|buf| f32_rows(q, 0..rows, buf), rows, cols);
+                split.is_some_and(|[hi, lo]| {
+                    pair_dot::pack_lanes(hi, &mut self.q, ld)
+                        && pair_dot::pack_lanes(lo, &mut low.q, ld)
+                })
+            }
+            None => T::as_bf16(q).is_some_and(|q| pair_dot::pack_lanes(q, &mut self.q, ld)),
+        }
     }
 
     /// Packs a block of keys: `false` when an entry is subnormal.
     pub(super) fn pack_keys<T: Element, K: KeySource<T>>(&mut self, k: &K) -> bool {
         let order = PairOrder::Rows { ld: self.k_ld };
-        k.to_pairs(order, &mut self.k).is_some_and(|r| !r.subnormal)
+        let report = match &mut self.low {
+            Some(low) => k.to_split_pairs(order, &mut self.k, &mut low.k, &mut low.stage),
+            None => k.to_pairs(order, &mut self.k),
+        };
+        report.is_some_and(|r| !r.subnormal)
     }
 
     /// Packs a block of values for `products`: [`Values::F32`] when an entry is so small
-    /// that its products could be flushed; a non-finite row is packed as zeros
-    /// ([`Values::WithoutNonFinite`]: a hidden key must contribute nothing, not `0·∞`, and
-    /// the rows that see it add its terms alone).
+    /// that its products could be flushed (or, split, is not finite); a non-finite row is
+    /// packed as zeros ([`Values::WithoutNonFinite`]: a hidden key must contribute nothing,
+    /// not `0·∞`, and the rows that see it add its terms alone).
     pub(super) fn pack_values<T: Element, K: KeySource<T>>(
         &mut self,
         products: Products,
@@ -47,9 +63,16 @@ impl Pairs {
         d_v: usize,
     ) -> Values {
         let order = match products {
-            Products::Tiles => PairOrder::Columns { ld: self.v_ld },
+            Products::Tiles | Products::SplitTiles => PairOrder::Columns { ld: self.v_ld },
             _ => PairOrder::RowPairs,
         };
+        if let Some(low) = &mut self.low {
+            let report = v.to_split_pairs(order, &mut self.v, &mut low.v, &mut low.stage);
+            return match report {
+                Some(r) if r.exact() => Values::Exact,
+                _ => Values::F32,
+            };
+        }
         match v.to_pairs(order, &mut self.v) {
             Some(r) if r.exact() => Values::Exact,
             Some(r) if !r.tiny => {
@@ -78,23 +101,32 @@ impl Pairs {
         products: Products,
         s: &mut [f32],
         (ld_s, nr, nc, d_k): (usize, usize, usize, usize),
-        k_tiles: Option<TileRows<'_>>,
+        k_tiles: Option<Split<TileRows<'_>>>,
         alpha: f32,
     ) {
-        let q = Lanes {
-            words: &self.q,
+        let lanes = |words| Lanes {
+            words,
             rows: nr,
             ld: self.ld,
         };
+        let q = lanes(&self.q);
         match products {
-            Products::Tiles => {
-                let k = k_tiles.unwrap_or(TileRows {
-                    words: &self.k,
+            Products::Tiles | Products::SplitTiles => {
+                let rows = |words| TileRows {
+                    words,
                     ld: self.k_ld,
                     rows: nc,
                     pairs: self.k_ld,
+                };
+                let k = k_tiles.unwrap_or(Split {
+                    hi: rows(&self.k),
+                    lo: self.low.as_ref().map(|low| rows(&low.k)),
                 });
-                amx::product(k, q, s, ld_s, alpha, false)
+                let q = Split {
+                    hi: q,
+                    lo: self.low.as_ref().map(|low| lanes(&low.q)),
+                };
+                amx::split_product(k, q, s, ld_s, alpha, false)
             }
             _ => {
                 let kp = pair_dot::pairs(d_k);
@@ -130,15 +162,27 @@ impl Pairs {
     }
 
     /// Rounds the probabilities in `s` (column-major, `ld_s` floats per key) into P's
-    /// pairs, where the softmax did not write them itself; `delta[i]` gains what the
-    /// rounding added to row `i`'s weights.
+    /// pairs (both parts, split), where the softmax did not write them itself; `delta[i]`
+    /// gains what the rounding added to row `i`'s weights.
     pub(super) fn pack_probabilities(
         &mut self,
         s: &[f32],
         (ld_s, nr, nc): (usize, usize, usize),
         delta: &mut [f32],
     ) {
-        pair_dot::pack_probabilities(s, ld_s, nr, nc, &mut self.p, self.ld, delta);
+        let ld = self.ld;
+        match &mut self.low {
+            Some(low) => pair_dot::pack_probabilities_split(
+                s,
+                ld_s,
+                (nr, nc),
+                &mut self.p,
+                &mut low.p,
+                ld,
+                delta,
+            ),
+            None => pair_dot::pack_probabilities(s, ld_s, nr, nc, &mut self.p, ld, delta),
+        }
     }
 
     /// `acc += P·V` for the packed values and P's pairs ([`Pairs::probabilities`],
@@ -148,29 +192,40 @@ impl Pairs {
         &mut self,
         products: Products,
         (nr, nc, d_v): (usize, usize, usize),
-        v_tiles: Option<TileRows<'_>>,
+        v_tiles: Option<Split<TileRows<'_>>>,
         acc: &mut [f32],
         ld: usize,
     ) {
         let lanes = self.ld;
         let pairs = pair_dot::pairs(nc);
         match products {
-            Products::Tiles => {
+            Products::Tiles | Products::SplitTiles => {
                 // Whole tiles of pairs: the padding pairs are zero.
                 let padded = pairs.next_multiple_of(amx::TILE);
                 self.p[pairs * lanes..padded * lanes].fill(0);
-                let p = Lanes {
-                    words: &self.p,
+                if let Some(low) = &mut self.low {
+                    low.p[pairs * lanes..padded * lanes].fill(0);
+                }
+                let p_lanes = |words| Lanes {
+                    words,
                     rows: nr,
                     ld: lanes,
                 };
-                let v = v_tiles.unwrap_or(TileRows {
-                    words: &self.v,
+                let p = Split {
+                    hi: p_lanes(&self.p),
+                    lo: self.low.as_ref().map(|low| p_lanes(&low.p)),
+                };
+                let v_rows = |words| TileRows {
+                    words,
                     ld: self.v_ld,
                     rows: d_v,
                     pairs: padded,
+                };
+                let v = v_tiles.unwrap_or(Split {
+                    hi: v_rows(&self.v),
+                    lo: self.low.as_ref().map(|low| v_rows(&low.v)),
                 });
-                amx::product(v, p, acc, ld, 1.0, true);
+                amx::split_product(v, p, acc, ld, 1.0, true);
             }
             _ => {
                 let p = Lanes {

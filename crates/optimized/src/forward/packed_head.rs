@@ -12,39 +12,51 @@
 
 use std::sync::OnceLock;
 
-use crate::kernel::amx::{self, TileRows};
+use crate::kernel::amx::{self, Split, TileRows};
 use crate::kernel::element::Element;
-use crate::kernel::pair_dot;
+use crate::kernel::pair_dot::{self, SplitStage};
 use crate::keys::{KeySource, PairOrder};
 
 /// One head's packed K and V; either may be missing (an entry the tiles cannot multiply
-/// exactly: that part is packed per block as before).
+/// exactly: that part is packed per block as before). Operands split in two bf16 parts
+/// ([`Split`]) have their low parts beside, laid out alike (empty for one part).
 #[derive(Debug)]
 pub(super) struct PackedHead {
-    k: Option<Vec<u32>>,
+    k: Option<[Vec<u32>; 2]>,
     k_ld: usize,
-    v: Option<Vec<u32>>,
+    v: Option<[Vec<u32>; 2]>,
     v_ld: usize,
     d_v: usize,
 }
 
 impl PackedHead {
-    /// Packs `k` and `v` (the head's whole key range); `None` when neither can be packed
-    /// (not bf16, an entry too small for the tiles, or no memory for the buffers).
-    pub(super) fn new<T: Element, K: KeySource<T>>(k: &K, v: &K) -> Option<Self> {
+    /// Packs `k` and `v` (the head's whole key range), split in two parts when `split`;
+    /// `None` when neither can be packed (an entry too small for the tiles, inputs of
+    /// another type, or no memory for the buffers).
+    pub(super) fn new<T: Element, K: KeySource<T>>(k: &K, v: &K, split: bool) -> Option<Self> {
         let (n, d_k, d_v) = (k.len(), k.width(), v.width());
         let k_ld = pair_dot::pairs(d_k).next_multiple_of(amx::TILE);
         // A block's last tile reads up to a tile past the block.
         let rows = n.next_multiple_of(amx::TILE) + amx::TILE;
         let v_ld = pair_dot::pairs(n).next_multiple_of(amx::TILE) + amx::TILE;
-        let k = zeroed(rows * k_ld).and_then(|mut buf| {
-            let report = k.to_pairs(PairOrder::Rows { ld: k_ld }, &mut buf)?;
-            (!report.subnormal).then_some(buf)
-        });
-        let v = zeroed(d_v.next_multiple_of(amx::TILE) * v_ld).and_then(|mut buf| {
-            let report = v.to_pairs(PairOrder::Columns { ld: v_ld }, &mut buf)?;
-            report.exact().then_some(buf)
-        });
+        let mut stage = match split {
+            true => Some(SplitStage::new(n.checked_mul(d_k.max(d_v))?)?),
+            false => None,
+        };
+        let mut pack = |src: &K, order: PairOrder, len: usize| {
+            let mut hi = zeroed(len)?;
+            let mut lo = if split { zeroed(len)? } else { Vec::new() };
+            let report = match stage.as_mut() {
+                Some(stage) => src.to_split_pairs(order, &mut hi, &mut lo, stage)?,
+                None => src.to_pairs(order, &mut hi)?,
+            };
+            Some(([hi, lo], report))
+        };
+        let k = pack(k, PairOrder::Rows { ld: k_ld }, rows * k_ld)
+            .and_then(|(k, report)| (!report.subnormal).then_some(k));
+        let v_len = d_v.next_multiple_of(amx::TILE) * v_ld;
+        let v = pack(v, PairOrder::Columns { ld: v_ld }, v_len)
+            .and_then(|(v, report)| report.exact().then_some(v));
         (k.is_some() || v.is_some()).then_some(Self {
             k,
             k_ld,
@@ -55,25 +67,35 @@ impl PackedHead {
     }
 
     /// Keys `keys` (of the head's range) as the A operand of `Sᵀ = K·Qᵀ`.
-    pub(super) fn keys(&self, keys: core::ops::Range<usize>) -> Option<TileRows<'_>> {
-        let k = self.k.as_deref()?;
-        Some(TileRows {
-            words: &k[keys.start * self.k_ld..],
+    pub(super) fn keys(&self, keys: core::ops::Range<usize>) -> Option<Split<TileRows<'_>>> {
+        let [hi, lo] = self.k.as_ref()?;
+        let at = keys.start * self.k_ld;
+        let rows = |words| TileRows {
+            words,
             ld: self.k_ld,
             rows: keys.len(),
             pairs: self.k_ld,
+        };
+        Some(Split {
+            hi: rows(&hi[at..]),
+            lo: (!lo.is_empty()).then(|| rows(&lo[at..])),
         })
     }
 
     /// Values of keys `keys` as the A operand of `Oᵀ += Vᵀ·Pᵀ`, when their pairs are the
     /// head's (`keys` starts at an even key).
-    pub(super) fn values(&self, keys: core::ops::Range<usize>) -> Option<TileRows<'_>> {
-        let v = self.v.as_deref()?;
-        keys.start.is_multiple_of(2).then(|| TileRows {
-            words: &v[keys.start / 2..],
+    pub(super) fn values(&self, keys: core::ops::Range<usize>) -> Option<Split<TileRows<'_>>> {
+        let [hi, lo] = self.v.as_ref()?;
+        let at = keys.start / 2;
+        let rows = |words| TileRows {
+            words,
             ld: self.v_ld,
             rows: self.d_v,
             pairs: pair_dot::pairs(keys.len()).next_multiple_of(amx::TILE),
+        };
+        keys.start.is_multiple_of(2).then(|| Split {
+            hi: rows(&hi[at..]),
+            lo: (!lo.is_empty()).then(|| rows(&lo[at..])),
         })
     }
 }
@@ -103,12 +125,12 @@ impl PackedHeads {
     pub(super) fn get<T: Element, K: KeySource<T>>(
         &self,
         slot: usize,
-        k: &K,
-        v: &K,
+        (k, v): (&K, &K),
+        split: bool,
     ) -> Option<&PackedHead> {
         self.slots
             .get(slot)?
-            .get_or_init(|| PackedHead::new(k, v))
+            .get_or_init(|| PackedHead::new(k, v, split))
             .as_ref()
     }
 }

@@ -62,22 +62,42 @@ pub(crate) fn product(
     alpha: f32,
     accumulate: bool,
 ) {
-    let TileRows {
-        ld: a_ld,
-        rows,
-        pairs,
-        ..
-    } = a;
-    let cols = b.rows;
+    product_sum(&[(a, b)], c, ld_c, alpha, accumulate);
+}
+
+/// `c (+)= alpha · Σ A_t·B_t` over the `terms`, every term shaped as the first (see
+/// [`product`]), the sum kept in the tiles: the three products of operands split exactly
+/// in two bf16 parts ([`Split`]).
+pub(crate) fn product_sum(
+    terms: &[(TileRows<'_>, Lanes<'_>)],
+    c: &mut [f32],
+    ld_c: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    let Some(&(first, first_b)) = terms.first() else {
+        return;
+    };
+    let (rows, cols) = (first.rows, first_b.rows);
     assert!(!accumulate || alpha == 1.0);
-    assert!(
-        pairs.is_multiple_of(TILE) && a_ld >= pairs && b.ld.is_multiple_of(LANES) && b.ld >= cols
-    );
-    // The last tile row reads its `pairs` words, not a whole `a_ld`.
-    let last_row = rows.next_multiple_of(TILE).saturating_sub(1);
-    assert!(rows == 0 || pairs == 0 || a.words.len() >= last_row * a_ld + pairs);
-    let lanes = cols.next_multiple_of(TILE);
-    assert!(pairs == 0 || b.words.len() >= (pairs - 1) * b.ld + lanes);
+    assert!(terms.len() <= MAX_TERMS);
+    for &(a, b) in terms {
+        let TileRows {
+            ld: a_ld, pairs, ..
+        } = a;
+        assert!(a.rows == rows && b.rows == cols);
+        assert!(
+            pairs.is_multiple_of(TILE)
+                && a_ld >= pairs
+                && b.ld.is_multiple_of(LANES)
+                && b.ld >= cols
+        );
+        // The last tile row reads its `pairs` words, not a whole `a_ld`.
+        let last_row = rows.next_multiple_of(TILE).saturating_sub(1);
+        assert!(rows == 0 || pairs == 0 || a.words.len() >= last_row * a_ld + pairs);
+        let lanes = cols.next_multiple_of(TILE);
+        assert!(pairs == 0 || b.words.len() >= (pairs - 1) * b.ld + lanes);
+    }
     assert!(ld_c >= cols && c.len() >= rows * ld_c);
     if rows == 0 || cols == 0 {
         return;
@@ -87,15 +107,51 @@ pub(crate) fn product(
         // SAFETY: AMX-BF16 and AMX-TILE are part of the chosen path and the tile state was
         // granted; the asserts above bound every tile load and store (edge tiles go through
         // a buffer of their own).
-        unsafe { x86::product(a, b, c, ld_c, alpha, accumulate) }
+        unsafe { x86::product(terms, c, ld_c, alpha, accumulate) }
     }
+}
+
+/// The most terms [`product_sum`] takes.
+pub(crate) const MAX_TERMS: usize = 3;
+
+/// An operand split exactly into two bf16 parts, `hi + lo` (an f16 entry has 11
+/// significant bits: `hi` is it rounded to bf16's 8, `lo` the rest, which bf16 holds
+/// exactly), or one part (`lo` `None`: bf16 as it is). A product of two split operands is
+/// `hi·hi + lo·hi + hi·lo`: the term left out, `lo·lo`, is below `2⁻¹⁶` of the product.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Split<T> {
+    pub hi: T,
+    pub lo: Option<T>,
+}
+
+/// `c (+)= alpha · A·B` for operands split in parts ([`Split`]): one tile product per pair
+/// of parts whose product counts, summed in the tiles.
+pub(crate) fn split_product(
+    a: Split<TileRows<'_>>,
+    b: Split<Lanes<'_>>,
+    c: &mut [f32],
+    ld_c: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    let mut terms = [(a.hi, b.hi); MAX_TERMS];
+    let mut n = 1;
+    if let Some(lo) = a.lo {
+        terms[n] = (lo, b.hi);
+        n += 1;
+    }
+    if let Some(lo) = b.lo {
+        terms[n] = (a.hi, lo);
+        n += 1;
+    }
+    product_sum(&terms[..n], c, ld_c, alpha, accumulate);
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use core::arch::asm;
 
-    use super::{Lanes, TILE, TileRows};
+    use super::{Lanes, MAX_TERMS, TILE, TileRows};
 
     /// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: whether Linux grants this
     /// process the tile state.
@@ -148,21 +204,42 @@ mod x86 {
         stride: usize,
     }
 
-    /// One 16 × 16 block of C through tile 0: A's rows at `a`, B's lanes at `b`.
-    ///
-    /// # Safety
-    /// Tiles configured; A and B hold `pairs` pairs; 16 × 16 floats at `c` readable and
-    /// writable.
-    #[inline(always)]
-    unsafe fn block(
+    /// One product of a block's sum: A's rows at `a` (`sa` bytes apart), B's lanes at `b`
+    /// (`sb` bytes apart), `pairs` deep.
+    #[derive(Clone, Copy)]
+    struct Term {
         a: *const u32,
         sa: usize,
         b: *const u32,
         sb: usize,
         pairs: usize,
-        c: Out,
-        add: bool,
-    ) {
+    }
+
+    impl Term {
+        /// The term `rows` rows of A and `lanes` lanes of B on.
+        ///
+        /// # Safety
+        /// Both stay inside the operands.
+        #[inline(always)]
+        unsafe fn at(self, rows: usize, lanes: usize) -> Self {
+            // SAFETY: the caller's bounds.
+            unsafe {
+                Self {
+                    a: self.a.add(rows * (self.sa / 4)),
+                    b: self.b.add(lanes),
+                    ..self
+                }
+            }
+        }
+    }
+
+    /// One 16 × 16 block of C through tile 0, the sum of the `terms`.
+    ///
+    /// # Safety
+    /// Tiles configured; each term's A and B hold its `pairs` pairs; 16 × 16 floats at `c`
+    /// readable and writable.
+    #[inline(always)]
+    unsafe fn block(terms: &[Term], c: Out, add: bool) {
         // SAFETY: the caller's bounds.
         unsafe {
             if add {
@@ -170,39 +247,41 @@ mod x86 {
             } else {
                 asm!("tilezero tmm0", options(nostack, nomem));
             }
-            let mut p = 0;
-            while p < pairs {
-                asm!(
-                    "tileloadd tmm4, [{a} + {sa}]",
-                    "tileloadd tmm6, [{b} + {sb}]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    a = in(reg) a.add(p),
-                    sa = in(reg) sa,
-                    b = in(reg) b.add(p * (sb / 4)),
-                    sb = in(reg) sb,
-                    options(nostack, readonly),
-                );
-                p += TILE;
+            for &Term {
+                a,
+                sa,
+                b,
+                sb,
+                pairs,
+            } in terms
+            {
+                let mut p = 0;
+                while p < pairs {
+                    asm!(
+                        "tileloadd tmm4, [{a} + {sa}]",
+                        "tileloadd tmm6, [{b} + {sb}]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        a = in(reg) a.add(p),
+                        sa = in(reg) sa,
+                        b = in(reg) b.add(p * (sb / 4)),
+                        sb = in(reg) sb,
+                        options(nostack, readonly),
+                    );
+                    p += TILE;
+                }
             }
             asm!("tilestored [{c} + {s}], tmm0", c = in(reg) c.ptr, s = in(reg) c.stride, options(nostack));
         }
     }
 
-    /// Two by two 16 × 16 blocks of C through tiles 0–3 (rows of A at `a` and 16 rows on,
-    /// lanes of B at `b` and 16 lanes on): each A and B tile loaded once for two products.
+    /// Two by two 16 × 16 blocks of C through tiles 0–3 (rows of A at each term's `a` and
+    /// 16 rows on, lanes of B at its `b` and 16 lanes on), the sum of the `terms`: each A
+    /// and B tile loaded once for two products.
     ///
     /// # Safety
     /// As [`block`], for 32 rows of A, 32 lanes of B and the four blocks of `c`.
     #[inline(always)]
-    unsafe fn block_2x2(
-        a: *const u32,
-        sa: usize,
-        b: *const u32,
-        sb: usize,
-        pairs: usize,
-        c: [Out; 4],
-        add: bool,
-    ) {
+    unsafe fn block_2x2(terms: &[Term], c: [Out; 4], add: bool) {
         // SAFETY: the caller's bounds.
         unsafe {
             if add {
@@ -226,28 +305,37 @@ mod x86 {
                     options(nostack, nomem)
                 );
             }
-            let a16 = 16 * (sa / 4);
-            let b16 = 16;
-            let mut p = 0;
-            while p < pairs {
-                asm!(
-                    "tileloadd tmm4, [{a0} + {sa}]",
-                    "tileloadd tmm6, [{b0} + {sb}]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tileloadd tmm7, [{b1} + {sb}]",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tileloadd tmm5, [{a1} + {sa}]",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    a0 = in(reg) a.add(p),
-                    a1 = in(reg) a.add(a16 + p),
-                    sa = in(reg) sa,
-                    b0 = in(reg) b.add(p * (sb / 4)),
-                    b1 = in(reg) b.add(p * (sb / 4) + b16),
-                    sb = in(reg) sb,
-                    options(nostack, readonly),
-                );
-                p += TILE;
+            for &Term {
+                a,
+                sa,
+                b,
+                sb,
+                pairs,
+            } in terms
+            {
+                let a16 = 16 * (sa / 4);
+                let b16 = 16;
+                let mut p = 0;
+                while p < pairs {
+                    asm!(
+                        "tileloadd tmm4, [{a0} + {sa}]",
+                        "tileloadd tmm6, [{b0} + {sb}]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{b1} + {sb}]",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm5, [{a1} + {sa}]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a0 = in(reg) a.add(p),
+                        a1 = in(reg) a.add(a16 + p),
+                        sa = in(reg) sa,
+                        b0 = in(reg) b.add(p * (sb / 4)),
+                        b1 = in(reg) b.add(p * (sb / 4) + b16),
+                        sb = in(reg) sb,
+                        options(nostack, readonly),
+                    );
+                    p += TILE;
+                }
             }
             asm!(
                 "tilestored [{c0} + {s0}], tmm0",
@@ -263,26 +351,37 @@ mod x86 {
         }
     }
 
-    /// See [`super::product`].
+    /// See [`super::product_sum`].
     ///
     /// # Safety
-    /// AMX-BF16 and AMX-TILE, the tile state granted; the bounds [`super::product`] asserts.
+    /// AMX-BF16 and AMX-TILE, the tile state granted; the bounds [`super::product_sum`]
+    /// asserts (one to [`MAX_TERMS`] terms).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn product(
-        a: TileRows<'_>,
-        b: Lanes<'_>,
+        operands: &[(TileRows<'_>, Lanes<'_>)],
         c: &mut [f32],
         ld_c: usize,
         alpha: f32,
         accumulate: bool,
     ) {
-        let TileRows {
-            words: a,
-            ld: a_ld,
-            rows,
-            pairs,
-        } = a;
-        let cols = b.rows;
+        let (rows, cols) = (operands[0].0.rows, operands[0].1.rows);
+        let mut whole_terms = [Term {
+            a: core::ptr::null(),
+            sa: 0,
+            b: core::ptr::null(),
+            sb: 0,
+            pairs: 0,
+        }; MAX_TERMS];
+        for (t, (a, b)) in whole_terms.iter_mut().zip(operands) {
+            *t = Term {
+                a: a.words.as_ptr(),
+                sa: 4 * a.ld,
+                b: b.words.as_ptr(),
+                sb: 4 * b.ld,
+                pairs: a.pairs,
+            };
+        }
+        let whole_terms = &whole_terms[..operands.len()];
         let cfg = Config::full();
         let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
         // Blocks that do not fit C (past its last row, or across a row's end) go through
@@ -293,7 +392,6 @@ mod x86 {
         // the asserted bounds: whole blocks in place, the others through `edges`.
         unsafe {
             asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-            let (sa, sb) = (4 * a_ld, 4 * b.ld);
             let mut r = 0;
             while r < row_tiles {
                 let rt = (row_tiles - r).min(2);
@@ -331,18 +429,22 @@ mod x86 {
                             }
                         };
                     }
-                    let (a0, b0) = (
-                        a.as_ptr().add(r * TILE * a_ld),
-                        b.words.as_ptr().add(i * TILE),
-                    );
+                    let mut terms = [whole_terms[0]; MAX_TERMS];
+                    for (t, w) in terms.iter_mut().zip(whole_terms) {
+                        *t = w.at(r * TILE, i * TILE);
+                    }
+                    let terms = &mut terms[..whole_terms.len()];
                     if rt == 2 && it == 2 {
-                        block_2x2(a0, sa, b0, sb, pairs, outs, accumulate);
+                        block_2x2(terms, outs, accumulate);
                     } else {
                         for (slot, out) in outs.iter().enumerate() {
                             let (dr, di) = (slot / 2, slot % 2);
                             if dr < rt && di < it {
-                                let (ar, bi) = (a0.add(dr * TILE * a_ld), b0.add(di * TILE));
-                                block(ar, sa, bi, sb, pairs, *out, accumulate);
+                                let mut at = [terms[0]; MAX_TERMS];
+                                for (t, w) in at.iter_mut().zip(terms.iter()) {
+                                    *t = w.at(dr * TILE, di * TILE);
+                                }
+                                block(&at[..terms.len()], *out, accumulate);
                             }
                         }
                     }
@@ -390,6 +492,85 @@ mod tests {
 
     use super::*;
     use crate::kernel::pair_dot::{pack_lanes, pack_rows, pairs};
+
+    /// f16 operands split in two bf16 parts: `C = α·A·Bᵀ` from the three tile products
+    /// within 2⁻¹⁶ of each term of the f64 product of the f16 inputs (plus f32 summation),
+    /// far closer than one bf16 product of the rounded inputs.
+    #[test]
+    fn split_products_keep_f16_precision() {
+        use crate::kernel::pair_dot::split_bf16;
+        use half::f16;
+        if !available() {
+            return;
+        }
+        let (m, n, k) = (37, 45, 72);
+        let a = Mat::from_fn(n, k, |j, c| {
+            f16::from_f32(((j * 37 + c * 11) % 101) as f32 / 50.3 - 1.01).to_f32()
+        });
+        let bt = Mat::from_fn(m, k, |i, c| {
+            f16::from_f32(((i * 13 + c * 29) % 97) as f32 / 31.7 - 1.5).to_f32()
+        });
+        let split = |x: &Mat<f32>| {
+            let (mut hi, mut lo) = (
+                vec![bf16::ZERO; x.nrows() * k],
+                vec![bf16::ZERO; x.nrows() * k],
+            );
+            split_bf16(x.as_ref(), &mut hi, &mut lo);
+            let part = |p: Vec<bf16>| Mat::from_fn(x.nrows(), k, |i, c| p[i * k + c]);
+            (part(hi), part(lo))
+        };
+        let ((a_hi, a_lo), (b_hi, b_lo)) = (split(&a), split(&bt));
+        let padded = pairs(k).next_multiple_of(TILE);
+        let ld = m.next_multiple_of(LANES);
+        let rows = |x: &Mat<bf16>| {
+            let mut w = vec![0u32; n.next_multiple_of(TILE) * padded];
+            assert!(pack_rows(x.as_ref(), &mut w, padded).exact());
+            w
+        };
+        let lanes = |x: &Mat<bf16>| {
+            let mut w = vec![0u32; padded * ld];
+            assert!(pack_lanes(x.as_ref(), &mut w, ld));
+            w
+        };
+        let (ah, al, bh, bl) = (rows(&a_hi), rows(&a_lo), lanes(&b_hi), lanes(&b_lo));
+        let a_op = |words| TileRows {
+            words,
+            ld: padded,
+            rows: n,
+            pairs: padded,
+        };
+        let b_op = |words| Lanes { words, rows: m, ld };
+        let mut c = vec![0.0f32; n * m];
+        let a_split = Split {
+            hi: a_op(&ah),
+            lo: Some(a_op(&al)),
+        };
+        let b_split = Split {
+            hi: b_op(&bh),
+            lo: Some(b_op(&bl)),
+        };
+        split_product(a_split, b_split, &mut c, m, 0.25, false);
+        let mut one_part = vec![0.0f32; n * m];
+        product(a_op(&ah), b_op(&bh), &mut one_part, m, 0.25, false);
+        let (mut worst, mut worst_one_part) = (0.0f64, 0.0f64);
+        for j in 0..n {
+            for i in 0..m {
+                let terms = (0..k).map(|c| f64::from(a[(j, c)]) * f64::from(bt[(i, c)]));
+                let exact = 0.25 * terms.clone().sum::<f64>();
+                let magnitude = 0.25 * terms.map(f64::abs).sum::<f64>();
+                let bound = magnitude * (2f64.powi(-16) + (k as f64 + 2.0) * 2f64.powi(-24));
+                let err = (f64::from(c[j * m + i]) - exact).abs();
+                assert!(err <= bound, "({j},{i}): {err:e} > {bound:e}");
+                worst = worst.max(err / magnitude);
+                let err = (f64::from(one_part[j * m + i]) - exact).abs();
+                worst_one_part = worst_one_part.max(err / magnitude);
+            }
+        }
+        assert!(
+            worst * 16.0 < worst_one_part,
+            "{worst:e} vs {worst_one_part:e}"
+        );
+    }
 
     /// `C (+)= α·A·Bᵀ` through the packers and the tiles against f64 on the same bf16
     /// inputs, for shapes that leave partial tiles, single tiles and blocks of four.

@@ -41,20 +41,31 @@ pub(crate) enum Products {
     Pairs,
     /// bf16 tiles on AMX ([`amx`]).
     Tiles,
+    /// f16 on AMX: each operand split exactly in two bf16 parts ([`amx::Split`]), three
+    /// tile products per product (the forward pass).
+    SplitTiles,
 }
 
 impl Products {
     /// The products of inputs `T` at `precision` on this process's path.
     pub(crate) fn of<T: Element>(precision: Precision) -> Self {
-        if T::DTYPE != Dtype::Bf16 || precision != Precision::Native {
-            Products::F32
-        } else if amx::available() {
-            Products::Tiles
-        } else if pair_dot::available() {
-            Products::Pairs
-        } else {
-            Products::F32
+        match (T::DTYPE, precision) {
+            (_, Precision::F32) => Products::F32,
+            (Dtype::Bf16, _) if amx::available() => Products::Tiles,
+            (Dtype::Bf16, _) if pair_dot::available() => Products::Pairs,
+            (Dtype::F16, _) if amx::available() => Products::SplitTiles,
+            _ => Products::F32,
         }
+    }
+
+    /// Whether these products run on AMX tiles.
+    pub(crate) fn on_tiles(self) -> bool {
+        matches!(self, Products::Tiles | Products::SplitTiles)
+    }
+
+    /// Whether the operands are split in two bf16 parts.
+    pub(crate) fn split(self) -> bool {
+        self == Products::SplitTiles
     }
 }
 

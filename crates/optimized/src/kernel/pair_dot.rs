@@ -349,6 +349,118 @@ pub(crate) fn pack_probabilities(
     }
 }
 
+/// [`pack_probabilities`] in two bf16 parts: `hi` each probability rounded, `lo` what is
+/// left of it rounded again (`hi + lo` within `2⁻¹⁶` of it; the split operands of
+/// [`super::amx::Split`]); `delta[i]` gains what the two added to row `i`'s sum.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pack_probabilities_split(
+    s: &[f32],
+    ld_s: usize,
+    (rows, cols): (usize, usize),
+    hi: &mut [u32],
+    lo: &mut [u32],
+    ld: usize,
+    delta: &mut [f32],
+) {
+    assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES) && delta.len() >= rows);
+    assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
+    assert!(hi.len() >= pairs(cols) * ld && lo.len() >= pairs(cols) * ld);
+    #[cfg(target_arch = "x86_64")]
+    if has_instructions() {
+        // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
+        // asserts above bound every access (loads are masked to `rows`).
+        unsafe { x86::pack_probabilities_split(s, ld_s, rows, cols, hi, lo, ld, delta) }
+    }
+}
+
+/// Working memory of an operand split in two bf16 parts ([`split_bf16`]): its f32 rows
+/// and both parts, row-major (what the packers read fastest), for up to `capacity`
+/// entries.
+#[derive(Debug, Default)]
+pub(crate) struct SplitStage {
+    wide: Vec<f32>,
+    hi: Vec<bf16>,
+    lo: Vec<bf16>,
+}
+
+impl SplitStage {
+    /// A stage for `capacity` entries, or `None` when the memory cannot be had.
+    pub(crate) fn new(capacity: usize) -> Option<Self> {
+        let what = "an f16 operand split in bf16 parts";
+        Some(Self {
+            wide: attn_core::zeroed(what, Some(capacity)).ok()?,
+            hi: attn_core::zeroed(what, Some(capacity)).ok()?,
+            lo: attn_core::zeroed(what, Some(capacity)).ok()?,
+        })
+    }
+
+    /// The `rows × cols` operand that `widen` writes as f32 into the buffer it is given,
+    /// split: `[hi, lo]`; `None` when it does not fit.
+    pub(crate) fn split<'s>(
+        &'s mut self,
+        widen: impl FnOnce(&'s mut [f32]) -> MatRef<'s, f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Option<[MatRef<'s, bf16>; 2]> {
+        let n = rows.checked_mul(cols).filter(|&n| n <= self.hi.len())?;
+        let (hi, lo) = (&mut self.hi[..n], &mut self.lo[..n]);
+        split_bf16(widen(&mut self.wide[..n]), hi, lo);
+        let part = |p: &'s [bf16]| MatRef::from_row_major_slice(p, rows, cols);
+        Some([part(&self.hi[..n]), part(&self.lo[..n])])
+    }
+}
+
+/// `x` split in two bf16 parts: `hi` rounded to nearest even, `lo` what is left of it
+/// rounded again (exact for an f16 value); an infinity or NaN goes whole into `hi` (a NaN
+/// quiet). Branch-free, so that a row of them vectorises.
+#[inline(always)]
+fn split_one(x: f32) -> (u16, u16) {
+    let b = x.to_bits();
+    let round = |b: u32| (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let finite = b & 0x7f80_0000 != 0x7f80_0000;
+    let top = round(b);
+    let rest = x - f32::from_bits(u32::from(top) << 16);
+    // Not finite: the top half, with a NaN's quiet bit set (its payload may lie below).
+    let nan_bit = if b & 0x007f_ffff != 0 { 0x0040 } else { 0 };
+    let whole = (b >> 16) as u16 | nan_bit;
+    if finite {
+        (top, round(rest.to_bits()))
+    } else {
+        (whole, 0)
+    }
+}
+
+#[inline(always)]
+fn split_bf16_body<const FMA: bool>(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mut [bf16]) {
+    let w = m.ncols();
+    let rows = hi
+        .chunks_exact_mut(w.max(1))
+        .zip(lo.chunks_exact_mut(w.max(1)));
+    for (i, (hi, lo)) in rows.take(m.nrows()).enumerate() {
+        let mut put = |c: usize, x: f32| {
+            let (h, l) = split_one(x);
+            hi[c] = bf16::from_bits(h);
+            lo[c] = bf16::from_bits(l);
+        };
+        match m.row(i).try_as_row_major() {
+            Some(row) => row
+                .as_slice()
+                .iter()
+                .enumerate()
+                .for_each(|(c, &x)| put(c, x)),
+            None => (0..w).for_each(|c| put(c, m[(i, c)])),
+        }
+    }
+}
+
+super::multiversion! {
+    /// Splits the entries of `m` into bf16 `hi + lo`, row-major, `m.ncols()` entries a
+    /// row, into `hi` and `lo` (each at least `m.nrows()·m.ncols()` long): exact for an
+    /// f16 value widened (11 significant bits: 8 in `hi`, the rest in `lo`), within `2⁻¹⁶`
+    /// for any f32; an infinity or NaN goes whole into `hi`.
+    pub(crate) fn split_bf16(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mut [bf16]) = split_bf16_body
+}
+
 /// How [`exponentiate_pairs`] checks a block when it runs in one pass with the maxima
 /// pass (whose rules it applies: [`LAZY_RESCALE_LOG2`], [`HUGE`]).
 ///
@@ -775,7 +887,36 @@ mod x86 {
             // SAFETY: column `c1` is read only when it exists; the caller's bounds.
             unsafe {
                 let odd = (c1 < cols).then(|| s.add(c1 * ld_s));
-                pack_pair(s.add(c0 * ld_s), odd, rows, d.add(p * ld), dl);
+                pack_pair(s.add(c0 * ld_s), odd, rows, (d.add(p * ld), None), dl);
+            }
+        }
+    }
+
+    /// See [`super::pack_probabilities_split`].
+    ///
+    /// # Safety
+    /// As [`pack_probabilities`], for both `hi` and `lo`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pack_probabilities_split(
+        s: &[f32],
+        ld_s: usize,
+        rows: usize,
+        cols: usize,
+        hi: &mut [u32],
+        lo: &mut [u32],
+        ld: usize,
+        delta: &mut [f32],
+    ) {
+        let (s, dl) = (s.as_ptr(), delta.as_mut_ptr());
+        let (h, l) = (hi.as_mut_ptr(), lo.as_mut_ptr());
+        for p in 0..cols.div_ceil(2) {
+            let (c0, c1) = (2 * p, 2 * p + 1);
+            // SAFETY: column `c1` is read only when it exists; the caller's bounds.
+            unsafe {
+                let odd = (c1 < cols).then(|| s.add(c1 * ld_s));
+                let dst = (h.add(p * ld), Some(l.add(p * ld)));
+                pack_pair(s.add(c0 * ld_s), odd, rows, dst, dl);
             }
         }
     }
@@ -950,13 +1091,14 @@ mod x86 {
     ///
     /// # Safety
     /// AVX512_BF16, AVX-512 F and BW; `rows` floats at `even`, `odd` and `delta`, `rows`
-    /// rounded up to [`LANES`] words at `dst`.
+    /// rounded up to [`LANES`] words at `dst` (both parts' words with a `lo` part: what
+    /// rounding left, rounded in turn).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn pack_pair(
         even: *const f32,
         odd: Option<*const f32>,
         rows: usize,
-        dst: *mut u32,
+        (dst, lo): (*mut u32, Option<*mut u32>),
         delta: *mut f32,
     ) {
         let mut i = 0;
@@ -969,8 +1111,22 @@ mod x86 {
                     Some(odd) => _mm512_maskz_loadu_ps(mask, odd.add(i)),
                     None => _mm512_setzero_ps(),
                 };
-                let (words, added) = round_pair(even_x, odd_x);
+                let (words, mut added) = round_pair(even_x, odd_x);
                 _mm512_storeu_epi32(dst.add(i) as *mut i32, words);
+                if let Some(lo) = lo {
+                    // What the first rounding left (exact: the rounded value is within a
+                    // factor of two of the probability), rounded in turn; `added` is then
+                    // what the second rounding added.
+                    let even_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words));
+                    let odd_r = _mm512_castsi512_ps(_mm512_and_si512(
+                        words,
+                        _mm512_set1_epi32(0xffff_0000_u32 as i32),
+                    ));
+                    let (lo_words, lo_added) =
+                        round_pair(_mm512_sub_ps(even_x, even_r), _mm512_sub_ps(odd_x, odd_r));
+                    _mm512_storeu_epi32(lo.add(i) as *mut i32, lo_words);
+                    added = lo_added;
+                }
                 let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, delta.add(i)), added);
                 _mm512_mask_storeu_ps(delta.add(i), mask, sum);
             }
@@ -1118,6 +1274,72 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Every f16 value splits exactly into its two bf16 parts, the low one at most 2⁻⁸ of
+    /// it; infinities and NaNs go whole into the high part.
+    #[test]
+    fn every_f16_splits_exactly_in_two_bf16_parts() {
+        let all: Vec<f32> = (0..=u16::MAX)
+            .map(|b| half::f16::from_bits(b).to_f32())
+            .collect();
+        let m = MatRef::from_row_major_slice(&all, 256, 256);
+        let (mut hi, mut lo) = (vec![bf16::ZERO; all.len()], vec![bf16::ZERO; all.len()]);
+        split_bf16(m, &mut hi, &mut lo);
+        for ((&x, h), l) in all.iter().zip(&hi).zip(&lo) {
+            let (h, l) = (h.to_f32(), l.to_f32());
+            if x.is_finite() {
+                assert_eq!(h + l, x, "{x}: {h} + {l}");
+                assert!(l.abs() <= x.abs() / 256.0, "{x}: {l}");
+                assert!(!subnormal(bf(h).to_bits()) && !subnormal(bf(l).to_bits()));
+            } else {
+                assert!(
+                    l == 0.0 && (h == x || (h.is_nan() && x.is_nan())),
+                    "{x}: {h}, {l}"
+                );
+            }
+        }
+    }
+
+    /// P split in two parts: `hi` the rounded probability, `hi + lo` within 2⁻¹⁶ of it,
+    /// and `delta` what the two added to each row.
+    #[test]
+    fn probabilities_split_in_two_parts_sum_within_2_16() {
+        if !has_instructions() {
+            return;
+        }
+        let (rows, cols, ld_s): (usize, usize, usize) = (21, 7, 24);
+        let s: Vec<f32> = (0..cols * ld_s)
+            .map(|i| ((i * 7919) % 1000) as f32 / 997.0 + 1e-3)
+            .collect();
+        let ld = rows.next_multiple_of(LANES);
+        let (mut hi, mut lo) = (vec![0u32; pairs(cols) * ld], vec![0u32; pairs(cols) * ld]);
+        let mut delta = vec![0.0f32; rows];
+        pack_probabilities_split(&s, ld_s, (rows, cols), &mut hi, &mut lo, ld, &mut delta);
+        let part = |w: &[u32], i: usize, c: usize| {
+            let word = w[(c / 2) * ld + i];
+            let bits = if c % 2 == 0 {
+                word & 0xffff
+            } else {
+                word >> 16
+            };
+            bf16::from_bits(bits as u16).to_f32()
+        };
+        for i in 0..rows {
+            let mut added = 0.0f64;
+            for c in 0..cols {
+                let p = s[c * ld_s + i];
+                let (h, l) = (part(&hi, i, c), part(&lo, i, c));
+                assert_eq!(h, bf(p).to_f32());
+                let sum = f64::from(h) + f64::from(l);
+                assert!(
+                    (sum - f64::from(p)).abs() <= f64::from(p) / 65536.0,
+                    "{p}: {h} + {l}"
+                );
+                added += sum - f64::from(p);
+            }
+            assert!((f64::from(delta[i]) - added).abs() <= 1e-12, "row {i}");
         }
     }
 

@@ -34,17 +34,20 @@ impl<T> OptimizedEngine<T> {
 }
 
 /// The streaming engine's error model for inputs of type `input` and output type
-/// `output`: bf16 inputs at native precision round P to bf16 on AVX512_BF16.
+/// `output`: bf16 inputs at native precision round P to bf16 on AVX512_BF16; f16 inputs
+/// are split in two bf16 parts on AMX.
 pub fn model(input: Dtype, output: Dtype) -> ErrorModel {
-    let native = input == Dtype::Bf16
-        && attn_optimized::Isa::current().includes(attn_optimized::Isa::Avx512Bf16);
+    use attn_optimized::Isa;
+    let native = input == Dtype::Bf16 && Isa::current().includes(Isa::Avx512Bf16);
     let weights = native.then_some(Dtype::Bf16);
+    let split_operands = input == Dtype::F16 && Isa::current() == Isa::Amx;
     ErrorModel {
         // Cephes' degree-6 exp2 polynomial: ≤ 2 ulp (attn_optimized::exp).
         compute: Compute::F32 {
             exp_ulps: 2.0,
             split_keys: Some(SPLIT_KEYS),
             weights,
+            split_operands,
         },
         output,
     }

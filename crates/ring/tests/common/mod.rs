@@ -107,11 +107,13 @@ pub fn dtype<T: RingElement>() -> Dtype {
 
 /// The streaming engine's error model (as its conformance tests have it), output `T`.
 pub fn model<T: RingElement>() -> ErrorModel {
+    use attn_optimized::Isa;
     ErrorModel {
         compute: Compute::F32 {
             exp_ulps: 2.0,
             split_keys: Some(SPLIT_KEYS),
             weights: None,
+            split_operands: T::DTYPE == attn_core::Dtype::F16 && Isa::current() == Isa::Amx,
         },
         output: dtype::<T>(),
     }
