@@ -78,9 +78,10 @@ pub enum Precision {
     /// The CPU's own half-precision products where it has them: on AVX512_BF16, bf16
     /// `Q·Kᵀ` and `P·V` as pairs of bf16 products summed in f32 (twice the f32 rate), with
     /// the probabilities `P` rounded to bf16 before `P·V` — what GPU FlashAttention and
-    /// PyTorch's CPU kernels do. Elsewhere (and for f16, whose products no x86 instruction
-    /// sums exactly into f32 short of AMX-FP16) as [`Precision::F32`]. The error bound
-    /// gains the rounded-`P` term (`docs/accuracy.md`).
+    /// PyTorch's CPU kernels do. f16 on AMX: each operand split exactly into two bf16
+    /// parts (`P` within `2⁻¹⁶`), three tile products per product — f16's precision at
+    /// the tiles' rate. Elsewhere as [`Precision::F32`]. The error bound gains the
+    /// rounded-`P` (or split) terms (`docs/accuracy.md`).
     #[default]
     Native,
     /// Inputs widened to f32 (exactly) and every product in f32: the most accurate path,

@@ -515,7 +515,7 @@ mod tests {
                 vec![bf16::ZERO; x.nrows() * k],
                 vec![bf16::ZERO; x.nrows() * k],
             );
-            split_bf16(x.as_ref(), &mut hi, &mut lo);
+            assert!(split_bf16(x.as_ref(), &mut hi, &mut lo));
             let part = |p: Vec<bf16>| Mat::from_fn(x.nrows(), k, |i, c| p[i * k + c]);
             (part(hi), part(lo))
         };
@@ -633,6 +633,59 @@ mod tests {
                     assert!(c[j * ld_c + m..(j + 1) * ld_c].iter().all(|&x| x == 1.0));
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod experiment {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn amx_rate() {
+        if !available() {
+            return;
+        }
+        let run = |rows: usize, lanes: usize, pairs: usize, acc: bool, reps: usize| {
+            let a = vec![0x3f80_3f80u32; rows.next_multiple_of(16) * pairs + 64];
+            let ld = lanes.next_multiple_of(16);
+            let b = vec![0x3f80_3f80u32; pairs * ld + 64];
+            let mut c = vec![0.0f32; rows * ld];
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                product(
+                    TileRows {
+                        words: &a,
+                        ld: pairs,
+                        rows,
+                        pairs,
+                    },
+                    Lanes {
+                        words: &b,
+                        rows: lanes,
+                        ld,
+                    },
+                    &mut c,
+                    ld,
+                    if acc { 1.0 } else { 0.125 },
+                    acc,
+                );
+            }
+            let ns = t.elapsed().as_nanos() as f64 / reps as f64;
+            let macs = (rows * lanes * pairs * 2) as f64;
+            println!(
+                "rows {rows} lanes {lanes} pairs {pairs} acc {acc}: {ns:.0} ns/call, {:.1} MAC/ns",
+                macs / ns
+            );
+        };
+        for _ in 0..2 {
+            run(512, 128, 32, false, 2000); // S = K Q^T, bc 512 br 128 d 64
+            run(512, 128, 32, true, 2000);
+            run(64, 128, 256, true, 2000); // O^T += V^T P^T
+            run(128, 128, 32, false, 8000);
+            run(64, 64, 32, false, 20000);
+            run(32, 32, 512, true, 20000);
+            run(32, 32, 32, true, 100000);
         }
     }
 }

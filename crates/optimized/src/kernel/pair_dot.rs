@@ -395,7 +395,9 @@ impl SplitStage {
     }
 
     /// The `rows × cols` operand that `widen` writes as f32 into the buffer it is given,
-    /// split: `[hi, lo]`; `None` when it does not fit.
+    /// split: `[hi, lo]`; `None` when it does not fit, or holds an infinity or a NaN
+    /// (whose products with the other operand's zero low parts would be NaN: such an
+    /// operand is multiplied in f32).
     pub(crate) fn split<'s>(
         &'s mut self,
         widen: impl FnOnce(&'s mut [f32]) -> MatRef<'s, f32>,
@@ -404,7 +406,9 @@ impl SplitStage {
     ) -> Option<[MatRef<'s, bf16>; 2]> {
         let n = rows.checked_mul(cols).filter(|&n| n <= self.hi.len())?;
         let (hi, lo) = (&mut self.hi[..n], &mut self.lo[..n]);
-        split_bf16(widen(&mut self.wide[..n]), hi, lo);
+        if !split_bf16(widen(&mut self.wide[..n]), hi, lo) {
+            return None;
+        }
         let part = |p: &'s [bf16]| MatRef::from_row_major_slice(p, rows, cols);
         Some([part(&self.hi[..n]), part(&self.lo[..n])])
     }
@@ -431,16 +435,18 @@ fn split_one(x: f32) -> (u16, u16) {
 }
 
 #[inline(always)]
-fn split_bf16_body<const FMA: bool>(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mut [bf16]) {
+fn split_bf16_body<const FMA: bool>(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mut [bf16]) -> bool {
     let w = m.ncols();
     let rows = hi
         .chunks_exact_mut(w.max(1))
         .zip(lo.chunks_exact_mut(w.max(1)));
+    let mut finite = true;
     for (i, (hi, lo)) in rows.take(m.nrows()).enumerate() {
         let mut put = |c: usize, x: f32| {
             let (h, l) = split_one(x);
             hi[c] = bf16::from_bits(h);
             lo[c] = bf16::from_bits(l);
+            finite &= x.is_finite();
         };
         match m.row(i).try_as_row_major() {
             Some(row) => row
@@ -451,14 +457,16 @@ fn split_bf16_body<const FMA: bool>(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mu
             None => (0..w).for_each(|c| put(c, m[(i, c)])),
         }
     }
+    finite
 }
 
 super::multiversion! {
     /// Splits the entries of `m` into bf16 `hi + lo`, row-major, `m.ncols()` entries a
     /// row, into `hi` and `lo` (each at least `m.nrows()·m.ncols()` long): exact for an
     /// f16 value widened (11 significant bits: 8 in `hi`, the rest in `lo`), within `2⁻¹⁶`
-    /// for any f32; an infinity or NaN goes whole into `hi`.
-    pub(crate) fn split_bf16(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mut [bf16]) = split_bf16_body
+    /// for any f32; an infinity or NaN goes whole into `hi`. Returns whether every entry
+    /// is finite.
+    pub(crate) fn split_bf16(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mut [bf16]) -> bool = split_bf16_body
 }
 
 /// How [`exponentiate_pairs`] checks a block when it runs in one pass with the maxima
@@ -1286,7 +1294,7 @@ mod tests {
             .collect();
         let m = MatRef::from_row_major_slice(&all, 256, 256);
         let (mut hi, mut lo) = (vec![bf16::ZERO; all.len()], vec![bf16::ZERO; all.len()]);
-        split_bf16(m, &mut hi, &mut lo);
+        assert!(!split_bf16(m, &mut hi, &mut lo));
         for ((&x, h), l) in all.iter().zip(&hi).zip(&lo) {
             let (h, l) = (h.to_f32(), l.to_f32());
             if x.is_finite() {
