@@ -131,13 +131,13 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
         stage: &mut SplitStage,
     ) -> Option<PackReport> {
         let (n, w) = (self.len(), self.width());
-        let [hi_m, lo_m] = (T::DTYPE == Dtype::F16)
+        let ([hi_m, lo_m], _) = (T::DTYPE == Dtype::F16)
             .then(|| stage.split(|buf| self.to_f32(buf), n, w))
             .flatten()?;
         let report = order.pack(hi_m, hi);
         let lo_report = order.pack(lo_m, lo);
         // An f16 entry's parts are never subnormal nor tiny in bf16; its infinities and
-        // NaNs are in `hi`.
+        // NaNs are in `hi` (and reported there).
         debug_assert!(lo_report.exact() && !lo_report.subnormal);
         Some(report)
     }

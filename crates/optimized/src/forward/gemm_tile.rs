@@ -92,6 +92,12 @@ impl Scratch {
             };
             scores(&self.pairs, &mut self.s, &mut self.k_wide);
             let (q, k) = (head.q.subrows(rows.start, nr), &kb);
+            if k_native && products.split() {
+                let packed_keys = k_tiles.and(packed).map(PackedHead::keys_non_finite);
+                let operands = (q, &self.q[..], k);
+                self.pairs
+                    .repair_split_scores(&mut self.s, br, operands, packed_keys);
+            }
             let rescaled_rows = Some(&self.rescaled[..nr]);
             // A tile with nothing hidden is checked for a non-finite score by the softmax's
             // own first pass (below); a masked one before the mask writes its -inf, and one

@@ -288,6 +288,9 @@ pub(crate) struct LowParts {
     v: Vec<u32>,
     p: Vec<u32>,
     stage: pair_dot::SplitStage,
+    /// The query tile, or the block of keys packed here, holds an infinity or a NaN.
+    q_non_finite: bool,
+    k_non_finite: bool,
 }
 
 impl Pairs {
@@ -306,6 +309,8 @@ impl Pairs {
                 v: vec![0; v_len],
                 p: vec![0; v_ld * ld],
                 stage,
+                q_non_finite: false,
+                k_non_finite: false,
             });
         Self {
             q: vec![0; k_ld * ld],

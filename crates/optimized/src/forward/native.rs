@@ -8,6 +8,7 @@ use super::Pairs;
 use crate::kernel::Products;
 use crate::kernel::amx::{self, Split, TileRows};
 use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::finite::row_is_finite;
 use crate::kernel::online_softmax::PairsOut;
 use crate::kernel::pair_dot::{self, Broadcast, Columns, Lanes};
 use crate::keys::{KeySource, PairOrder};
@@ -33,7 +34,8 @@ impl Pairs {
             Some(low) => {
                 let (rows, cols) = (q.nrows(), q.ncols());
                 let split = low.stage.split(|buf| f32_rows(q, 0..rows, buf), rows, cols);
-                split.is_some_and(|[hi, lo]| {
+                split.is_some_and(|([hi, lo], finite)| {
+                    low.q_non_finite = !finite;
                     pair_dot::pack_lanes(hi, &mut self.q, ld)
                         && pair_dot::pack_lanes(lo, &mut low.q, ld)
                 })
@@ -46,14 +48,49 @@ impl Pairs {
     pub(super) fn pack_keys<T: Element, K: KeySource<T>>(&mut self, k: &K) -> bool {
         let order = PairOrder::Rows { ld: self.k_ld };
         let report = match &mut self.low {
-            Some(low) => k.to_split_pairs(order, &mut self.k, &mut low.k, &mut low.stage),
+            Some(low) => {
+                let report = k.to_split_pairs(order, &mut self.k, &mut low.k, &mut low.stage);
+                low.k_non_finite = report.is_some_and(|r| r.non_finite);
+                report
+            }
             None => k.to_pairs(order, &mut self.k),
         };
         report.is_some_and(|r| !r.subnormal)
     }
 
+    /// After split products, the scores of a query row or key holding an infinity or a
+    /// NaN as the f32 products give them, from the scaled (saturated) query tile
+    /// `q_scaled` (column-major, `ld_s` floats a column): a split product adds `inf·lo`
+    /// where the other operand's low part is zero, a NaN the f32 product does not have.
+    /// Those scores are not finite either way, and which non-finite value a dot product
+    /// gives does not depend on its order (up to finite terms that overflow).
+    /// `k_non_finite`: whether the block of keys holds one (when packed elsewhere).
+    pub(super) fn repair_split_scores<T: Element, K: KeySource<T>>(
+        &self,
+        s: &mut [f32],
+        ld_s: usize,
+        (q, q_scaled, k): (MatRef<'_, T>, &[f32], &K),
+        k_non_finite: Option<bool>,
+    ) {
+        let Some(low) = &self.low else {
+            return;
+        };
+        let k_non_finite = k_non_finite.unwrap_or(low.k_non_finite);
+        if !low.q_non_finite && !k_non_finite {
+            return;
+        }
+        let (nr, nc, d) = (q.nrows(), k.len(), q.ncols());
+        let q_bad: Vec<bool> = (0..nr).map(|i| !row_is_finite(q.row(i))).collect();
+        for j in 0..nc {
+            let k_bad = k_non_finite && !k.row_finite(j);
+            for i in (0..nr).filter(|&i| k_bad || q_bad[i]) {
+                s[j * ld_s + i] = (0..d).map(|c| q_scaled[c * ld_s + i] * k.at(j, c)).sum();
+            }
+        }
+    }
+
     /// Packs a block of values for `products`: [`Values::F32`] when an entry is so small
-    /// that its products could be flushed (or, split, is not finite); a non-finite row is
+    /// that its products could be flushed; a non-finite row is
     /// packed as zeros ([`Values::WithoutNonFinite`]: a hidden key must contribute nothing,
     /// not `0·∞`, and the rows that see it add its terms alone).
     pub(super) fn pack_values<T: Element, K: KeySource<T>>(
@@ -66,25 +103,25 @@ impl Pairs {
             Products::Tiles | Products::SplitTiles => PairOrder::Columns { ld: self.v_ld },
             _ => PairOrder::RowPairs,
         };
-        if let Some(low) = &mut self.low {
-            let report = v.to_split_pairs(order, &mut self.v, &mut low.v, &mut low.stage);
-            return match report {
-                Some(r) if r.exact() => Values::Exact,
-                _ => Values::F32,
-            };
-        }
-        match v.to_pairs(order, &mut self.v) {
+        let report = match &mut self.low {
+            Some(low) => v.to_split_pairs(order, &mut self.v, &mut low.v, &mut low.stage),
+            None => v.to_pairs(order, &mut self.v),
+        };
+        match report {
             Some(r) if r.exact() => Values::Exact,
             Some(r) if !r.tiny => {
-                for j in (0..v.len()).filter(|&j| !v.row_finite(j)) {
-                    // Row j is the low (even j) or high (odd j) half of pair j / 2.
-                    let keep = if j % 2 == 0 { 0xffff_0000 } else { 0x0000_ffff };
-                    for c in 0..d_v {
-                        let at = match order {
-                            PairOrder::Columns { ld } => c * ld + j / 2,
-                            _ => (j / 2) * d_v + c,
-                        };
-                        self.v[at] &= keep;
+                let low = self.low.as_mut().map(|low| &mut low.v);
+                for words in core::iter::once(&mut self.v).chain(low) {
+                    for j in (0..v.len()).filter(|&j| !v.row_finite(j)) {
+                        // Row j is the low (even j) or high (odd j) half of pair j / 2.
+                        let keep = if j % 2 == 0 { 0xffff_0000 } else { 0x0000_ffff };
+                        for c in 0..d_v {
+                            let at = match order {
+                                PairOrder::Columns { ld } => c * ld + j / 2,
+                                _ => (j / 2) * d_v + c,
+                            };
+                            words[at] &= keep;
+                        }
                     }
                 }
                 Values::WithoutNonFinite

@@ -27,6 +27,8 @@ pub(super) struct PackedHead {
     v: Option<[Vec<u32>; 2]>,
     v_ld: usize,
     d_v: usize,
+    /// K holds an infinity or a NaN.
+    k_non_finite: bool,
 }
 
 impl PackedHead {
@@ -52,8 +54,11 @@ impl PackedHead {
             };
             Some(([hi, lo], report))
         };
-        let k = pack(k, PairOrder::Rows { ld: k_ld }, rows * k_ld)
-            .and_then(|(k, report)| (!report.subnormal).then_some(k));
+        let mut k_non_finite = false;
+        let k = pack(k, PairOrder::Rows { ld: k_ld }, rows * k_ld).and_then(|(k, report)| {
+            k_non_finite = report.non_finite;
+            (!report.subnormal).then_some(k)
+        });
         let v_len = d_v.next_multiple_of(amx::TILE) * v_ld;
         let v = pack(v, PairOrder::Columns { ld: v_ld }, v_len)
             .and_then(|(v, report)| report.exact().then_some(v));
@@ -63,7 +68,13 @@ impl PackedHead {
             v,
             v_ld,
             d_v,
+            k_non_finite,
         })
+    }
+
+    /// Whether the packed K holds an infinity or a NaN.
+    pub(super) fn keys_non_finite(&self) -> bool {
+        self.k_non_finite
     }
 
     /// Keys `keys` (of the head's range) as the A operand of `Sᵀ = K·Qᵀ`.

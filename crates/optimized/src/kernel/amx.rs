@@ -640,52 +640,96 @@ mod tests {
 #[cfg(test)]
 mod experiment {
     use super::*;
+    use core::arch::asm;
+
+    /// 2x2 C blocks over `ksteps`, A tile (rt, kt) at a + rt*a_rt + kt*a_kt words, rows sa bytes apart.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run(
+        a: &[u32],
+        b: &[u32],
+        c: &mut [f32],
+        (a_rt, a_kt, sa): (usize, usize, usize),
+        (b_lt, b_kt, sb): (usize, usize, usize),
+        ksteps: usize,
+        blocks: usize,
+    ) {
+        let mut cfg = [0u8; 64];
+        cfg[0] = 1;
+        for t in 0..8 {
+            cfg[16 + 2 * t] = 64;
+            cfg[48 + t] = 16;
+        }
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) cfg.as_ptr(), options(nostack, readonly));
+            for blk in 0..blocks {
+                let (rt, lt) = ((blk % 2) * 2, ((blk / 2) % 2) * 2);
+                let cp = c.as_mut_ptr();
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+                for kt in 0..ksteps {
+                    let a0 = a.as_ptr().add(rt * a_rt + kt * a_kt);
+                    let a1 = a.as_ptr().add((rt + 1) * a_rt + kt * a_kt);
+                    let b0 = b.as_ptr().add(lt * b_lt + kt * b_kt);
+                    let b1 = b.as_ptr().add((lt + 1) * b_lt + kt * b_kt);
+                    asm!(
+                        "tileloadd tmm4, [{a0} + {sa}]",
+                        "tileloadd tmm6, [{b0} + {sb}]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{b1} + {sb}]",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm5, [{a1} + {sa}]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a0 = in(reg) a0, a1 = in(reg) a1, b0 = in(reg) b0, b1 = in(reg) b1,
+                        sa = in(reg) sa, sb = in(reg) sb,
+                        options(nostack, readonly),
+                    );
+                }
+                asm!("tilestored [{c} + {s}], tmm0", "tilestored [{c} + {s}], tmm1", "tilestored [{c} + {s}], tmm2", "tilestored [{c} + {s}], tmm3",
+                    c = in(reg) cp, s = in(reg) 64usize, options(nostack));
+            }
+            asm!("tilerelease", options(nostack, nomem));
+        }
+    }
+
     #[test]
     #[ignore]
-    fn amx_rate() {
+    fn amx_layouts() {
         if !available() {
             return;
         }
-        let run = |rows: usize, lanes: usize, pairs: usize, acc: bool, reps: usize| {
-            let a = vec![0x3f80_3f80u32; rows.next_multiple_of(16) * pairs + 64];
-            let ld = lanes.next_multiple_of(16);
-            let b = vec![0x3f80_3f80u32; pairs * ld + 64];
-            let mut c = vec![0.0f32; rows * ld];
-            let t = std::time::Instant::now();
-            for _ in 0..reps {
-                product(
-                    TileRows {
-                        words: &a,
-                        ld: pairs,
-                        rows,
-                        pairs,
-                    },
-                    Lanes {
-                        words: &b,
-                        rows: lanes,
-                        ld,
-                    },
-                    &mut c,
-                    ld,
-                    if acc { 1.0 } else { 0.125 },
-                    acc,
+        let mut c = vec![0.0f32; 4096];
+        for ksteps in [4usize, 16, 64, 256] {
+            let words = 4 * ksteps * 256;
+            let a = vec![0x3f80_3f80u32; words];
+            let b = vec![0x3f80_3f80u32; words];
+            let blocks = 400_000 / ksteps;
+            // strided: A rows of ld = ksteps*16 words; B pairs rows of ld = 64 lanes.
+            let ld_a = ksteps * 16;
+            let strided_a = (16 * ld_a, 16, 4 * ld_a);
+            let ld_b = 64;
+            let strided_b = (16, 16 * ld_b, 4 * ld_b);
+            let tiled_a = (ksteps * 256, 256, 64);
+            let tiled_b = (ksteps * 256, 256, 64);
+            for (name, la, lb) in [
+                ("strided", strided_a, strided_b),
+                ("tiled", tiled_a, tiled_b),
+            ] {
+                let t = std::time::Instant::now();
+                unsafe { run(&a, &b, &mut c, la, lb, ksteps, blocks) };
+                let ns = t.elapsed().as_nanos() as f64;
+                let macs = (blocks * ksteps * 4 * 16 * 16 * 32) as f64;
+                println!(
+                    "ksteps {ksteps} ({} KiB per operand) {name}: {:.1} MAC/ns",
+                    words * 4 / 1024,
+                    macs / ns
                 );
             }
-            let ns = t.elapsed().as_nanos() as f64 / reps as f64;
-            let macs = (rows * lanes * pairs * 2) as f64;
-            println!(
-                "rows {rows} lanes {lanes} pairs {pairs} acc {acc}: {ns:.0} ns/call, {:.1} MAC/ns",
-                macs / ns
-            );
-        };
-        for _ in 0..2 {
-            run(512, 128, 32, false, 2000); // S = K Q^T, bc 512 br 128 d 64
-            run(512, 128, 32, true, 2000);
-            run(64, 128, 256, true, 2000); // O^T += V^T P^T
-            run(128, 128, 32, false, 8000);
-            run(64, 64, 32, false, 20000);
-            run(32, 32, 512, true, 20000);
-            run(32, 32, 32, true, 100000);
         }
     }
 }

@@ -395,22 +395,18 @@ impl SplitStage {
     }
 
     /// The `rows × cols` operand that `widen` writes as f32 into the buffer it is given,
-    /// split: `[hi, lo]`; `None` when it does not fit, or holds an infinity or a NaN
-    /// (whose products with the other operand's zero low parts would be NaN: such an
-    /// operand is multiplied in f32).
+    /// split: `[hi, lo]` and whether every entry is finite; `None` when it does not fit.
     pub(crate) fn split<'s>(
         &'s mut self,
         widen: impl FnOnce(&'s mut [f32]) -> MatRef<'s, f32>,
         rows: usize,
         cols: usize,
-    ) -> Option<[MatRef<'s, bf16>; 2]> {
+    ) -> Option<([MatRef<'s, bf16>; 2], bool)> {
         let n = rows.checked_mul(cols).filter(|&n| n <= self.hi.len())?;
         let (hi, lo) = (&mut self.hi[..n], &mut self.lo[..n]);
-        if !split_bf16(widen(&mut self.wide[..n]), hi, lo) {
-            return None;
-        }
+        let finite = split_bf16(widen(&mut self.wide[..n]), hi, lo);
         let part = |p: &'s [bf16]| MatRef::from_row_major_slice(p, rows, cols);
-        Some([part(&self.hi[..n]), part(&self.lo[..n])])
+        Some(([part(&self.hi[..n]), part(&self.lo[..n])], finite))
     }
 }
 
