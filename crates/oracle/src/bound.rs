@@ -78,6 +78,9 @@ struct Precision {
     /// Relative error of each product of a dot product whose operands are split in two
     /// parts (`lo·lo` left out).
     split: f64,
+    /// Unit roundoff of the weights (`P`, `dS`) rounded before the products that read
+    /// them; 0 where they stay f32.
+    weights_u: f64,
 }
 
 const REFERENCE: Precision = Precision {
@@ -87,6 +90,7 @@ const REFERENCE: Precision = Precision {
     flush: 0.0,
     tanh_rel: 4.0 * U64,
     split: 0.0,
+    weights_u: 0.0,
 };
 
 /// The error model of a user [`attn_core::ScoreMod`] `f`, an f32 function of the score:
@@ -386,6 +390,7 @@ fn f32_precision(exp_ulps: f64) -> Precision {
         flush: FLUSH32,
         tanh_rel: TANH32,
         split: 0.0,
+        weights_u: 0.0,
     }
 }
 
@@ -404,6 +409,9 @@ fn native_products(mut p: Precision, compute: &Compute) -> Precision {
         }
         if split_operands {
             p.split = SPLIT_REL;
+        }
+        if let Some(t) = weights {
+            p.weights_u = t.unit_roundoff();
         }
     }
     p
@@ -716,8 +724,9 @@ fn grad_terms(
             ds_row[i] += s;
         }
     }
-    // B6: dQ = scale·dS K over n_k terms, the scale rounded and applied once.
-    let acc_q = gamma(n_k as f64 + 2.0, u);
+    // B6: dQ = scale·dS K over n_k terms, the scale rounded and applied once (with native
+    // products, dS rounded to the weights' type first: each term off by that much more).
+    let acc_q = gamma(n_k as f64 + 2.0, u) + p.weights_u;
     let mut dq = times_abs(sigma.as_ref(), false, x.k);
     let dq_abs = times_abs(ds_abs.as_ref(), false, x.k);
     for i in 0..n_q {

@@ -20,7 +20,7 @@ use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::pair_dot::{
-    LANES, Lanes, pack_f32_rows, pack_lanes, pack_row_pairs_into, pairs,
+    LANES, Lanes, pack_f32_rows, pack_lanes, pack_probabilities, pack_row_pairs_into, pairs,
 };
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
 use crate::keys::{KeySource, PairOrder};
@@ -126,6 +126,16 @@ struct KeyRows {
     q_pairs: Vec<u32>,
     d_out_ld: usize,
     q_ld: usize,
+    /// K's columns with the block's keys in pairs (`k_cols_ld` words each), for
+    /// `dQᵀ = Kᵀ·dSᵀ`; empty when the block's K is not packed so.
+    k_cols: Vec<u32>,
+    k_cols_ld: usize,
+    /// dS rounded to bf16, the block's keys in pairs across the tile's query lanes
+    /// (`lanes_ld` words a pair).
+    ds_lanes: Vec<u32>,
+    lanes_ld: usize,
+    /// What rounding dS added to each row (unused: dQ is not renormalised).
+    ds_delta: Vec<f32>,
 }
 
 /// Which of the query tile's operands in pairs [`KeyRows::add_weighted`] multiplies.
@@ -166,6 +176,54 @@ impl KeyRows {
         };
         amx::product(weights, x, acc, width, 1.0, true);
     }
+
+    /// `dq += dS·K` on tiles, computed as `dQᵀ += Kᵀ·dSᵀ` with dS (`nr` queries of `nc`
+    /// keys, column-major, `ld_s` apart) rounded to bf16 and K packed by columns
+    /// ([`KeyRows::k_cols`]); `dq_t` the query tile's dQ transposed (`d_k` rows of `nr`,
+    /// see [`dq_row`]).
+    fn add_score_gradient_times_keys(
+        &mut self,
+        ds: &[f32],
+        (ld_s, nr, nc): (usize, usize, usize),
+        dq_t: &mut [f32],
+        d_k: usize,
+    ) {
+        let ld = self.lanes_ld;
+        let (pairs_nc, padded) = (pairs(nc), padded_pairs(nc));
+        self.ds_delta[..nr].fill(0.0);
+        pack_probabilities(ds, ld_s, nr, nc, &mut self.ds_lanes, ld, &mut self.ds_delta);
+        // Whole tiles of pairs: the padding pairs are zero.
+        self.ds_lanes[pairs_nc * ld..padded * ld].fill(0);
+        let k = TileRows {
+            words: &self.k_cols,
+            ld: self.k_cols_ld,
+            rows: d_k,
+            pairs: padded,
+        };
+        let ds = Lanes {
+            words: &self.ds_lanes,
+            rows: nr,
+            ld,
+        };
+        amx::product(k, ds, dq_t, nr, 1.0, true);
+    }
+}
+
+/// Where row `i` of a head's dQ partial (`n_q` rows of `d_k`) lies: the offset of its
+/// first entry and the stride between its entries. Row-major, or, with the tile products
+/// (`transposed`), each query tile of `br` rows stored as its transpose (`d_k` rows of the
+/// tile's queries: what `dQᵀ += Kᵀ·dSᵀ` accumulates in place, instead of a transposed copy
+/// per key block).
+pub(super) fn dq_row(
+    i: usize,
+    (n_q, d_k, br): (usize, usize, usize),
+    transposed: bool,
+) -> (usize, usize) {
+    if !transposed {
+        return (i * d_k, 1);
+    }
+    let start = i / br * br;
+    (start * d_k + (i - start), br.min(n_q - start))
 }
 
 /// Per-task working memory: fixed by the tile plan and the widths.
@@ -255,6 +313,7 @@ impl Scratch {
             let rows = bc.next_multiple_of(amx::TILE);
             let (weights_ld, query_pairs) = (padded_pairs(br), padded_pairs(br));
             let (d_out_ld, q_ld) = (d_v.next_multiple_of(LANES), d_k.next_multiple_of(LANES));
+            let lanes_ld = br.next_multiple_of(LANES);
             KeyRows {
                 k: filled("backward packed K", rows.checked_mul(k_ld), 0u32)?,
                 v: filled("backward packed V", rows.checked_mul(v_ld), 0u32)?,
@@ -270,6 +329,20 @@ impl Scratch {
                 q_pairs: filled("backward packed Q", query_pairs.checked_mul(q_ld), 0u32)?,
                 d_out_ld,
                 q_ld,
+                k_cols: filled(
+                    "backward packed K",
+                    d_k.next_multiple_of(amx::TILE)
+                        .checked_mul(padded_pairs(bc)),
+                    0u32,
+                )?,
+                k_cols_ld: padded_pairs(bc),
+                ds_lanes: filled(
+                    "backward packed dS",
+                    padded_pairs(bc).checked_mul(lanes_ld),
+                    0u32,
+                )?,
+                lanes_ld,
+                ds_delta: filled("backward scratch", Some(br), 0.0f32)?,
             }
         } else {
             KeyRows::default()
@@ -329,6 +402,13 @@ impl Scratch {
                     .is_some_and(|r| !r.subnormal)
         };
         let k_tiles = pack(&k_src, key_rows.k_ld, &mut key_rows.k);
+        // And by columns for dQ: its finite rows only (a block with another is multiplied
+        // in f32, see below).
+        let k_cols_ld = key_rows.k_cols_ld;
+        let k_cols = *tiles
+            && k_src
+                .to_pairs(PairOrder::Columns { ld: k_cols_ld }, &mut key_rows.k_cols)
+                .is_some_and(|r| r.exact() && !r.subnormal);
         let v_tiles = pack(&v_src, key_rows.v_ld, &mut key_rows.v);
         let k_blk = k_src.to_f32(k_wide);
         let v_blk = v_src.to_f32(v_wide);
@@ -499,11 +579,18 @@ impl Scratch {
                 // dQ += dS K, into this task's partial.
                 let careful =
                     !k_all_finite && (0..nc).any(|j| !k_finite[j] && zero_in_col(ds_tile, j));
-                let dq_tile = MatMut::from_row_major_slice_mut(
-                    &mut dq_head[rows.start * d_k..rows.end * d_k],
-                    nr,
-                    d_k,
-                );
+                // The tile's dQ, transposed with the tile products (see `dq_row`).
+                let dq_rows = &mut dq_head[rows.start * d_k..rows.end * d_k];
+                if *tiles && !careful && k_cols {
+                    // dQ += dS·K with dS rounded to bf16.
+                    key_rows.add_score_gradient_times_keys(ds, (br, nr, nc), dq_rows, d_k);
+                    continue;
+                }
+                let dq_tile = if *tiles {
+                    MatMut::from_column_major_slice_mut(dq_rows, nr, d_k)
+                } else {
+                    MatMut::from_row_major_slice_mut(dq_rows, nr, d_k)
+                };
                 if careful {
                     add_product_skipping_zeros(dq_tile, ds_tile, k_blk);
                 } else {

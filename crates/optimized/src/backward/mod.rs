@@ -36,6 +36,7 @@ use attn_core::{
 use faer::reborrow::{Reborrow, ReborrowMut};
 use faer::{MatRef, Par, RowMut};
 
+use self::key_block::dq_row;
 use crate::exact;
 use crate::kernel::Products;
 use crate::kernel::element::Element;
@@ -409,11 +410,15 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
                 core::mem::take(&mut dq_rest).split_at_mut(group.heads.len() * group.n_q());
             dq_rest = rest;
             let group_parts = &partials[start..start + chunks * per_task];
+            let (n_q, tiles) = (group.n_q(), self.products == Products::Tiles);
             for (r, row) in rows.iter_mut().enumerate() {
+                let (h, i) = (r / n_q.max(1), r % n_q.max(1));
+                let (first, stride) = dq_row(i, (n_q, d_k, self.plan.br), tiles);
                 for (c, x) in row.rb_mut().iter_mut().enumerate() {
+                    let at = h * n_q * d_k + first + c * stride;
                     let mut sum = 0.0f32;
                     for part in group_parts.chunks_exact(per_task.max(1)) {
-                        sum += part[r * d_k + c];
+                        sum += part[at];
                     }
                     *x = G::from_f32(self.scale * sum);
                 }

@@ -1323,7 +1323,7 @@ mod tests {
         pack_probabilities_split(&s, ld_s, (rows, cols), &mut hi, &mut lo, ld, &mut delta);
         let part = |w: &[u32], i: usize, c: usize| {
             let word = w[(c / 2) * ld + i];
-            let bits = if c % 2 == 0 {
+            let bits = if c.is_multiple_of(2) {
                 word & 0xffff
             } else {
                 word >> 16
