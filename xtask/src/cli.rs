@@ -137,6 +137,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
 
+    /// The benchmark page of this kind of machine: every sweep `docs/benchmarks.md`
+    /// shows, run in turn into <target dir>/bench-doc/, and `docs/benchmarks/<cpu>.md`
+    /// written from their reports (each table with its command, commit and CPU).
+    #[arg(long, conflicts_with_all = ["check", "quick", "replot", "out"])]
+    pub doc: bool,
+
     /// Measure nothing: redraw report.md and the plots of the report in this directory
     /// from its report.json.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["check", "quick"])]

@@ -6,6 +6,9 @@
 //! machine's roofs in the same run, fits the growth exponents and writes
 //! `target/bench-report/` (`report.md`, `report.json`, SVG plots).
 //!
+//! `cargo xtask bench --doc` runs every sweep of the benchmark page in turn and writes the
+//! page of the machine kind it runs on, `docs/benchmarks/<cpu>.md` (`doc.rs`).
+//!
 //! `cargo xtask test` runs every test: `cargo test --workspace`, then the Python
 //! extension's pytest suite in a virtualenv it creates (`test.rs`).
 //!
@@ -19,6 +22,7 @@
 
 mod child;
 mod cli;
+mod doc;
 mod fit;
 mod machine;
 mod plot;
@@ -37,6 +41,7 @@ fn main() -> ExitCode {
         cli::Command::Bench(args) => {
             let result = match args.replot.clone() {
                 Some(dir) => sweep::replot(&dir),
+                None if args.doc => doc::run(),
                 None => sweep::run(&args.resolve()),
             };
             match result {

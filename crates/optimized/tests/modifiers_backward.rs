@@ -84,7 +84,7 @@ fn head_bound(
     scale: f64,
     cap: Option<f32>,
     slope: Option<(f64, i64)>,
-    u_t: f64,
+    (u_t, rounded): (f64, f64),
 ) -> HeadBound {
     let [q, k, v, d_out] = x;
     let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
@@ -136,6 +136,8 @@ fn head_bound(
         }
     }
     let acc_k = gamma(n_k as f64 + 2.0);
+    // With native products dQ multiplies dS rounded to the storage type.
+    let acc_q = acc_k + rounded;
     let over_keys = |m: &Mat<f64>, i: usize, c: usize| {
         (0..n_k).map(|j| m[(i, j)] * k[(j, c)].abs()).sum::<f64>()
     };
@@ -145,7 +147,7 @@ fn head_bound(
     let p = |i: usize, j: usize| f.weights[(i, j)];
     HeadBound {
         dq: Mat::from_fn(n_q, d_k, |i, c| {
-            scale * (over_keys(&sigma, i, c) + acc_k * over_keys(&ds_abs, i, c))
+            scale * (over_keys(&sigma, i, c) + acc_q * over_keys(&ds_abs, i, c))
         }),
         dk: Mat::from_fn(n_k, d_k, |j, c| {
             scale * over_rows(&|i, j| sigma[(i, j)], q, j, c)
@@ -266,6 +268,10 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
         );
         *worst = worst.max(err / bound);
     };
+    // bf16 at native precision on AMX rounds P and dS to bf16 before dV, dK and dQ.
+    let native = T::DTYPE == attn_core::Dtype::Bf16
+        && attn_optimized::Isa::current().includes(attn_optimized::Isa::Amx);
+    let rounded = if native { unit::<T>() } else { 0.0 };
     for bi in 0..b {
         let mut kv_sums: Vec<[Mat<f64>; 6]> = Vec::new();
         for kv in 0..h_kv {
@@ -307,7 +313,7 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
                 scale,
                 c.cap,
                 slope,
-                unit::<T>(),
+                (unit::<T>(), rounded),
             );
             for i in 0..n_q {
                 for col in 0..d {
@@ -325,10 +331,6 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
             sink_want[h] += r.dsink;
             sink_err[h] += hb.dsink;
         }
-        // bf16 at native precision on AMX rounds P and dS to bf16 before dV and dK.
-        let native = T::DTYPE == attn_core::Dtype::Bf16
-            && attn_optimized::Isa::current().includes(attn_optimized::Isa::Amx);
-        let rounded = if native { unit::<T>() } else { 0.0 };
         let acc = gamma((n_q * group) as f64 + 2.0) + rounded;
         for (kv, s) in kv_sums.iter().enumerate() {
             for j in 0..n_k {
@@ -699,7 +701,7 @@ fn packed_gradients_are_within_the_bound_of_each_sequence() {
                     scale,
                     Some(2.0),
                     Some((f64::from(SLOPES4[h]), off)),
-                    U,
+                    (U, 0.0),
                 );
                 for (i, row) in rows.clone().enumerate() {
                     for c in 0..d {
@@ -775,7 +777,7 @@ fn the_bound_catches_a_gradient_without_the_chain_rule() {
         0.25,
         Some(1.0),
         None,
-        U,
+        (U, 0.0),
     );
     let dq = got.dq.as_ref().head(0, 0).unwrap();
     let mut caught = 0;
