@@ -15,7 +15,7 @@ use half::bf16;
 
 use super::{Group, QueryHead};
 use crate::exact::{rescore, row_top};
-use crate::kernel::amx::{self, TileRows};
+use crate::kernel::amx::{self, LineWords, TileRows};
 use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
@@ -53,8 +53,8 @@ struct RowTerms {
     saturated: Vec<(usize, f32, f32)>,
     /// Q and dO in bf16 pairs across the lanes for the tile products (`lanes_ld` words per
     /// pair), packed once; empty when the products are f32 or an entry is subnormal.
-    q_lanes: Vec<u32>,
-    d_out_lanes: Vec<u32>,
+    q_lanes: LineWords,
+    d_out_lanes: LineWords,
     lanes_ld: usize,
 }
 
@@ -114,25 +114,25 @@ impl RowTerms {
 /// of the block's keys over the tile's queries, and the tile's dO and Q rows in pairs.
 #[derive(Debug, Default)]
 struct KeyRows {
-    k: Vec<u32>,
-    v: Vec<u32>,
+    k: LineWords,
+    v: LineWords,
     k_ld: usize,
     v_ld: usize,
     /// P (then dS) rounded to bf16: `bc` rows of `weights_ld` words.
-    weights: Vec<u32>,
+    weights: LineWords,
     weights_ld: usize,
     /// dO and Q of the query tile, pairs of rows across `d_v` (`d_k`) lanes, padded.
-    d_out_pairs: Vec<u32>,
-    q_pairs: Vec<u32>,
+    d_out_pairs: LineWords,
+    q_pairs: LineWords,
     d_out_ld: usize,
     q_ld: usize,
     /// K's columns with the block's keys in pairs (`k_cols_ld` words each), for
     /// `dQᵀ = Kᵀ·dSᵀ`; empty when the block's K is not packed so.
-    k_cols: Vec<u32>,
+    k_cols: LineWords,
     k_cols_ld: usize,
     /// dS rounded to bf16, the block's keys in pairs across the tile's query lanes
     /// (`lanes_ld` words a pair).
-    ds_lanes: Vec<u32>,
+    ds_lanes: LineWords,
     lanes_ld: usize,
     /// What rounding dS added to each row (unused: dQ is not renormalised).
     ds_delta: Vec<f32>,
@@ -280,16 +280,16 @@ impl Scratch {
                 q: Vec::new(),
                 d_out: Vec::new(),
                 saturated: Vec::new(),
-                q_lanes: Vec::new(),
-                d_out_lanes: Vec::new(),
+                q_lanes: LineWords::default(),
+                d_out_lanes: LineWords::default(),
                 lanes_ld: n_q.next_multiple_of(LANES),
             };
             if tiles {
                 let ld = terms.lanes_ld;
-                let lanes = |m: MatRef<'_, T>, what| -> Result<Vec<u32>> {
-                    let mut buf = filled(what, ld.checked_mul(padded_pairs(m.ncols())), 0u32)?;
+                let lanes = |m: MatRef<'_, T>, what| -> Result<LineWords> {
+                    let mut buf = LineWords::zeroed(what, ld.checked_mul(padded_pairs(m.ncols())))?;
                     let packed = T::as_bf16(m).is_some_and(|m| pack_lanes(m, &mut buf, ld));
-                    Ok(if packed { buf } else { Vec::new() })
+                    Ok(if packed { buf } else { LineWords::default() })
                 };
                 terms.q_lanes = lanes(head.q, "backward packed Q")?;
                 terms.d_out_lanes = lanes(head.d_out, "backward packed dO")?;
@@ -315,31 +315,28 @@ impl Scratch {
             let (d_out_ld, q_ld) = (d_v.next_multiple_of(LANES), d_k.next_multiple_of(LANES));
             let lanes_ld = br.next_multiple_of(LANES);
             KeyRows {
-                k: filled("backward packed K", rows.checked_mul(k_ld), 0u32)?,
-                v: filled("backward packed V", rows.checked_mul(v_ld), 0u32)?,
+                k: LineWords::zeroed("backward packed K", rows.checked_mul(k_ld))?,
+                v: LineWords::zeroed("backward packed V", rows.checked_mul(v_ld))?,
                 k_ld,
                 v_ld,
-                weights: filled("backward packed P", rows.checked_mul(weights_ld), 0u32)?,
+                weights: LineWords::zeroed("backward packed P", rows.checked_mul(weights_ld))?,
                 weights_ld,
-                d_out_pairs: filled(
+                d_out_pairs: LineWords::zeroed(
                     "backward packed dO",
                     query_pairs.checked_mul(d_out_ld),
-                    0u32,
                 )?,
-                q_pairs: filled("backward packed Q", query_pairs.checked_mul(q_ld), 0u32)?,
+                q_pairs: LineWords::zeroed("backward packed Q", query_pairs.checked_mul(q_ld))?,
                 d_out_ld,
                 q_ld,
-                k_cols: filled(
+                k_cols: LineWords::zeroed(
                     "backward packed K",
                     d_k.next_multiple_of(amx::TILE)
                         .checked_mul(padded_pairs(bc)),
-                    0u32,
                 )?,
                 k_cols_ld: padded_pairs(bc),
-                ds_lanes: filled(
+                ds_lanes: LineWords::zeroed(
                     "backward packed dS",
                     padded_pairs(bc).checked_mul(lanes_ld),
-                    0u32,
                 )?,
                 lanes_ld,
                 ds_delta: filled("backward scratch", Some(br), 0.0f32)?,
@@ -395,7 +392,7 @@ impl Scratch {
         let (k_src, v_src) = (group.k.block(cols.clone()), group.v.block(cols.clone()));
         // The block's K and V in pairs for the tile products, unless an entry is subnormal
         // (which the tiles would read as zero).
-        let pack = |src: &K, ld: usize, buf: &mut Vec<u32>| {
+        let pack = |src: &K, ld: usize, buf: &mut [u32]| {
             *tiles
                 && src
                     .to_pairs(PairOrder::Rows { ld }, buf)
@@ -529,7 +526,7 @@ impl Scratch {
                     (0..nr).any(|i| !terms.d_out_finite[rows.start + i] && zero_in_row(p_tile, i));
                 let dv_acc = accumulator(dv, nc, d_v, bc, *tiles);
                 let d_out_rows = T::as_bf16(d_out.subrows(rows.start, nr));
-                let pairs_of = |m: Option<MatRef<'_, bf16>>, buf: &mut Vec<u32>, ld: usize| {
+                let pairs_of = |m: Option<MatRef<'_, bf16>>, buf: &mut [u32], ld: usize| {
                     m.is_some_and(|m| {
                         let ok = !pack_row_pairs_into(m, buf, ld).subnormal;
                         buf[pairs(nr) * ld..].fill(0);

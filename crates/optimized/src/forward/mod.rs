@@ -26,6 +26,7 @@ use faer::{Mat, MatMut, Par, RowMut};
 
 use self::packed_head::{PackedHead, PackedHeads};
 use crate::exact;
+use crate::kernel::amx::LineWords;
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::{log_sum_exp, scale_rows};
@@ -257,14 +258,14 @@ struct ScratchShape {
 #[derive(Debug, Default)]
 pub(crate) struct Pairs {
     /// Q's rows across the lanes, `ld` words per pair of columns.
-    q: Vec<u32>,
+    q: LineWords,
     /// K's rows, `k_ld` words each.
-    k: Vec<u32>,
+    k: LineWords,
     /// V: rows interleaved two by two, `d_v` words per pair of rows (pair products), or
     /// columns of `v_ld` words (tiles).
-    v: Vec<u32>,
+    v: LineWords,
     /// P rounded to bf16, its rows across the lanes.
-    p: Vec<u32>,
+    p: LineWords,
     /// The softmax's scratch: two floats a row.
     settle: Vec<f32>,
     /// Words between pairs of `q` and `p`: the query tile rounded up to whole vectors.
@@ -283,10 +284,10 @@ pub(crate) struct Pairs {
 /// part in [`Pairs`], and the stage that splits them.
 #[derive(Debug)]
 pub(crate) struct LowParts {
-    q: Vec<u32>,
-    k: Vec<u32>,
-    v: Vec<u32>,
-    p: Vec<u32>,
+    q: LineWords,
+    k: LineWords,
+    v: LineWords,
+    p: LineWords,
     stage: pair_dot::SplitStage,
     /// The query tile, or the block of keys packed here, holds an infinity or a NaN.
     q_non_finite: bool,
@@ -304,19 +305,19 @@ impl Pairs {
             .then(|| pair_dot::SplitStage::new(plan.br.max(plan.bc) * d_k.max(d_v)))
             .flatten()
             .map(|stage| LowParts {
-                q: vec![0; k_ld * ld],
-                k: vec![0; rows * k_ld],
-                v: vec![0; v_len],
-                p: vec![0; v_ld * ld],
+                q: LineWords::new(k_ld * ld),
+                k: LineWords::new(rows * k_ld),
+                v: LineWords::new(v_len),
+                p: LineWords::new(v_ld * ld),
                 stage,
                 q_non_finite: false,
                 k_non_finite: false,
             });
         Self {
-            q: vec![0; k_ld * ld],
-            k: vec![0; rows * k_ld],
-            v: vec![0; v_len],
-            p: vec![0; v_ld * ld],
+            q: LineWords::new(k_ld * ld),
+            k: LineWords::new(rows * k_ld),
+            v: LineWords::new(v_len),
+            p: LineWords::new(v_ld * ld),
             settle: vec![0.0; 2 * ld],
             ld,
             k_ld,

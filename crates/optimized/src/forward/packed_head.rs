@@ -12,7 +12,7 @@
 
 use std::sync::OnceLock;
 
-use crate::kernel::amx::{self, Split, TileRows};
+use crate::kernel::amx::{self, LineWords, Split, TileRows};
 use crate::kernel::element::Element;
 use crate::kernel::pair_dot::{self, SplitStage};
 use crate::keys::{KeySource, PairOrder};
@@ -22,9 +22,9 @@ use crate::keys::{KeySource, PairOrder};
 /// ([`Split`]) have their low parts beside, laid out alike (empty for one part).
 #[derive(Debug)]
 pub(super) struct PackedHead {
-    k: Option<[Vec<u32>; 2]>,
+    k: Option<[LineWords; 2]>,
     k_ld: usize,
-    v: Option<[Vec<u32>; 2]>,
+    v: Option<[LineWords; 2]>,
     v_ld: usize,
     d_v: usize,
     /// K holds an infinity or a NaN.
@@ -47,7 +47,11 @@ impl PackedHead {
         };
         let mut pack = |src: &K, order: PairOrder, len: usize| {
             let mut hi = zeroed(len)?;
-            let mut lo = if split { zeroed(len)? } else { Vec::new() };
+            let mut lo = if split {
+                zeroed(len)?
+            } else {
+                LineWords::default()
+            };
             let report = match stage.as_mut() {
                 Some(stage) => src.to_split_pairs(order, &mut hi, &mut lo, stage)?,
                 None => src.to_pairs(order, &mut hi)?,
@@ -113,8 +117,8 @@ impl PackedHead {
 
 /// A zeroed buffer of `n` words, or `None` when it cannot be allocated (the caller then
 /// packs per block, as without this module).
-fn zeroed(n: usize) -> Option<Vec<u32>> {
-    attn_core::zeroed("packed keys and values", Some(n)).ok()
+fn zeroed(n: usize) -> Option<LineWords> {
+    LineWords::zeroed("packed keys and values", Some(n)).ok()
 }
 
 /// The packed heads of one call: one slot per distinct K/V source, packed by the first

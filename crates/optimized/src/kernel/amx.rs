@@ -38,6 +38,53 @@ pub(crate) fn available() -> bool {
         })
 }
 
+/// Zeroed words whose first lies on a cache line (64 bytes), for packed tile operands: a
+/// tile row (64 bytes) then spans one line, not two (the allocator only promises 16 bytes).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct LineWords {
+    buf: Vec<u32>,
+    start: usize,
+    len: usize,
+}
+
+impl LineWords {
+    /// Words of a line.
+    const LINE: usize = 16;
+
+    /// `len` zero words (`None`: too many to count), or the error of an allocation that
+    /// failed, naming `what`.
+    pub(crate) fn zeroed(what: &'static str, len: Option<usize>) -> attn_core::Result<Self> {
+        let buf: Vec<u32> = attn_core::zeroed(what, len.and_then(|n| n.checked_add(Self::LINE)))?;
+        let len = buf.len() - Self::LINE;
+        // The offset (in words) of the first line boundary at or after the start.
+        let misaligned = (buf.as_ptr() as usize / 4) % Self::LINE;
+        let start = (Self::LINE - misaligned) % Self::LINE;
+        Ok(Self { buf, start, len })
+    }
+
+    /// [`LineWords::zeroed`] for scratch sized by the tile plan, which a task cannot do
+    /// without (an allocation failure aborts, as `vec!` does).
+    pub(crate) fn new(len: usize) -> Self {
+        let mut buf = vec![0u32; len + Self::LINE];
+        let misaligned = (buf.as_mut_ptr() as usize / 4) % Self::LINE;
+        let start = (Self::LINE - misaligned) % Self::LINE;
+        Self { buf, start, len }
+    }
+}
+
+impl core::ops::Deref for LineWords {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl core::ops::DerefMut for LineWords {
+    fn deref_mut(&mut self) -> &mut [u32] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
 /// The A operand of a tile product: `rows` rows of `ld` words (pairs of bf16), of which the
 /// first `pairs` (a multiple of [`TILE`], the padding zero) are multiplied; the buffer
 /// holds `rows` rounded up to whole tiles.
@@ -239,7 +286,7 @@ mod x86 {
     /// Tiles configured; each term's A and B hold its `pairs` pairs; 16 × 16 floats at `c`
     /// readable and writable.
     #[inline(always)]
-    unsafe fn block(terms: &[Term], c: Out, add: bool) {
+    unsafe fn block<const N: usize>(terms: &[Term; N], c: Out, add: bool) {
         // SAFETY: the caller's bounds.
         unsafe {
             if add {
@@ -281,7 +328,7 @@ mod x86 {
     /// # Safety
     /// As [`block`], for 32 rows of A, 32 lanes of B and the four blocks of `c`.
     #[inline(always)]
-    unsafe fn block_2x2(terms: &[Term], c: [Out; 4], add: bool) {
+    unsafe fn block_2x2<const N: usize>(terms: &[Term; N], c: [Out; 4], add: bool) {
         // SAFETY: the caller's bounds.
         unsafe {
             if add {
@@ -365,23 +412,41 @@ mod x86 {
         accumulate: bool,
     ) {
         let (rows, cols) = (operands[0].0.rows, operands[0].1.rows);
-        let mut whole_terms = [Term {
-            a: core::ptr::null(),
-            sa: 0,
-            b: core::ptr::null(),
-            sb: 0,
-            pairs: 0,
-        }; MAX_TERMS];
-        for (t, (a, b)) in whole_terms.iter_mut().zip(operands) {
-            *t = Term {
-                a: a.words.as_ptr(),
-                sa: 4 * a.ld,
-                b: b.words.as_ptr(),
-                sb: 4 * b.ld,
-                pairs: a.pairs,
-            };
+        let term = |(a, b): &(TileRows<'_>, Lanes<'_>)| Term {
+            a: a.words.as_ptr(),
+            sa: 4 * a.ld,
+            b: b.words.as_ptr(),
+            sb: 4 * b.ld,
+            pairs: a.pairs,
+        };
+        // The number of terms a constant, so that each block's loop over them unrolls.
+        // SAFETY: the caller's bounds, for every term.
+        unsafe {
+            match operands {
+                [x] => product_n([term(x)], (rows, cols), c, ld_c, alpha, accumulate),
+                [x, y] => product_n([term(x), term(y)], (rows, cols), c, ld_c, alpha, accumulate),
+                [x, y, z] => {
+                    let terms = [term(x), term(y), term(z)];
+                    product_n(terms, (rows, cols), c, ld_c, alpha, accumulate)
+                }
+                _ => unreachable!("between one and {MAX_TERMS} terms"),
+            }
         }
-        let whole_terms = &whole_terms[..operands.len()];
+    }
+
+    /// [`product`] for `N` terms.
+    ///
+    /// # Safety
+    /// As [`product`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn product_n<const N: usize>(
+        whole_terms: [Term; N],
+        (rows, cols): (usize, usize),
+        c: &mut [f32],
+        ld_c: usize,
+        alpha: f32,
+        accumulate: bool,
+    ) {
         let cfg = Config::full();
         let (row_tiles, col_tiles) = (rows.div_ceil(TILE), cols.div_ceil(TILE));
         // Blocks that do not fit C (past its last row, or across a row's end) go through
@@ -429,22 +494,15 @@ mod x86 {
                             }
                         };
                     }
-                    let mut terms = [whole_terms[0]; MAX_TERMS];
-                    for (t, w) in terms.iter_mut().zip(whole_terms) {
-                        *t = w.at(r * TILE, i * TILE);
-                    }
-                    let terms = &mut terms[..whole_terms.len()];
+                    let terms = whole_terms.map(|w| w.at(r * TILE, i * TILE));
                     if rt == 2 && it == 2 {
-                        block_2x2(terms, outs, accumulate);
+                        block_2x2(&terms, outs, accumulate);
                     } else {
                         for (slot, out) in outs.iter().enumerate() {
                             let (dr, di) = (slot / 2, slot % 2);
                             if dr < rt && di < it {
-                                let mut at = [terms[0]; MAX_TERMS];
-                                for (t, w) in at.iter_mut().zip(terms.iter()) {
-                                    *t = w.at(dr * TILE, di * TILE);
-                                }
-                                block(&at[..terms.len()], *out, accumulate);
+                                let at = terms.map(|t| t.at(dr * TILE, di * TILE));
+                                block(&at, *out, accumulate);
                             }
                         }
                     }
