@@ -15,7 +15,7 @@ use half::bf16;
 
 use super::{Group, QueryHead};
 use crate::exact::{rescore, row_top};
-use crate::kernel::amx::{self, LineWords, TileRows};
+use crate::kernel::amx::{self, CacheLines, LineWords, TileRows};
 use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
@@ -243,15 +243,15 @@ pub(super) struct Scratch {
     /// Whether each key of the block has a finite K row.
     k_finite: Vec<bool>,
     /// Scores, then P; `br × bc` column-major.
-    p: Vec<f32>,
+    p: CacheLines<f32>,
     /// dP, then dS; `br × bc` column-major.
-    ds: Vec<f32>,
+    ds: CacheLines<f32>,
     /// `∂modified/∂raw` of the tile's scores, `br × bc` column-major: allocated only when
     /// some head's modifiers have a derivative other than 1 ([`chains`]).
     dmod: Vec<f32>,
     /// The block's dK (unscaled) and dV accumulators, `bc` apart (column-major).
-    dk: Vec<f32>,
-    dv: Vec<f32>,
+    dk: CacheLines<f32>,
+    dv: CacheLines<f32>,
 }
 
 impl Scratch {
@@ -267,6 +267,9 @@ impl Scratch {
         let TilePlan { br, bc } = plan;
         let HeadShape { n_q, d_k, d_v, .. } = *shape;
         let zeros = |what, rows: usize, cols: usize| filled(what, rows.checked_mul(cols), 0.0f32);
+        let lines = |rows: usize, cols: usize| {
+            CacheLines::zeroed("backward scratch", rows.checked_mul(cols))
+        };
         let mut rows = Vec::new();
         rows.try_reserve_exact(group.heads.len()).map_err(|_| {
             Error::allocation_of::<RowTerms>("backward row terms", Some(group.heads.len()))
@@ -355,10 +358,10 @@ impl Scratch {
             k_wide: zeros("backward scratch", bc, d_k)?,
             v_wide: zeros("backward scratch", bc, d_v)?,
             k_finite: filled("backward scratch", Some(bc), true)?,
-            p: zeros("backward scratch", br, bc)?,
-            ds: zeros("backward scratch", br, bc)?,
-            dk: zeros("backward scratch", bc, d_k)?,
-            dv: zeros("backward scratch", bc, d_v)?,
+            p: lines(br, bc)?,
+            ds: lines(br, bc)?,
+            dk: lines(bc, d_k)?,
+            dv: lines(bc, d_v)?,
         })
     }
 

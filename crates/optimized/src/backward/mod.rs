@@ -39,6 +39,7 @@ use faer::{MatRef, Par, RowMut};
 use self::key_block::dq_row;
 use crate::exact;
 use crate::kernel::Products;
+use crate::kernel::amx::CacheLines;
 use crate::kernel::element::Element;
 use crate::keys::{Dense, KeySource};
 use crate::problem::{HeadInputs, element_count, filled};
@@ -351,7 +352,8 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
                 .and_then(|(t, n)| t.checked_add(n));
             layout.push((blocks, chunks, per_task.unwrap_or(usize::MAX), start));
         }
-        let mut partials = filled("dQ partials", total, 0.0f32)?;
+        // On cache lines: the tile products accumulate into query tiles of them.
+        let mut partials = CacheLines::<f32>::zeroed("dQ partials", total)?;
         let tasks_n: usize = layout.iter().map(|l| l.1).sum();
 
         // Deal each group's key blocks (and their output rows) to its chunks in turn.

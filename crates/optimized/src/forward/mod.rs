@@ -26,7 +26,7 @@ use faer::{Mat, MatMut, Par, RowMut};
 
 use self::packed_head::{PackedHead, PackedHeads};
 use crate::exact;
-use crate::kernel::amx::LineWords;
+use crate::kernel::amx::{CacheLines, LineWords};
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::{log_sum_exp, scale_rows};
@@ -334,9 +334,9 @@ pub(crate) struct Scratch {
     shape: ScratchShape,
     plan: TilePlan,
     q: Vec<f32>,
-    s: Vec<f32>,
+    s: CacheLines<f32>,
     /// Column-major accumulator of the GEMM tiles, `br` rows apart.
-    acc: Vec<f32>,
+    acc: CacheLines<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
     alpha: Vec<f32>,
@@ -377,8 +377,8 @@ impl Scratch {
             shape,
             plan,
             q: vec![0.0; br * d_k],
-            s: vec![0.0; br * plan.bc],
-            acc: vec![0.0; br * d_v],
+            s: CacheLines::new(br * plan.bc),
+            acc: CacheLines::new(br * d_v),
             m: vec![0.0; br],
             l: vec![0.0; br],
             alpha: vec![0.0; br],
