@@ -56,6 +56,12 @@ struct RowTerms {
     q_lanes: LineWords,
     d_out_lanes: LineWords,
     lanes_ld: usize,
+    /// Q and dO with their rows in pairs (`d_k`, `d_v` rounded up to whole vectors of
+    /// words a pair), packed once for `dK += dSᵀ·Q` and `dV += Pᵀ·dO` and padded with a
+    /// tile of zero pairs past the last row; empty when an entry is subnormal or not finite
+    /// (a tile's padding pairs read the next tile's rows, times zero weights).
+    q_pairs: LineWords,
+    d_out_pairs: LineWords,
 }
 
 impl RowTerms {
@@ -147,22 +153,24 @@ enum QueryRows {
 
 impl KeyRows {
     /// `acc += Wᵀ·X` on tiles: `W` the f32 tile `w` (`nc` keys of `nr` queries, `ld_w`
-    /// apart) rounded to bf16, `X` the query tile's `which` rows in pairs (`width` wide),
-    /// `acc` row-major (`nc` keys by `width`).
+    /// apart) rounded to bf16, `X` the query tile's `which` rows in pairs (`width` wide):
+    /// `packed` (the head's, from the tile's first pair on), else packed here; `acc`
+    /// row-major (`nc` keys by `width`).
     fn add_weighted(
         &mut self,
         w: &[f32],
         (ld_w, nc, nr): (usize, usize, usize),
-        which: QueryRows,
+        (which, packed): (QueryRows, Option<&[u32]>),
         acc: &mut [f32],
         width: usize,
     ) {
         let ld = self.weights_ld;
         pack_f32_rows(w, ld_w, nc, nr, &mut self.weights, ld);
-        let (words, x_ld) = match which {
-            QueryRows::DOut => (&self.d_out_pairs, self.d_out_ld),
-            QueryRows::Q => (&self.q_pairs, self.q_ld),
+        let (own, x_ld) = match which {
+            QueryRows::DOut => (&self.d_out_pairs[..], self.d_out_ld),
+            QueryRows::Q => (&self.q_pairs[..], self.q_ld),
         };
+        let words = packed.unwrap_or(own);
         let x = Lanes {
             words,
             rows: width,
@@ -285,6 +293,8 @@ impl Scratch {
                 saturated: Vec::new(),
                 q_lanes: LineWords::default(),
                 d_out_lanes: LineWords::default(),
+                q_pairs: LineWords::default(),
+                d_out_pairs: LineWords::default(),
                 lanes_ld: n_q.next_multiple_of(LANES),
             };
             if tiles {
@@ -304,6 +314,21 @@ impl Scratch {
                 widen_rows(head.d_out, 0..n_q, &mut terms.d_out);
             }
             terms.compute(head, inputs, d_v);
+            if tiles {
+                let row_pairs = |m: MatRef<'_, T>, finite: &[bool], what| -> Result<LineWords> {
+                    let ld = m.ncols().next_multiple_of(LANES);
+                    let n = padded_pairs(m.nrows()) + padded_pairs(br);
+                    let (Some(m), true) = (T::as_bf16(m), finite.iter().all(|&f| f)) else {
+                        return Ok(LineWords::default());
+                    };
+                    let mut buf = LineWords::zeroed(what, n.checked_mul(ld))?;
+                    let usable = !pack_row_pairs_into(m, &mut buf, ld).subnormal;
+                    Ok(if usable { buf } else { LineWords::default() })
+                };
+                terms.q_pairs = row_pairs(head.q, &terms.q_finite, "backward packed Q")?;
+                let d_out_finite = &terms.d_out_finite;
+                terms.d_out_pairs = row_pairs(head.d_out, d_out_finite, "backward packed dO")?;
+            }
             rows.push(terms);
         }
         let dmod = if group.heads.iter().any(|h| chains(&h.mods)) {
@@ -536,12 +561,16 @@ impl Scratch {
                         ok
                     })
                 };
+                // The tile's rows in pairs: the head's, else packed now.
+                let d_out_pairs = tile_pairs(&terms.d_out_pairs, rows.start, key_rows.d_out_ld);
                 if *tiles
                     && !careful
-                    && pairs_of(d_out_rows, &mut key_rows.d_out_pairs, key_rows.d_out_ld)
+                    && (d_out_pairs.is_some()
+                        || pairs_of(d_out_rows, &mut key_rows.d_out_pairs, key_rows.d_out_ld))
                 {
                     // dV += Pᵀ·dO with P rounded to bf16.
-                    key_rows.add_weighted(p, (br, nc, nr), QueryRows::DOut, dv, d_v);
+                    let x = (QueryRows::DOut, d_out_pairs);
+                    key_rows.add_weighted(p, (br, nc, nr), x, dv, d_v);
                 } else if careful {
                     add_product_skipping_zeros(dv_acc, p_tile.transpose(), d_out_tile);
                 } else {
@@ -560,9 +589,14 @@ impl Scratch {
                     (0..nr).any(|i| !terms.q_finite[rows.start + i] && zero_in_row(ds_tile, i));
                 let dk_acc = accumulator(dk, nc, d_k, bc, *tiles);
                 let q_rows = T::as_bf16(head.q.subrows(rows.start, nr));
-                if *tiles && !careful && pairs_of(q_rows, &mut key_rows.q_pairs, key_rows.q_ld) {
+                let q_pairs = tile_pairs(&terms.q_pairs, rows.start, key_rows.q_ld);
+                if *tiles
+                    && !careful
+                    && (q_pairs.is_some() || pairs_of(q_rows, &mut key_rows.q_pairs, key_rows.q_ld))
+                {
                     // dK += dSᵀ·Q with dS rounded to bf16.
-                    key_rows.add_weighted(ds, (br, nc, nr), QueryRows::Q, dk, d_k);
+                    let x = (QueryRows::Q, q_pairs);
+                    key_rows.add_weighted(ds, (br, nc, nr), x, dk, d_k);
                 } else if careful {
                     add_product_skipping_zeros(dk_acc, ds_tile.transpose(), q_tile);
                 } else {
@@ -655,6 +689,12 @@ fn accumulator_ref(
     } else {
         MatRef::from_column_major_slice_with_stride(acc, rows, cols, bc)
     }
+}
+
+/// The pairs of a query tile starting at row `start` (even) in a head's rows packed in
+/// pairs (`ld` words a pair), when they were packed.
+fn tile_pairs(words: &[u32], start: usize, ld: usize) -> Option<&[u32]> {
+    (!words.is_empty()).then(|| &words[start / 2 * ld..])
 }
 
 /// Pairs of a row of `width` entries, padded to whole tiles.
