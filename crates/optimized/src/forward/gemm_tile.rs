@@ -13,7 +13,7 @@ use super::packed_head::PackedHead;
 use super::{Pairs, Scratch};
 use crate::exact::rescore;
 use crate::kernel::Products;
-use crate::kernel::element::Element;
+use crate::kernel::element::{Element, f32_rows};
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update, softmax_update_pairs};
@@ -41,14 +41,22 @@ impl Scratch {
         let TilePlan { br, bc } = self.plan;
         let nr = rows.len();
         let (d_k, d_v) = (head.q.ncols(), head.v.width());
-        // Q tile, scaled once, column-major.
+        // Q tile, scaled once, column-major: f32 rows read in place, half rows widened
+        // first (vectorised, into the K block's buffer, free until the first block) where
+        // it holds them.
+        let fits = T::as_f32(head.q).is_some() || self.k_wide.len() >= nr * d_k;
+        let q_rows = fits.then(|| f32_rows(head.q, rows.clone(), &mut self.k_wide));
         for c in 0..d_k {
             let col = &mut self.q[c * br..c * br + nr];
             for (i, x) in col.iter_mut().enumerate() {
+                let q = match q_rows {
+                    Some(m) => m[(i, c)],
+                    None => head.q[(rows.start + i, c)].to_f32(),
+                };
                 // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
                 // inf (inf · 0 = NaN where the score is 0); the row's scores are then
                 // recomputed exactly.
-                *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
+                *x = saturate(q * head.scale_log2);
             }
         }
         let rescaled = self.mark_rescaled(head, rows.clone());

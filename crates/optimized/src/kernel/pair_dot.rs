@@ -430,6 +430,19 @@ fn split_one(x: f32) -> (u16, u16) {
     }
 }
 
+/// A row of [`split_one`], branch-free so that it vectorises; whether all are finite.
+#[inline(always)]
+fn split_row(row: &[f32], hi: &mut [bf16], lo: &mut [bf16]) -> bool {
+    let mut wild = 0u32;
+    for ((&x, h), l) in row.iter().zip(hi.iter_mut()).zip(lo.iter_mut()) {
+        let (top, rest) = split_one(x);
+        *h = bf16::from_bits(top);
+        *l = bf16::from_bits(rest);
+        wild |= u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000);
+    }
+    wild == 0
+}
+
 #[inline(always)]
 fn split_bf16_body<const FMA: bool>(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mut [bf16]) -> bool {
     let w = m.ncols();
@@ -437,20 +450,19 @@ fn split_bf16_body<const FMA: bool>(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mu
         .chunks_exact_mut(w.max(1))
         .zip(lo.chunks_exact_mut(w.max(1)));
     let mut finite = true;
+    let mut wide = [0.0f32; 64];
     for (i, (hi, lo)) in rows.take(m.nrows()).enumerate() {
-        let mut put = |c: usize, x: f32| {
-            let (h, l) = split_one(x);
-            hi[c] = bf16::from_bits(h);
-            lo[c] = bf16::from_bits(l);
-            finite &= x.is_finite();
-        };
         match m.row(i).try_as_row_major() {
-            Some(row) => row
-                .as_slice()
-                .iter()
-                .enumerate()
-                .for_each(|(c, &x)| put(c, x)),
-            None => (0..w).for_each(|c| put(c, m[(i, c)])),
+            Some(row) => finite &= split_row(row.as_slice(), hi, lo),
+            None => {
+                for c0 in (0..w).step_by(wide.len()) {
+                    let n = (w - c0).min(wide.len());
+                    for (c, x) in wide[..n].iter_mut().enumerate() {
+                        *x = m[(i, c0 + c)];
+                    }
+                    finite &= split_row(&wide[..n], &mut hi[c0..c0 + n], &mut lo[c0..c0 + n]);
+                }
+            }
         }
     }
     finite
