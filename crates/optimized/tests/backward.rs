@@ -47,6 +47,36 @@ fn backward<T: Element>(
     attention_backward(d_out.as_ref(), q, k, v, out.as_ref(), lse, opts).unwrap()
 }
 
+/// The call value's backward pass of one head into f32 gradients (mixed precision for half
+/// inputs): `[dq, dk, dv]`.
+fn f32_gradients<T: Element>(
+    d_out: &Mat<T>,
+    [q, k, v]: [&Mat<T>; 3],
+    (out, lse): (&Mat<T>, &[f32]),
+    opts: &Options<'_>,
+) -> [Mat<f32>; 3] {
+    let (mut dq, mut dk, mut dv) = (
+        Mat::<f32>::zeros(q.nrows(), q.ncols()),
+        Mat::<f32>::zeros(k.nrows(), k.ncols()),
+        Mat::<f32>::zeros(v.nrows(), v.ncols()),
+    );
+    attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
+        .and_then(|call| {
+            call.backward_into(
+                attn_optimized::ForwardRef::head(out.as_ref(), lse),
+                d_out.as_ref(),
+                attn_optimized::GradientsMut {
+                    dq: dq.as_mut(),
+                    dk: dk.as_mut(),
+                    dv: dv.as_mut(),
+                },
+                attn_optimized::Par::rayon(0),
+            )
+        })
+        .unwrap();
+    [dq, dk, dv]
+}
+
 fn max_rel(got: MatRef<'_, f32>, want: MatRef<'_, f32>) -> f32 {
     let scale = (0..want.nrows())
         .flat_map(|i| (0..want.ncols()).map(move |j| (i, j)))
@@ -289,25 +319,7 @@ fn half_storage_and_mixed_precision_gradients() {
         )
         .unwrap();
         // Half storage, f32 gradients (mixed precision) ...
-        let (mut dq, mut dk, mut dv) = (
-            Mat::<f32>::zeros(q.nrows(), q.ncols()),
-            Mat::<f32>::zeros(k.nrows(), k.ncols()),
-            Mat::<f32>::zeros(v.nrows(), v.ncols()),
-        );
-        attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), opts)
-            .and_then(|call| {
-                call.backward_into(
-                    attn_optimized::ForwardRef::head(out.as_ref(), &lse),
-                    d_out.as_ref(),
-                    attn_optimized::GradientsMut {
-                        dq: dq.as_mut(),
-                        dk: dk.as_mut(),
-                        dv: dv.as_mut(),
-                    },
-                    attn_optimized::Par::rayon(0),
-                )
-            })
-            .unwrap();
+        let [dq, dk, dv] = f32_gradients(&d_out, [&q, &k, &v], (&out, &lse), opts);
         // ... and half gradients, which are the f32 ones rounded once.
         let g = backward(&d_out, [&q, &k, &v], &out, &lse, opts);
         for (name, f, h, w) in [
@@ -346,26 +358,7 @@ fn native_bf16_gradients_track_f32_compute_across_key_blocks() {
     let grads = |precision| {
         let opts = Options::default().with_precision(precision);
         let (out, lse) = forward(&q, &k, &v, &opts);
-        let (mut dq, mut dk, mut dv) = (
-            Mat::<f32>::zeros(n_q, d),
-            Mat::<f32>::zeros(n_k, d),
-            Mat::<f32>::zeros(n_k, d),
-        );
-        attn_optimized::Attention::head(q.as_ref(), k.as_ref(), v.as_ref(), &opts)
-            .and_then(|call| {
-                call.backward_into(
-                    attn_optimized::ForwardRef::head(out.as_ref(), &lse),
-                    d_out.as_ref(),
-                    attn_optimized::GradientsMut {
-                        dq: dq.as_mut(),
-                        dk: dk.as_mut(),
-                        dv: dv.as_mut(),
-                    },
-                    attn_optimized::Par::rayon(0),
-                )
-            })
-            .unwrap();
-        [dq, dk, dv]
+        f32_gradients(&d_out, [&q, &k, &v], (&out, &lse), &opts)
     };
     let (native, exact) = (grads(Precision::Native), grads(Precision::F32));
     for ((name, a), b) in ["dq", "dk", "dv"].iter().zip(&native).zip(&exact) {
