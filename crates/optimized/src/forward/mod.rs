@@ -289,7 +289,9 @@ pub(crate) struct LowParts {
     v: LineWords,
     p: LineWords,
     stage: pair_dot::SplitStage,
-    /// The query tile, or the block of keys packed here, holds an infinity or a NaN.
+    /// Which rows of the query tile hold an infinity or a NaN (all false when none does:
+    /// `q_non_finite`), and whether the block of keys packed here holds one.
+    q_rows_non_finite: Vec<bool>,
     q_non_finite: bool,
     k_non_finite: bool,
 }
@@ -310,6 +312,7 @@ impl Pairs {
                 v: LineWords::new(v_len),
                 p: LineWords::new(v_ld * ld),
                 stage,
+                q_rows_non_finite: vec![false; plan.br],
                 q_non_finite: false,
                 k_non_finite: false,
             });

@@ -33,12 +33,18 @@ impl Pairs {
         match &mut self.low {
             Some(low) => {
                 let (rows, cols) = (q.nrows(), q.ncols());
+                low.q_non_finite = false;
                 let split = low.stage.split(|buf| f32_rows(q, 0..rows, buf), rows, cols);
-                split.is_some_and(|([hi, lo], finite)| {
+                let packed = split.is_some_and(|([hi, lo], finite)| {
                     low.q_non_finite = !finite;
                     pair_dot::pack_lanes(hi, &mut self.q, ld)
                         && pair_dot::pack_lanes(lo, &mut low.q, ld)
-                })
+                });
+                // Which rows, for `repair_split_scores` (found once per tile, not per block).
+                for (i, bad) in low.q_rows_non_finite[..rows].iter_mut().enumerate() {
+                    *bad = low.q_non_finite && !row_is_finite(q.row(i));
+                }
+                packed
             }
             None => T::as_bf16(q).is_some_and(|q| pair_dot::pack_lanes(q, &mut self.q, ld)),
         }
@@ -80,7 +86,7 @@ impl Pairs {
             return;
         }
         let (nr, nc, d) = (q.nrows(), k.len(), q.ncols());
-        let q_bad: Vec<bool> = (0..nr).map(|i| !row_is_finite(q.row(i))).collect();
+        let q_bad = &low.q_rows_non_finite[..nr];
         for j in 0..nc {
             let k_bad = k_non_finite && !k.row_finite(j);
             for i in (0..nr).filter(|&i| k_bad || q_bad[i]) {

@@ -42,7 +42,8 @@ pub(crate) fn available() -> bool {
 /// the tiles' outputs: a tile row (64 bytes) then spans one line, not two (the allocator
 /// only promises 16 bytes; measured on the Intel Xeon, aligned operands made the bf16
 /// forward 1.18× faster).
-#[derive(Debug, Default, Clone)]
+// Not `Clone`: a copy of the vector would keep `start` but not the alignment.
+#[derive(Debug, Default)]
 pub(crate) struct CacheLines<T> {
     buf: Vec<T>,
     start: usize,

@@ -411,10 +411,10 @@ impl SplitStage {
 }
 
 /// `x` split in two bf16 parts: `hi` rounded to nearest even, `lo` what is left of it
-/// rounded again (exact for an f16 value); an infinity or NaN goes whole into `hi` (a NaN
-/// quiet). Branch-free, so that a row of them vectorises.
+/// rounded again (exact for an f16 value), and whether `x` is finite; an infinity or NaN
+/// goes whole into `hi` (a NaN quiet). Branch-free, so that a row of them vectorises.
 #[inline(always)]
-fn split_one(x: f32) -> (u16, u16) {
+fn split_one(x: f32) -> (u16, u16, bool) {
     let b = x.to_bits();
     let round = |b: u32| (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
     let finite = b & 0x7f80_0000 != 0x7f80_0000;
@@ -424,9 +424,9 @@ fn split_one(x: f32) -> (u16, u16) {
     let nan_bit = if b & 0x007f_ffff != 0 { 0x0040 } else { 0 };
     let whole = (b >> 16) as u16 | nan_bit;
     if finite {
-        (top, round(rest.to_bits()))
+        (top, round(rest.to_bits()), true)
     } else {
-        (whole, 0)
+        (whole, 0, false)
     }
 }
 
@@ -435,10 +435,10 @@ fn split_one(x: f32) -> (u16, u16) {
 fn split_row(row: &[f32], hi: &mut [bf16], lo: &mut [bf16]) -> bool {
     let mut wild = 0u32;
     for ((&x, h), l) in row.iter().zip(hi.iter_mut()).zip(lo.iter_mut()) {
-        let (top, rest) = split_one(x);
+        let (top, rest, finite) = split_one(x);
         *h = bf16::from_bits(top);
         *l = bf16::from_bits(rest);
-        wild |= u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000);
+        wild |= u32::from(!finite);
     }
     wild == 0
 }
