@@ -973,26 +973,23 @@ mod x86 {
         (words, added)
     }
 
-    /// [`super::super::exp2::exp2_approx`] on sixteen lanes: the same steps, so the same
-    /// bits.
+    /// [`super::super::exp2::exp2_approx`] on the lanes of `keep` (zero elsewhere), with
+    /// the same bits for every `x` below 128 and NaN: the same reduction `f = x − round(x)`
+    /// and polynomial, `2^k` applied by `vscalefps` (which saturates to 0 and +∞ itself)
+    /// instead of exponent bits and two range selects. `keep` must exclude `x < −126`
+    /// (which the scalar version sends to 0); `+∞` gives NaN here, which callers never
+    /// keep (its block overflowed).
     #[target_feature(enable = "avx512f")]
     #[inline]
-    fn exp2(x: __m512) -> __m512 {
-        use super::super::exp2::{EXP2_POLY, ROUND};
-        let round = _mm512_set1_ps(ROUND);
-        let t = _mm512_add_ps(x, round);
-        let f = _mm512_sub_ps(x, _mm512_sub_ps(t, round));
+    fn exp2(keep: __mmask16, x: __m512) -> __m512 {
+        use super::super::exp2::EXP2_POLY;
+        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let f = _mm512_sub_ps(x, k);
         let mut p = _mm512_set1_ps(EXP2_POLY[0]);
         for &c in &EXP2_POLY[1..] {
             p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
         }
-        let ki = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B40_0000));
-        let two_k = _mm512_slli_epi32::<23>(_mm512_add_epi32(ki, _mm512_set1_epi32(127)));
-        let r = _mm512_mul_ps(p, _mm512_castsi512_ps(two_k));
-        let top = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(128.0));
-        let r = _mm512_mask_mov_ps(r, top, _mm512_set1_ps(f32::INFINITY));
-        let low = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-126.0));
-        _mm512_mask_mov_ps(r, low, _mm512_setzero_ps())
+        _mm512_maskz_scalef_ps(keep, p, k)
     }
 
     /// See [`super::exponentiate_pairs`]; sixteen rows at a time, their sums, rounding
@@ -1018,7 +1015,6 @@ mod x86 {
     ) -> bool {
         let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
         let checked = settle.is_some();
-        let magnitude = _mm512_set1_epi32(0x7fff_ffff);
         let mut i = 0;
         while i < rows {
             let mask = lanes_below(rows - i);
@@ -1030,17 +1026,19 @@ mod x86 {
                 let mut sum = _mm512_maskz_loadu_ps(mask, l.as_ptr().add(i));
                 let mut added = _mm512_maskz_loadu_ps(mask, delta.as_ptr().add(i));
                 let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
-                let mut high = _mm512_setzero_si512();
+                let mut min = _mm512_set1_ps(f32::INFINITY);
+                let lowest = _mm512_set1_ps(-126.0);
                 let mut p_of = |c: usize| {
                     let x = _mm512_maskz_loadu_ps(mask, s.add(c * ld_s + i));
                     if checked {
-                        // NaN is passed over (the maximum's second operand), as in the
-                        // maxima pass.
+                        // NaN is passed over (the second operand) as in the maxima pass;
+                        // the sums find it (a NaN score exponentiates to NaN).
                         max = _mm512_max_ps(x, max);
-                        let bits = _mm512_and_si512(_mm512_castps_si512(x), magnitude);
-                        high = _mm512_max_epu32(high, bits);
+                        min = _mm512_min_ps(x, min);
                     }
-                    _mm512_maskz_mov_ps(mask, exp2(_mm512_sub_ps(x, m)))
+                    let x = _mm512_sub_ps(x, m);
+                    // Not below −126 (NaN included): the scalar version's zero.
+                    exp2(_mm512_mask_cmp_ps_mask::<_CMP_NLT_UQ>(mask, x, lowest), x)
                 };
                 for p in 0..cols.div_ceil(2) {
                     let even = p_of(2 * p);
@@ -1060,11 +1058,14 @@ mod x86 {
                     Some(settle) => {
                         // Settled: finite (when asked), not overflowed, and no maximum
                         // past the lazy threshold — what the maxima pass would find.
-                        let non_finite = _mm512_mask_cmpge_epu32_mask(
-                            mask,
-                            high,
-                            _mm512_set1_epi32(super::super::finite::INF_BITS as i32),
-                        );
+                        // An infinity is a maximum or minimum; a NaN made its sum NaN.
+                        let infinite = _mm512_set1_ps(f32::INFINITY);
+                        let non_finite =
+                            _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(
+                                mask,
+                                _mm512_max_ps(max, _mm512_abs_ps(min)),
+                                infinite,
+                            ) | _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(mask, sum, sum);
                         let limit = _mm512_add_ps(m, _mm512_set1_ps(LAZY_RESCALE_LOG2));
                         let moved = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, max, limit);
                         let huge = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(
