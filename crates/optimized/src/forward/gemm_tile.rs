@@ -82,9 +82,39 @@ impl Scratch {
             let k_tiles = packed.and_then(|p| p.keys(local_keys.clone()));
             let v_tiles = packed.and_then(|p| p.values(local_keys));
             let k_native = q_native && (k_tiles.is_some() || self.pairs.pack_keys(&kb));
+            // Native bf16 products: P rounded to bf16 (the scores and the sums stay f32),
+            // unless V holds an entry too small for them (see `Pairs::pack_values`). V is
+            // packed first: when it is exact, the softmax writes P's pairs itself.
+            let values = match (native, v_tiles) {
+                (false, _) => Values::F32,
+                (true, Some(_)) => Values::Exact,
+                (true, None) => self.pairs.pack_values(products, &vb, d_v),
+            };
+            // A tile with nothing hidden is checked for a non-finite score by the softmax's
+            // own first pass (below); a masked one before the mask writes its -inf, and one
+            // whose modifiers may make an overflow look finite (a soft-cap, a user's)
+            // before the modifiers.
+            let all_visible = coverage == TileCoverage::Full && !head.mask.has_elementwise();
+            let modified = head.mods.modifies_scores();
+            let scan = !all_visible || (modified && !head.mods.keeps_non_finite());
+            let check = !scan && !rescaled;
+            // The tiles' scores straight into the softmax's one pass (nothing to repair,
+            // mask or modify, P written by the softmax, every row's maximum known): the
+            // softmax applies the scale as it reads them, saving a pass over the tile.
+            let in_pairs = values == Values::Exact && !products.split();
+            let scale_in_softmax = products == Products::Tiles
+                && k_native
+                && in_pairs
+                && check
+                && !modified
+                && self.m[..nr].iter().all(|m| m.is_finite());
             let scores = |pairs: &Pairs, s: &mut [f32], k_wide: &mut Vec<f32>| {
                 if k_native {
-                    let scale = head.scale_log2;
+                    let scale = if scale_in_softmax {
+                        1.0
+                    } else {
+                        head.scale_log2
+                    };
                     return pairs.scores(products, s, (br, nr, nc, d_k), k_tiles, scale);
                 }
                 let s_tile = MatMut::from_column_major_slice_with_stride_mut(s, nr, nc, br);
@@ -107,13 +137,6 @@ impl Scratch {
                     .repair_split_scores(&mut self.s, br, operands, packed_keys);
             }
             let rescaled_rows = Some(&self.rescaled[..nr]);
-            // A tile with nothing hidden is checked for a non-finite score by the softmax's
-            // own first pass (below); a masked one before the mask writes its -inf, and one
-            // whose modifiers may make an overflow look finite (a soft-cap, a user's)
-            // before the modifiers.
-            let all_visible = coverage == TileCoverage::Full && !head.mask.has_elementwise();
-            let modified = head.mods.modifies_scores();
-            let scan = !all_visible || (modified && !head.mods.keeps_non_finite());
             if rescaled || (scan && !tile_is_finite(&self.s, br, nr, nc)) {
                 rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
             }
@@ -131,25 +154,21 @@ impl Scratch {
                 (rows.clone(), cols.clone()),
                 coverage,
             );
-            // Native bf16 products: P rounded to bf16 (the scores and the sums stay f32),
-            // unless V holds an entry too small for them (see `Pairs::pack_values`). V is
-            // packed first: when it is exact, the softmax writes P's pairs itself.
-            let values = match (native, v_tiles) {
-                (false, _) => Values::F32,
-                (true, Some(_)) => Values::Exact,
-                (true, None) => self.pairs.pack_values(products, &vb, d_v),
-            };
             let mut state = RowState {
                 m: &mut self.m,
                 l: &mut self.l,
                 alpha: &mut self.alpha,
                 m_safe: &mut self.m_safe,
             };
-            let check = !scan && !rescaled;
             let s = &mut self.s;
             // Split products take P in two parts, which only the packer writes.
-            let first = if values == Values::Exact && !products.split() {
-                let mut out = self.pairs.probabilities(&mut self.l_delta);
+            let first = if in_pairs {
+                let pending = if scale_in_softmax {
+                    head.scale_log2
+                } else {
+                    1.0
+                };
+                let mut out = self.pairs.probabilities(&mut self.l_delta, pending);
                 softmax_update_pairs(s, br, nr, nc, &mut state, all_visible, check, &mut out)
                     .map(|rescale| (rescale, true))
             } else {

@@ -192,15 +192,21 @@ impl Pairs {
     }
 
     /// Where the softmax writes P's pairs itself ([`softmax_update_pairs`]), its rounding
-    /// added to `delta`.
+    /// added to `delta`; the scores still to be multiplied by `pending_scale` (see
+    /// [`PairsOut::pending_scale`]).
     ///
     /// [`softmax_update_pairs`]: crate::kernel::online_softmax::softmax_update_pairs
-    pub(super) fn probabilities<'a>(&'a mut self, delta: &'a mut [f32]) -> PairsOut<'a> {
+    pub(super) fn probabilities<'a>(
+        &'a mut self,
+        delta: &'a mut [f32],
+        pending_scale: f32,
+    ) -> PairsOut<'a> {
         PairsOut {
             words: &mut self.p,
             ld: self.ld,
             delta,
             scratch: &mut self.settle,
+            pending_scale,
         }
     }
 

@@ -488,6 +488,8 @@ pub(crate) struct Settle<'a> {
     pub all_visible: bool,
     /// A non-finite score fails the block.
     pub check_finite: bool,
+    /// What the scores are multiplied by as they are read (1: they are final).
+    pub scale: f32,
     /// `2·rows` floats for the sums and terms until the whole block is known settled.
     pub scratch: &'a mut [f32],
 }
@@ -1015,6 +1017,8 @@ mod x86 {
     ) -> bool {
         let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
         let checked = settle.is_some();
+        // Times 1 is exact (a NaN stays NaN).
+        let scale = _mm512_set1_ps(settle.as_ref().map_or(1.0, |settle| settle.scale));
         let mut i = 0;
         while i < rows {
             let mask = lanes_below(rows - i);
@@ -1029,7 +1033,7 @@ mod x86 {
                 let mut min = _mm512_set1_ps(f32::INFINITY);
                 let lowest = _mm512_set1_ps(-126.0);
                 let mut p_of = |c: usize| {
-                    let x = _mm512_maskz_loadu_ps(mask, s.add(c * ld_s + i));
+                    let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s.add(c * ld_s + i)), scale);
                     if checked {
                         // NaN is passed over (the second operand) as in the maxima pass;
                         // the sums find it (a NaN score exponentiates to NaN).
