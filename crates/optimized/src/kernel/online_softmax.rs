@@ -80,7 +80,7 @@ pub(crate) struct PairsOut<'a> {
     pub words: &'a mut [u32],
     pub ld: usize,
     pub delta: &'a mut [f32],
-    /// `2·rows` floats of scratch.
+    /// `4·rows` floats of scratch.
     pub scratch: &'a mut [f32],
     /// What the scores are still to be multiplied by (1 when their product applied the
     /// scale): the one-pass check multiplies them as it reads them, and a block that
@@ -128,15 +128,12 @@ fn update_pairs_body<const FMA: bool>(
     // at the maxima as they are (the same bits as the two passes below).
     let m = &state.m[..rows];
     if m.iter().all(|x| x.is_finite()) {
-        let settle = pair_dot::Settle {
-            all_visible,
-            check_finite,
-            scale: out.pending_scale,
-            scratch: &mut *out.scratch,
-        };
-        let (l, words) = (&mut state.l[..rows], (&mut *out.words, out.ld));
-        let delta = &mut out.delta[..rows];
-        if pair_dot::exponentiate_pairs(s, ld, rows, cols, m, l, words, delta, Some(settle)) {
+        let (l, delta) = (&mut state.l[..rows], &mut out.delta[..rows]);
+        let mut pass = pair_dot::OnePass::start(&mut *out.scratch, l, delta);
+        let span = (&s[..], ld, cols);
+        if pass.exponentiate(span, m, out.pending_scale, (&mut *out.words, out.ld))
+            && pass.settle(m, (all_visible, check_finite), l, delta)
+        {
             state.alpha[..rows].fill(1.0);
             return Some(false);
         }
@@ -160,7 +157,7 @@ fn update_pairs_body<const FMA: bool>(
     // 3. P = 2^(s − m), the row sums, and P rounded into its pairs in one pass over the
     //    tile, which is read once and not written.
     let words = (&mut *out.words, out.ld);
-    pair_dot::exponentiate_pairs(s, ld, rows, cols, m_safe, l, words, delta, None);
+    pair_dot::exponentiate_pairs(s, ld, rows, cols, m_safe, l, words, delta);
     Some(rescale)
 }
 
@@ -516,7 +513,7 @@ mod tests {
                     ld,
                     &mut delta_plain,
                 );
-                let mut scratch = vec![0.0; 2 * rows + 5]; // longer than needed, as in the engine
+                let mut scratch = vec![0.0; 4 * rows + 5]; // longer than needed, as in the engine
                 let [m, l, alpha, m_safe] = &mut fused;
                 let mut st = RowState {
                     m,

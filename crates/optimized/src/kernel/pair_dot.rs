@@ -22,6 +22,7 @@ use faer::MatRef;
 use half::bf16;
 
 use super::Isa;
+use super::online_softmax::{HUGE, LAZY_RESCALE_LOG2};
 
 /// Pairs of a row of `k` entries.
 #[inline]
@@ -477,35 +478,114 @@ super::multiversion! {
     pub(crate) fn split_bf16(m: MatRef<'_, f32>, hi: &mut [bf16], lo: &mut [bf16]) -> bool = split_bf16_body
 }
 
-/// How [`exponentiate_pairs`] checks a block when it runs in one pass with the maxima
-/// pass (whose rules it applies: [`LAZY_RESCALE_LOG2`], [`HUGE`]).
+/// The softmax's one pass over a block of scores whose rows all have a finite reference
+/// maximum, read in spans of keys (the whole block at once, or a span as soon as its
+/// scores are computed): each span is exponentiated at the reference maxima, rounded into
+/// P's pair words and summed, while the block's maxima and minima are kept; at the end
+/// [`OnePass::settle`] applies the maxima pass's rules ([`LAZY_RESCALE_LOG2`], [`HUGE`]):
+/// when no row's block maximum moves past the lazy threshold, overflows or (when asked)
+/// meets a non-finite score, the sums are bit for bit what the two passes give and are
+/// kept; otherwise nothing is, and the caller runs the two passes (the words are scratch).
 ///
 /// [`LAZY_RESCALE_LOG2`]: super::online_softmax::LAZY_RESCALE_LOG2
 /// [`HUGE`]: super::online_softmax::HUGE
 #[derive(Debug)]
-pub(crate) struct Settle<'a> {
-    /// Nothing in the block is hidden (a huge negative maximum overflowed too).
-    pub all_visible: bool,
-    /// A non-finite score fails the block.
-    pub check_finite: bool,
-    /// What the scores are multiplied by as they are read (1: they are final).
-    pub scale: f32,
-    /// `2·rows` floats for the sums and terms until the whole block is known settled.
-    pub scratch: &'a mut [f32],
+pub(crate) struct OnePass<'a> {
+    /// Four floats a row: the running sums, rounding terms, maxima and minima.
+    running: &'a mut [f32],
+    rows: usize,
 }
 
-/// Step 3 of the softmax for the native products, fused with [`pack_probabilities`]: for
-/// the `cols` columns of scores `s` (`rows` each, `ld_s` apart), `p = 2^(s − m_safe)`
-/// added to the row sums `l` in column order, rounded into the pair words of `dst` (`ld`
-/// apart) and what rounding added accumulated into `delta` — bit for bit what the plain
-/// step and the packer compute, without writing the probabilities anywhere else.
-///
-/// With `settle`, in one pass with the maxima pass, for a block whose rows all have a
-/// finite reference maximum (their `m_safe`): when no row's block maximum moves past the
-/// lazy threshold, overflows or (with `check_finite`) meets a non-finite score, the result
-/// is exactly what the two passes give and this returns `true`; otherwise `false` with `l`
-/// and `delta` untouched (the words are scratch), and the caller runs the two passes.
-/// Without AVX512_BF16, does nothing and returns `false`.
+impl<'a> OnePass<'a> {
+    /// Starts the pass of `rows` rows from the sums `l` and rounding terms `delta` in
+    /// `scratch` (at least `4·rows` floats).
+    pub(crate) fn start(scratch: &'a mut [f32], l: &[f32], delta: &[f32]) -> Self {
+        let rows = l.len();
+        assert!(delta.len() == rows && scratch.len() >= 4 * rows);
+        let running = &mut scratch[..4 * rows];
+        let (sums, rest) = running.split_at_mut(rows);
+        let (terms, rest) = rest.split_at_mut(rows);
+        let (maxima, minima) = rest.split_at_mut(rows);
+        sums.copy_from_slice(l);
+        terms.copy_from_slice(delta);
+        maxima.fill(f32::NEG_INFINITY);
+        minima.fill(f32::INFINITY);
+        Self { running, rows }
+    }
+
+    /// The next span: `cols` columns of scores `s` (`rows` each, `ld_s` apart), times
+    /// `scale`, exponentiated at the reference maxima `m`, into the pair words of `dst`
+    /// (`ld` apart; `cols` is even but for a block's last span). Returns `false` (and does
+    /// nothing) without AVX512_BF16.
+    pub(crate) fn exponentiate(
+        &mut self,
+        (s, ld_s, cols): (&[f32], usize, usize),
+        m: &[f32],
+        scale: f32,
+        (dst, ld): (&mut [u32], usize),
+    ) -> bool {
+        let rows = self.rows;
+        assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
+        assert!(m.len() >= rows && m[..rows].iter().all(|x| x.is_finite()));
+        assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
+        assert!(dst.len() >= pairs(cols) * ld);
+        #[cfg(target_arch = "x86_64")]
+        if has_instructions() {
+            let (sums, rest) = self.running.split_at_mut(rows);
+            let (terms, rest) = rest.split_at_mut(rows);
+            let (maxima, minima) = rest.split_at_mut(rows);
+            let running = x86::Running {
+                sums: sums.as_mut_ptr(),
+                terms: terms.as_mut_ptr(),
+                extremes: Some((maxima.as_mut_ptr(), minima.as_mut_ptr())),
+            };
+            // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and
+            // the asserts above bound every access (loads and stores are masked to `rows`).
+            unsafe { x86::exponentiate_span(s, ld_s, rows, cols, m, scale, running, dst, ld) };
+            return true;
+        }
+        let _ = (s, ld_s, cols, scale, dst);
+        false
+    }
+
+    /// Ends the pass: whether every row is settled (see [`OnePass`]; `all_visible`: nothing
+    /// in the block is hidden, so a huge negative maximum overflowed too;
+    /// `check_finite`: a non-finite score fails the block), and then its sums and terms
+    /// into `l` and `delta`.
+    pub(crate) fn settle(
+        self,
+        m: &[f32],
+        (all_visible, check_finite): (bool, bool),
+        l: &mut [f32],
+        delta: &mut [f32],
+    ) -> bool {
+        let rows = self.rows;
+        let (sums, rest) = self.running.split_at(rows);
+        let (terms, rest) = rest.split_at(rows);
+        let (maxima, minima) = rest.split_at(rows);
+        let settled = (0..rows).all(|i| {
+            let (max, min) = (maxima[i], minima[i]);
+            // An infinity is a maximum or a minimum; a NaN score made its sum NaN.
+            let non_finite = max.max(min.abs()) == f32::INFINITY || sums[i].is_nan();
+            let moved = max > m[i] + LAZY_RESCALE_LOG2;
+            let overflowed = max.abs() > HUGE && (all_visible || max > 0.0);
+            !(check_finite && non_finite) && !moved && !overflowed
+        });
+        if settled {
+            l[..rows].copy_from_slice(sums);
+            delta[..rows].copy_from_slice(terms);
+        }
+        settled
+    }
+}
+
+/// Step 3 of the softmax for the native products, fused with [`pack_probabilities`] (the
+/// second of the two passes, after the maxima): for the `cols` columns of scores `s`
+/// (`rows` each, `ld_s` apart), `p = 2^(s − m_safe)` added to the row sums `l` in column
+/// order, rounded into the pair words of `dst` (`ld` apart) and what rounding added
+/// accumulated into `delta` — bit for bit what the plain step and the packer compute,
+/// without writing the probabilities anywhere else. Returns `false` (and does nothing)
+/// without AVX512_BF16.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn exponentiate_pairs(
     s: &[f32],
@@ -516,23 +596,22 @@ pub(crate) fn exponentiate_pairs(
     l: &mut [f32],
     (dst, ld): (&mut [u32], usize),
     delta: &mut [f32],
-    settle: Option<Settle<'_>>,
 ) -> bool {
     assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
     assert!(m_safe.len() >= rows && l.len() >= rows && delta.len() >= rows);
     assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
     assert!(dst.len() >= pairs(cols) * ld);
-    if let Some(settle) = &settle {
-        assert!(settle.scratch.len() >= 2 * rows);
-        assert!(m_safe[..rows].iter().all(|x| x.is_finite()));
-    }
     #[cfg(target_arch = "x86_64")]
     if has_instructions() {
+        let running = x86::Running {
+            sums: l.as_mut_ptr(),
+            terms: delta.as_mut_ptr(),
+            extremes: None,
+        };
         // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
         // asserts above bound every access (loads and stores are masked to `rows`).
-        return unsafe {
-            x86::exponentiate_pairs(s, ld_s, rows, cols, m_safe, l, dst, ld, delta, settle)
-        };
+        unsafe { x86::exponentiate_span(s, ld_s, rows, cols, m_safe, 1.0, running, dst, ld) };
+        return true;
     }
     false
 }
@@ -570,7 +649,6 @@ pub(crate) fn product(
 mod x86 {
     use core::arch::x86_64::*;
 
-    use super::super::online_softmax::{HUGE, LAZY_RESCALE_LOG2};
     use super::{Broadcast, Columns, LANES, Lanes};
 
     /// Rows (vectors of [`LANES`]) and columns of one register block: 4 × 6 accumulators.
@@ -994,31 +1072,38 @@ mod x86 {
         _mm512_maskz_scalef_ps(keep, p, k)
     }
 
-    /// See [`super::exponentiate_pairs`]; sixteen rows at a time, their sums, rounding
-    /// terms and maxima in registers across the columns. Returns `false` (the sums and
-    /// terms untouched) when `settle` finds a row that is not settled.
+    /// Where a span's rows keep their running sums and rounding terms, and (for the one
+    /// pass) their maxima and minima: `rows` floats at each.
+    pub(super) struct Running {
+        pub sums: *mut f32,
+        pub terms: *mut f32,
+        pub extremes: Option<(*mut f32, *mut f32)>,
+    }
+
+    /// See [`super::OnePass::exponentiate`] and [`super::exponentiate_pairs`]; sixteen rows
+    /// at a time, their running values in registers across the columns.
     ///
     /// # Safety
-    /// AVX512_BF16, AVX-512 F and BW; the bounds [`super::exponentiate_pairs`] asserts,
-    /// and `2·rows` floats of `settle`'s scratch.
+    /// AVX512_BF16, AVX-512 F and BW; the bounds those functions assert, `rows` floats at
+    /// each pointer of `running`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn exponentiate_pairs(
+    pub(super) unsafe fn exponentiate_span(
         s: &[f32],
         ld_s: usize,
         rows: usize,
         cols: usize,
         m_safe: &[f32],
-        l: &mut [f32],
+        scale: f32,
+        running: Running,
         dst: &mut [u32],
         ld: usize,
-        delta: &mut [f32],
-        mut settle: Option<super::Settle<'_>>,
-    ) -> bool {
+    ) {
         let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
-        let checked = settle.is_some();
+        let checked = running.extremes.is_some();
         // Times 1 is exact (a NaN stays NaN).
-        let scale = _mm512_set1_ps(settle.as_ref().map_or(1.0, |settle| settle.scale));
+        let scale = _mm512_set1_ps(scale);
+        let lowest = _mm512_set1_ps(-126.0);
         let mut i = 0;
         while i < rows {
             let mask = lanes_below(rows - i);
@@ -1027,11 +1112,15 @@ mod x86 {
             // exists.
             unsafe {
                 let m = _mm512_maskz_loadu_ps(mask, m_safe.as_ptr().add(i));
-                let mut sum = _mm512_maskz_loadu_ps(mask, l.as_ptr().add(i));
-                let mut added = _mm512_maskz_loadu_ps(mask, delta.as_ptr().add(i));
-                let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
-                let mut min = _mm512_set1_ps(f32::INFINITY);
-                let lowest = _mm512_set1_ps(-126.0);
+                let mut sum = _mm512_maskz_loadu_ps(mask, running.sums.add(i));
+                let mut added = _mm512_maskz_loadu_ps(mask, running.terms.add(i));
+                let (mut max, mut min) = match running.extremes {
+                    Some((max, min)) => (
+                        _mm512_maskz_loadu_ps(mask, max.add(i)),
+                        _mm512_maskz_loadu_ps(mask, min.add(i)),
+                    ),
+                    None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+                };
                 let mut p_of = |c: usize| {
                     let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s.add(c * ld_s + i)), scale);
                     if checked {
@@ -1058,52 +1147,15 @@ mod x86 {
                     _mm512_storeu_epi32(d.add(p * ld + i) as *mut i32, words);
                     added = _mm512_add_ps(added, step);
                 }
-                let (sums, terms) = match settle.as_mut() {
-                    Some(settle) => {
-                        // Settled: finite (when asked), not overflowed, and no maximum
-                        // past the lazy threshold — what the maxima pass would find.
-                        // An infinity is a maximum or minimum; a NaN made its sum NaN.
-                        let infinite = _mm512_set1_ps(f32::INFINITY);
-                        let non_finite =
-                            _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(
-                                mask,
-                                _mm512_max_ps(max, _mm512_abs_ps(min)),
-                                infinite,
-                            ) | _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(mask, sum, sum);
-                        let limit = _mm512_add_ps(m, _mm512_set1_ps(LAZY_RESCALE_LOG2));
-                        let moved = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, max, limit);
-                        let huge = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(
-                            mask,
-                            _mm512_abs_ps(max),
-                            _mm512_set1_ps(HUGE),
-                        );
-                        let above =
-                            _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, max, _mm512_setzero_ps());
-                        let overflowed = if settle.all_visible {
-                            huge
-                        } else {
-                            huge & above
-                        };
-                        if (settle.check_finite && non_finite != 0) || moved != 0 || overflowed != 0
-                        {
-                            return false;
-                        }
-                        let (sums, terms) = settle.scratch[..2 * rows].split_at_mut(rows);
-                        (sums.as_mut_ptr(), terms.as_mut_ptr())
-                    }
-                    None => (l.as_mut_ptr(), delta.as_mut_ptr()),
-                };
-                _mm512_mask_storeu_ps(sums.add(i), mask, sum);
-                _mm512_mask_storeu_ps(terms.add(i), mask, added);
+                _mm512_mask_storeu_ps(running.sums.add(i), mask, sum);
+                _mm512_mask_storeu_ps(running.terms.add(i), mask, added);
+                if let Some((maxima, minima)) = running.extremes {
+                    _mm512_mask_storeu_ps(maxima.add(i), mask, max);
+                    _mm512_mask_storeu_ps(minima.add(i), mask, min);
+                }
             }
             i += LANES;
         }
-        if let Some(settle) = settle {
-            let (sums, terms) = settle.scratch[..2 * rows].split_at(rows);
-            l[..rows].copy_from_slice(sums);
-            delta[..rows].copy_from_slice(terms);
-        }
-        true
     }
 
     /// One pair of columns of probabilities (`odd` zero when absent), `rows` of each, into
