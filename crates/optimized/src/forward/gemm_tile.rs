@@ -27,23 +27,15 @@ use crate::problem::HeadInputs;
 use crate::schedule::TilePlan;
 
 impl Scratch {
-    /// [`Scratch::attend`] for a tile of more than [`crate::schedule::DECODE_ROWS`]
-    /// queries: `S = Q Kᵀ` and `O += P V` as faer GEMMs on the tile — or, for bf16 at
-    /// native precision, as bf16 products ([`Products`]) — the softmax
-    /// between them one fused pass ([`softmax_update`]).
-    pub(super) fn attend_gemm<T: Element, K: KeySource<T>>(
+    /// The query tile `rows` scaled (by `scale·log2 e`) into `self.q`, column-major: f32
+    /// rows read in place, half rows widened first (vectorised, into the K block's
+    /// buffer, free until a block's products) where it holds them.
+    fn scale_queries<T: Element, K: KeySource<T>>(
         &mut self,
         head: &HeadInputs<'_, T, K>,
         rows: Range<usize>,
-        keys: Range<usize>,
-        packed: Option<&PackedHead>,
     ) {
-        let TilePlan { br, bc } = self.plan;
-        let nr = rows.len();
-        let (d_k, d_v) = (head.q.ncols(), head.v.width());
-        // Q tile, scaled once, column-major: f32 rows read in place, half rows widened
-        // first (vectorised, into the K block's buffer, free until the first block) where
-        // it holds them.
+        let (br, nr, d_k) = (self.plan.br, rows.len(), head.q.ncols());
         let fits = T::as_f32(head.q).is_some() || self.k_wide.len() >= nr * d_k;
         let q_rows = fits.then(|| f32_rows(head.q, rows.clone(), &mut self.k_wide));
         for c in 0..d_k {
@@ -59,16 +51,37 @@ impl Scratch {
                 *x = saturate(q * head.scale_log2);
             }
         }
+    }
+
+    /// [`Scratch::attend`] for a tile of more than [`crate::schedule::DECODE_ROWS`]
+    /// queries: `S = Q Kᵀ` and `O += P V` as faer GEMMs on the tile — or, for bf16 at
+    /// native precision, as bf16 products ([`Products`]) — the softmax
+    /// between them one fused pass ([`softmax_update`]).
+    pub(super) fn attend_gemm<T: Element, K: KeySource<T>>(
+        &mut self,
+        head: &HeadInputs<'_, T, K>,
+        rows: Range<usize>,
+        keys: Range<usize>,
+        packed: Option<&PackedHead>,
+    ) {
+        let TilePlan { br, bc } = self.plan;
+        let nr = rows.len();
+        let (d_k, d_v) = (head.q.ncols(), head.v.width());
         let rescaled = self.mark_rescaled(head, rows.clone());
         // Native bf16 products: Q packed as it is, unless it cannot be (then f32).
         let products = self.shape.products;
         let native = products != Products::F32;
         let q_native = native && self.pairs.pack_queries(head.q.subrows(rows.start, nr));
+        // The f32 Q tile is for f32 products (and the split products' repair): native
+        // products scale it only for a block of keys they cannot multiply.
+        let mut q_scaled = !q_native || products.split();
+        if q_scaled {
+            self.scale_queries(head, rows.clone());
+        }
         self.l_delta[..nr].fill(0.0);
         self.acc.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
-        let q_tile = MatRef::from_column_major_slice_with_stride(&self.q, nr, d_k, br);
 
         for (cols, coverage) in key_blocks(head, rows.clone(), keys, bc) {
             let nc = cols.len();
@@ -82,6 +95,11 @@ impl Scratch {
             let k_tiles = packed.and_then(|p| p.keys(local_keys.clone()));
             let v_tiles = packed.and_then(|p| p.values(local_keys));
             let k_native = q_native && (k_tiles.is_some() || self.pairs.pack_keys(&kb));
+            if !k_native && !q_scaled {
+                self.scale_queries(head, rows.clone());
+                q_scaled = true;
+            }
+            let q_tile = MatRef::from_column_major_slice_with_stride(&self.q, nr, d_k, br);
             // Native bf16 products: P rounded to bf16 (the scores and the sums stay f32),
             // unless V holds an entry too small for them (see `Pairs::pack_values`). V is
             // packed first: when it is exact, the softmax writes P's pairs itself.

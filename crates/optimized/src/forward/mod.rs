@@ -29,7 +29,7 @@ use crate::exact;
 use crate::kernel::amx::{CacheLines, LineWords};
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
-use crate::kernel::online_softmax::{log_sum_exp, scale_rows};
+use crate::kernel::online_softmax::{log_sum_exp, normalise_rows, scale_rows};
 use crate::kernel::{Products, amx, pair_dot};
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
@@ -482,6 +482,11 @@ impl Scratch {
         if let Some(sink) = sink {
             self.fold_sink(rows, sink);
         }
+        if !self.row_tile {
+            // Divided in place a column at a time (vectorised across the rows), before the
+            // rows are gathered out of the column-major tile.
+            normalise_rows(&mut self.acc, br, rows, d_v, &self.l);
+        }
         for (i, row) in out.iter_mut().enumerate().take(rows) {
             // The row in f32, then rounded to `O` in one vectorised pass (a copy for f32;
             // element by element, half's rounding is a scalar call per entry).
@@ -494,9 +499,7 @@ impl Scratch {
                     .for_each(|(x, &a)| *x = normalise(a, l));
             } else {
                 let acc = self.acc.iter().skip(i).step_by(br);
-                buf.iter_mut()
-                    .zip(acc)
-                    .for_each(|(x, &a)| *x = normalise(a, l));
+                buf.iter_mut().zip(acc).for_each(|(x, &a)| *x = a);
             }
             narrow_row(buf, row.rb_mut());
         }

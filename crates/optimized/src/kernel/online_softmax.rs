@@ -296,6 +296,28 @@ fn scale_rows_body<const FMA: bool>(
     }
 }
 
+#[inline(always)]
+fn normalise_rows_body<const FMA: bool>(
+    acc: &mut [f32],
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    l: &[f32],
+) {
+    for j in 0..cols {
+        for (x, &l) in acc[j * ld..j * ld + rows].iter_mut().zip(&l[..rows]) {
+            *x = if l == 0.0 { 0.0 } else { *x / l };
+        }
+    }
+}
+
+multiversion! {
+    /// Divides row `i` of a column-major `rows × cols` matrix by its sum `l[i]` (a row
+    /// that saw nothing, `l[i] = 0`, becomes zeros): a division per entry, as the scalar
+    /// `a / l` gives it, but sixteen rows at a time.
+    pub(crate) fn normalise_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, l: &[f32]) = normalise_rows_body
+}
+
 multiversion! {
     /// Multiplies row `i` of a column-major `rows × cols` matrix by `alpha[i]`.
     pub(crate) fn scale_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, alpha: &[f32]) = scale_rows_body
