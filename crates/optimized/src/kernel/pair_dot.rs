@@ -569,7 +569,7 @@ impl<'a> OnePass<'a> {
             let non_finite = max.max(min.abs()) == f32::INFINITY || sums[i].is_nan();
             let moved = max > m[i] + LAZY_RESCALE_LOG2;
             let overflowed = max.abs() > HUGE && (all_visible || max > 0.0);
-            !(check_finite && non_finite) && !moved && !overflowed
+            !(moved || overflowed || (check_finite && non_finite))
         });
         if settled {
             l[..rows].copy_from_slice(sums);
