@@ -13,7 +13,7 @@ use faer::{MatMut, MatRef};
 
 use crate::kernel::element::Element;
 use crate::kernel::finite::{row_is_finite, rows_are_finite};
-use crate::kernel::online_softmax::saturate;
+use crate::kernel::online_softmax::{saturate, saturate_visible};
 use crate::problem::HeadInputs;
 
 /// The blocks of at most `block` keys of `keys` that query rows `rows` must visit, with
@@ -82,26 +82,34 @@ pub(crate) fn mask_tile<T, K>(
     (rows, cols): (Range<usize>, Range<usize>),
     coverage: TileCoverage,
 ) {
-    if coverage == TileCoverage::Partial {
-        if !head.mask.has_elementwise() {
-            // Saturate first, then hide: a visible score that overflowed to -inf must not
-            // pass for a hidden key in the softmax (the element-wise masks saturate the
-            // visible scores they touch themselves). Column by column, so it vectorises.
-            let nr = rows.len();
-            for col in s.chunks_mut(br).take(cols.len()) {
-                col[..nr].iter_mut().for_each(|x| *x = saturate(*x));
+    if coverage == TileCoverage::Partial && !head.mask.has_elementwise() {
+        // Saturate the visible scores, hide the rest: a visible score that overflowed to
+        // -inf must not pass for a hidden key in the softmax. In chunks of rows whose
+        // ranges fit on the stack.
+        const CHUNK: usize = 128;
+        let (mut from, mut to) = ([0u32; CHUNK], [0u32; CHUNK]);
+        let local = |j: usize| (j.clamp(cols.start, cols.end) - cols.start) as u32;
+        for first in rows.clone().step_by(CHUNK) {
+            let chunk = first..(first + CHUNK).min(rows.end);
+            let n = chunk.len();
+            for (i, row) in chunk.clone().enumerate() {
+                let r = head.key_range(row);
+                (from[i], to[i]) = (local(r.start), local(r.end));
             }
+            let at = first - rows.start;
+            saturate_visible(&mut s[at..], br, cols.len(), &from[..n], &to[..n]);
         }
+        hide_by_user(s, (1, br), head, (rows, cols));
+    } else if coverage == TileCoverage::Partial {
+        // The element-wise masks saturate the visible scores they touch themselves.
         for (i, row) in rows.clone().enumerate() {
             let r = head.key_range(row);
             let visible = r.start.clamp(cols.start, cols.end)..r.end.clamp(cols.start, cols.end);
             for j in (cols.start..visible.start).chain(visible.end.max(visible.start)..cols.end) {
                 s[(j - cols.start) * br + i] = f32::NEG_INFINITY;
             }
-            if head.mask.has_elementwise() {
-                for j in visible {
-                    mask_entry(&mut s[(j - cols.start) * br + i], head, row, j);
-                }
+            for j in visible {
+                mask_entry(&mut s[(j - cols.start) * br + i], head, row, j);
             }
         }
         hide_by_user(s, (1, br), head, (rows, cols));

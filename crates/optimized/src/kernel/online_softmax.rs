@@ -318,6 +318,37 @@ multiversion! {
     pub(crate) fn normalise_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, l: &[f32]) = normalise_rows_body
 }
 
+#[inline(always)]
+fn saturate_visible_body<const FMA: bool>(
+    s: &mut [f32],
+    ld: usize,
+    cols: usize,
+    from: &[u32],
+    to: &[u32],
+) {
+    let rows = from.len().min(to.len());
+    for j in 0..cols {
+        let key = j as u32;
+        let col = &mut s[j * ld..j * ld + rows];
+        for ((x, &a), &b) in col.iter_mut().zip(&from[..rows]).zip(&to[..rows]) {
+            let visible = a <= key && key < b;
+            *x = if visible {
+                saturate(*x)
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+    }
+}
+
+multiversion! {
+    /// Row `i` of a column-major `rows × cols` score tile keeps its keys `from[i]..to[i]`
+    /// (block-local), saturated ([`saturate`]), and hides the rest (`-inf`): the masking of
+    /// a block that straddles a structural boundary in one pass down the columns, sixteen
+    /// rows at a time, instead of a saturating pass and a strided pass per row.
+    pub(crate) fn saturate_visible(s: &mut [f32], ld: usize, cols: usize, from: &[u32], to: &[u32]) = saturate_visible_body
+}
+
 multiversion! {
     /// Multiplies row `i` of a column-major `rows × cols` matrix by `alpha[i]`.
     pub(crate) fn scale_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, alpha: &[f32]) = scale_rows_body
