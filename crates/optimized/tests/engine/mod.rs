@@ -42,7 +42,7 @@ pub fn model(input: Dtype, output: Dtype) -> ErrorModel {
     let weights = native.then_some(Dtype::Bf16);
     let split_operands = input == Dtype::F16 && Isa::current() == Isa::Amx;
     ErrorModel {
-        // Cephes' degree-6 exp2 polynomial: ≤ 2 ulp (attn_optimized::exp).
+        // The exp2 polynomial: within 3u, counted as 2 ulp = 4u (attn_optimized::exp).
         compute: Compute::F32 {
             exp_ulps: 2.0,
             split_keys: Some(SPLIT_KEYS),
