@@ -27,7 +27,8 @@ pub const TINY32: f64 = 7.006_492_321_624_085e-46;
 /// (`2⁻¹²⁶`) to zero.
 pub const FLUSH32: f64 = 1.175_494_350_822_287_5e-38;
 /// How far below the true row maximum a lazily rescaled running maximum may lag, in nats
-/// (the optimized engine lags by at most `8·ln 2 ≈ 5.5`).
+/// (the optimized engine lags by at most `17·ln 2 ≈ 11.8`: 8 in log2 units, plus log2 of a
+/// 512-key block where its one pass tests the block's sum instead of its maximum).
 pub const STALE_MAX: f64 = 16.0;
 
 /// The relative error of the engines' f32 `tanh` ([`attn_core::tanh`], the soft-cap's):

@@ -90,7 +90,8 @@ pub(crate) fn log2_approx<const FMA: bool>(x: f32) -> f32 {
 
 /// [`exp2_approx`] over the whole f32 range: on `[127.5, 128)` the range reduction rounds
 /// `k` up to 128, whose `2^k` overflows although `2^x` does not, so there it is `2·2^(x−1)`.
-/// (The softmax never gets there: its arguments are at most [`super::online_softmax::LAZY_RESCALE_LOG2`].)
+/// (The softmax never gets there: its arguments are at most
+/// [`super::online_softmax::LAZY_RESCALE_LOG2`] plus log2 of a block's keys.)
 #[inline(always)]
 fn exp2_full_range<const FMA: bool>(x: f32) -> f32 {
     let top = x >= 127.5;

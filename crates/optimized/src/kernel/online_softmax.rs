@@ -8,8 +8,9 @@
 //! Scores arrive in the log2 domain (`log2(e)·scale` is folded into Q). Rescaling is lazy:
 //! a row's reference maximum `m` moves only when a block's maximum exceeds it by more than
 //! [`LAZY_RESCALE_LOG2`], so most blocks leave the accumulator alone. Probabilities are then
-//! at most `2^LAZY_RESCALE_LOG2`, far from overflow, and the final division by `l` makes
-//! the result independent of when `m` moved.
+//! at most `2^LAZY_RESCALE_LOG2` (`2^LAZY_RESCALE_LOG2` times a block's keys in the one pass
+//! of the bf16 pairs, [`pair_dot::OnePass`]), far from overflow, and the final division by
+//! `l` makes the result independent of when `m` moved.
 
 use super::exp2::{exp2_approx, log2_approx};
 use super::finite::{INF_BITS, magnitude_max};
@@ -80,7 +81,7 @@ pub(crate) struct PairsOut<'a> {
     pub words: &'a mut [u32],
     pub ld: usize,
     pub delta: &'a mut [f32],
-    /// `4·rows` floats of scratch.
+    /// `3·rows` floats of scratch.
     pub scratch: &'a mut [f32],
     /// What the scores are still to be multiplied by (1 when their product applied the
     /// scale): the one-pass check multiplies them as it reads them, and a block that
@@ -129,10 +130,10 @@ fn update_pairs_body<const FMA: bool>(
     let m = &state.m[..rows];
     if m.iter().all(|x| x.is_finite()) {
         let (l, delta) = (&mut state.l[..rows], &mut out.delta[..rows]);
-        let mut pass = pair_dot::OnePass::start(&mut *out.scratch, l, delta);
+        let mut pass = pair_dot::OnePass::start(&mut *out.scratch, l, delta, all_visible);
         let span = (&s[..], ld, cols);
         if pass.exponentiate(span, m, out.pending_scale, (&mut *out.words, out.ld))
-            && pass.settle(m, (all_visible, check_finite), l, delta)
+            && pass.settle(check_finite, l, delta)
         {
             state.alpha[..rows].fill(1.0);
             return Some(false);

@@ -481,36 +481,48 @@ super::multiversion! {
 /// The softmax's one pass over a block of scores whose rows all have a finite reference
 /// maximum, read in spans of keys (the whole block at once, or a span as soon as its
 /// scores are computed): each span is exponentiated at the reference maxima, rounded into
-/// P's pair words and summed, while the block's maxima and minima are kept; at the end
-/// [`OnePass::settle`] applies the maxima pass's rules ([`LAZY_RESCALE_LOG2`], [`HUGE`]):
-/// when no row's block maximum moves past the lazy threshold, overflows or (when asked)
-/// meets a non-finite score, the sums are bit for bit what the two passes give and are
-/// kept; otherwise nothing is, and the caller runs the two passes (the words are scratch).
+/// P's pair words and summed (and, in a block with nothing hidden, the scores' minima
+/// kept); at the end [`OnePass::settle`] keeps the sums when no row's block weighs more
+/// than `2^LAZY_RESCALE_LOG2` a key on average (no score more than
+/// `LAZY_RESCALE_LOG2 + log2(keys)` above its reference: the lazy maximum's lag, without
+/// a maximum kept per score), none overflowed and (when asked) none was not finite.
+/// Otherwise nothing is kept, and the caller runs the two passes (the words are scratch).
+/// Where the two passes would not move a maximum either, the sums are bit for bit theirs.
 ///
 /// [`LAZY_RESCALE_LOG2`]: super::online_softmax::LAZY_RESCALE_LOG2
-/// [`HUGE`]: super::online_softmax::HUGE
 #[derive(Debug)]
 pub(crate) struct OnePass<'a> {
-    /// Four floats a row: the running sums, rounding terms, maxima and minima.
+    /// Three floats a row: the running sums, rounding terms and minima.
     running: &'a mut [f32],
     rows: usize,
+    keys: usize,
+    all_visible: bool,
 }
 
 impl<'a> OnePass<'a> {
     /// Starts the pass of `rows` rows from the sums `l` and rounding terms `delta` in
-    /// `scratch` (at least `4·rows` floats).
-    pub(crate) fn start(scratch: &'a mut [f32], l: &[f32], delta: &[f32]) -> Self {
+    /// `scratch` (at least `3·rows` floats). `all_visible`: nothing in the block is hidden,
+    /// so a `-inf` or huge negative score overflowed and fails the block.
+    pub(crate) fn start(
+        scratch: &'a mut [f32],
+        l: &[f32],
+        delta: &[f32],
+        all_visible: bool,
+    ) -> Self {
         let rows = l.len();
-        assert!(delta.len() == rows && scratch.len() >= 4 * rows);
-        let running = &mut scratch[..4 * rows];
+        assert!(delta.len() == rows && scratch.len() >= 3 * rows);
+        let running = &mut scratch[..3 * rows];
         let (sums, rest) = running.split_at_mut(rows);
-        let (terms, rest) = rest.split_at_mut(rows);
-        let (maxima, minima) = rest.split_at_mut(rows);
+        let (terms, minima) = rest.split_at_mut(rows);
         sums.copy_from_slice(l);
         terms.copy_from_slice(delta);
-        maxima.fill(f32::NEG_INFINITY);
         minima.fill(f32::INFINITY);
-        Self { running, rows }
+        Self {
+            running,
+            rows,
+            keys: 0,
+            all_visible,
+        }
     }
 
     /// The next span: `cols` columns of scores `s` (`rows` each, `ld_s` apart), times
@@ -532,13 +544,13 @@ impl<'a> OnePass<'a> {
         #[cfg(target_arch = "x86_64")]
         if has_instructions() {
             let (sums, rest) = self.running.split_at_mut(rows);
-            let (terms, rest) = rest.split_at_mut(rows);
-            let (maxima, minima) = rest.split_at_mut(rows);
+            let (terms, minima) = rest.split_at_mut(rows);
             let running = x86::Running {
                 sums: sums.as_mut_ptr(),
                 terms: terms.as_mut_ptr(),
-                extremes: Some((maxima.as_mut_ptr(), minima.as_mut_ptr())),
+                minima: self.all_visible.then_some(minima.as_mut_ptr()),
             };
+            self.keys += cols;
             // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and
             // the asserts above bound every access (loads and stores are masked to `rows`).
             unsafe { x86::exponentiate_span(s, ld_s, rows, cols, m, scale, running, dst, ld) };
@@ -548,28 +560,21 @@ impl<'a> OnePass<'a> {
         false
     }
 
-    /// Ends the pass: whether every row is settled (see [`OnePass`]; `all_visible`: nothing
-    /// in the block is hidden, so a huge negative maximum overflowed too;
-    /// `check_finite`: a non-finite score fails the block), and then its sums and terms
-    /// into `l` and `delta`.
-    pub(crate) fn settle(
-        self,
-        m: &[f32],
-        (all_visible, check_finite): (bool, bool),
-        l: &mut [f32],
-        delta: &mut [f32],
-    ) -> bool {
+    /// Ends the pass: whether every row is settled (see [`OnePass`]; `check_finite`: a
+    /// non-finite score fails the block), and then its sums and terms into `l` and `delta`
+    /// (which hold the sums and terms the pass started from).
+    pub(crate) fn settle(self, check_finite: bool, l: &mut [f32], delta: &mut [f32]) -> bool {
         let rows = self.rows;
         let (sums, rest) = self.running.split_at(rows);
-        let (terms, rest) = rest.split_at(rows);
-        let (maxima, minima) = rest.split_at(rows);
+        let (terms, minima) = rest.split_at(rows);
+        let heavy = LAZY_RESCALE_LOG2.exp2() * self.keys as f32;
         let settled = (0..rows).all(|i| {
-            let (max, min) = (maxima[i], minima[i]);
-            // An infinity is a maximum or a minimum; a NaN score made its sum NaN.
-            let non_finite = max.max(min.abs()) == f32::INFINITY || sums[i].is_nan();
-            let moved = max > m[i] + LAZY_RESCALE_LOG2;
-            let overflowed = max.abs() > HUGE && (all_visible || max > 0.0);
-            !(moved || overflowed || (check_finite && non_finite))
+            // A score far above the reference (or +inf, or one that overflowed to a huge
+            // positive value) makes the block heavy; one that overflowed to -inf or a huge
+            // negative value where nothing is hidden is a minimum; a NaN makes its sum NaN.
+            let moved = sums[i] - l[i] > heavy;
+            let sunk = self.all_visible && minima[i] < -HUGE;
+            !(moved || sunk || (check_finite && sums[i].is_nan()))
         });
         if settled {
             l[..rows].copy_from_slice(sums);
@@ -606,7 +611,7 @@ pub(crate) fn exponentiate_pairs(
         let running = x86::Running {
             sums: l.as_mut_ptr(),
             terms: delta.as_mut_ptr(),
-            extremes: None,
+            minima: None,
         };
         // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and the
         // asserts above bound every access (loads and stores are masked to `rows`).
@@ -1073,11 +1078,11 @@ mod x86 {
     }
 
     /// Where a span's rows keep their running sums and rounding terms, and (for the one
-    /// pass) their maxima and minima: `rows` floats at each.
+    /// pass over a block with nothing hidden) their minima: `rows` floats at each.
     pub(super) struct Running {
         pub sums: *mut f32,
         pub terms: *mut f32,
-        pub extremes: Option<(*mut f32, *mut f32)>,
+        pub minima: Option<*mut f32>,
     }
 
     /// See [`super::OnePass::exponentiate`] and [`super::exponentiate_pairs`]; sixteen rows
@@ -1100,7 +1105,7 @@ mod x86 {
         ld: usize,
     ) {
         let (s, d) = (s.as_ptr(), dst.as_mut_ptr());
-        let checked = running.extremes.is_some();
+        let checked = running.minima.is_some();
         // Times 1 is exact (a NaN stays NaN).
         let scale = _mm512_set1_ps(scale);
         let lowest = _mm512_set1_ps(-126.0);
@@ -1114,19 +1119,15 @@ mod x86 {
                 let m = _mm512_maskz_loadu_ps(mask, m_safe.as_ptr().add(i));
                 let mut sum = _mm512_maskz_loadu_ps(mask, running.sums.add(i));
                 let mut added = _mm512_maskz_loadu_ps(mask, running.terms.add(i));
-                let (mut max, mut min) = match running.extremes {
-                    Some((max, min)) => (
-                        _mm512_maskz_loadu_ps(mask, max.add(i)),
-                        _mm512_maskz_loadu_ps(mask, min.add(i)),
-                    ),
-                    None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+                let mut min = match running.minima {
+                    Some(min) => _mm512_maskz_loadu_ps(mask, min.add(i)),
+                    None => _mm512_setzero_ps(),
                 };
                 let mut p_of = |c: usize| {
                     let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s.add(c * ld_s + i)), scale);
                     if checked {
-                        // NaN is passed over (the second operand) as in the maxima pass;
-                        // the sums find it (a NaN score exponentiates to NaN).
-                        max = _mm512_max_ps(x, max);
+                        // NaN is passed over (the second operand); the sums find it (a NaN
+                        // score exponentiates to NaN).
                         min = _mm512_min_ps(x, min);
                     }
                     let x = _mm512_sub_ps(x, m);
@@ -1149,8 +1150,7 @@ mod x86 {
                 }
                 _mm512_mask_storeu_ps(running.sums.add(i), mask, sum);
                 _mm512_mask_storeu_ps(running.terms.add(i), mask, added);
-                if let Some((maxima, minima)) = running.extremes {
-                    _mm512_mask_storeu_ps(maxima.add(i), mask, max);
+                if let Some(minima) = running.minima {
                     _mm512_mask_storeu_ps(minima.add(i), mask, min);
                 }
             }
