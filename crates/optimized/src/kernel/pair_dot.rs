@@ -588,8 +588,10 @@ impl<'a> OnePass<'a> {
 /// second of the two passes, after the maxima): for the `cols` columns of scores `s`
 /// (`rows` each, `ld_s` apart), `p = 2^(s − m_safe)` added to the row sums `l` in column
 /// order, rounded into the pair words of `dst` (`ld` apart) and what rounding added
-/// accumulated into `delta` — bit for bit what the plain step and the packer compute,
-/// without writing the probabilities anywhere else. Returns `false` (and does nothing)
+/// accumulated into `delta` — the words and sums bit for bit what the plain step and the
+/// packer compute, `l + delta` within a rounding of theirs (the rounded weights are summed
+/// as such, `delta` taken from that sum at the end), without writing the probabilities
+/// anywhere else. Returns `false` (and does nothing)
 /// without AVX512_BF16.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn exponentiate_pairs(
@@ -1037,6 +1039,15 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
     fn round_pair(even: __m512, odd: __m512) -> (__m512i, __m512) {
+        let (words, even_r, odd_r) = round_pair_values(even, odd);
+        let added = _mm512_add_ps(_mm512_sub_ps(even_r, even), _mm512_sub_ps(odd_r, odd));
+        (words, added)
+    }
+
+    /// One pair of columns rounded into its words, and the rounded values back in f32.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    fn round_pair_values(even: __m512, odd: __m512) -> (__m512i, __m512, __m512) {
         // Word i takes bf16 i of the even column and bf16 i of the odd one (which
         // `cvtne2ps` puts 16 places higher).
         let interleave = _mm512_set_epi16(
@@ -1047,15 +1058,13 @@ mod x86 {
         let both =
             unsafe { core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(odd, even)) };
         let words = _mm512_permutexvar_epi16(interleave, both);
-        // The rounded values back in f32 (a shift and a mask, lane for lane), minus the
-        // exact ones.
+        // The rounded values back in f32: a shift and a mask, lane for lane.
         let even_r = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words));
         let odd_r = _mm512_castsi512_ps(_mm512_and_si512(
             words,
             _mm512_set1_epi32(0xffff_0000_u32 as i32),
         ));
-        let added = _mm512_add_ps(_mm512_sub_ps(even_r, even), _mm512_sub_ps(odd_r, odd));
-        (words, added)
+        (words, even_r, odd_r)
     }
 
     /// [`super::super::exp2::exp2_approx`] on the lanes of `keep` (zero elsewhere), with
@@ -1118,7 +1127,10 @@ mod x86 {
             unsafe {
                 let m = _mm512_maskz_loadu_ps(mask, m_safe.as_ptr().add(i));
                 let mut sum = _mm512_maskz_loadu_ps(mask, running.sums.add(i));
-                let mut added = _mm512_maskz_loadu_ps(mask, running.terms.add(i));
+                // The sum of the rounded weights, `l + delta`, kept as such: two additions
+                // a pair instead of four operations on the rounding terms.
+                let entry = _mm512_maskz_loadu_ps(mask, running.terms.add(i));
+                let mut rounded = _mm512_add_ps(sum, entry);
                 let mut min = match running.minima {
                     Some(min) => _mm512_maskz_loadu_ps(mask, min.add(i)),
                     None => _mm512_setzero_ps(),
@@ -1144,11 +1156,12 @@ mod x86 {
                     } else {
                         _mm512_setzero_ps()
                     };
-                    let (words, step) = round_pair(even, odd);
+                    let (words, even_r, odd_r) = round_pair_values(even, odd);
                     _mm512_storeu_epi32(d.add(p * ld + i) as *mut i32, words);
-                    added = _mm512_add_ps(added, step);
+                    rounded = _mm512_add_ps(_mm512_add_ps(rounded, even_r), odd_r);
                 }
                 _mm512_mask_storeu_ps(running.sums.add(i), mask, sum);
+                let added = _mm512_sub_ps(rounded, sum);
                 _mm512_mask_storeu_ps(running.terms.add(i), mask, added);
                 if let Some(minima) = running.minima {
                     _mm512_mask_storeu_ps(minima.add(i), mask, min);
