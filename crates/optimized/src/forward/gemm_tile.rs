@@ -120,12 +120,8 @@ impl Scratch {
             // mask or modify, P written by the softmax, every row's maximum known): the
             // softmax applies the scale as it reads them, saving a pass over the tile.
             let in_pairs = values == Values::Exact && !products.split();
-            let scale_in_softmax = products == Products::Tiles
-                && k_native
-                && in_pairs
-                && check
-                && !modified
-                && self.m[..nr].iter().all(|m| m.is_finite());
+            let scale_in_softmax =
+                products == Products::Tiles && k_native && in_pairs && check && !modified;
             let scores = |pairs: &Pairs, s: &mut [f32], k_wide: &mut Vec<f32>| {
                 if k_native {
                     let scale = if scale_in_softmax {

@@ -266,7 +266,7 @@ pub(crate) struct Pairs {
     v: LineWords,
     /// P rounded to bf16, its rows across the lanes.
     p: LineWords,
-    /// The softmax's one pass ([`pair_dot::OnePass`]): three floats a row.
+    /// The softmax's one pass ([`pair_dot::OnePass`]) and its first maxima: four floats a row.
     settle: Vec<f32>,
     /// Words between pairs of `q` and `p`: the query tile rounded up to whole vectors.
     ld: usize,
@@ -321,7 +321,7 @@ impl Pairs {
             k: LineWords::new(rows * k_ld),
             v: LineWords::new(v_len),
             p: LineWords::new(v_ld * ld),
-            settle: vec![0.0; 3 * ld],
+            settle: vec![0.0; 4 * ld],
             ld,
             k_ld,
             v_ld,

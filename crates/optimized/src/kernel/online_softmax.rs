@@ -81,7 +81,7 @@ pub(crate) struct PairsOut<'a> {
     pub words: &'a mut [u32],
     pub ld: usize,
     pub delta: &'a mut [f32],
-    /// `3·rows` floats of scratch.
+    /// `4·rows` floats of scratch.
     pub scratch: &'a mut [f32],
     /// What the scores are still to be multiplied by (1 when their product applied the
     /// scale): the one-pass check multiplies them as it reads them, and a block that
@@ -126,15 +126,20 @@ fn update_pairs_body<const FMA: bool>(
     out: &mut PairsOut<'_>,
 ) -> Option<bool> {
     // Most blocks move no row's maximum: then one pass finds that out and exponentiates
-    // at the maxima as they are (the same bits as the two passes below).
-    let m = &state.m[..rows];
-    if m.iter().all(|x| x.is_finite()) {
+    // at the maxima as they are (the same bits as the two passes below). A row that has
+    // seen nothing yet starts from the maximum of the block's first keys instead.
+    let (scratch, guess) = out.scratch.split_at_mut(3 * rows);
+    let m = &mut guess[..rows];
+    if reference_maxima::<FMA>(s, ld, cols, &state.m[..rows], out.pending_scale, m) {
         let (l, delta) = (&mut state.l[..rows], &mut out.delta[..rows]);
-        let mut pass = pair_dot::OnePass::start(&mut *out.scratch, l, delta, all_visible);
+        let mut pass = pair_dot::OnePass::start(scratch, l, delta, all_visible);
         let span = (&s[..], ld, cols);
         if pass.exponentiate(span, m, out.pending_scale, (&mut *out.words, out.ld))
             && pass.settle(check_finite, l, delta)
         {
+            state.m[..rows].copy_from_slice(m);
+            state.m_safe[..rows].copy_from_slice(m);
+            // A row that saw nothing before has a zero accumulator: 1 scales it as well.
             state.alpha[..rows].fill(1.0);
             return Some(false);
         }
@@ -160,6 +165,42 @@ fn update_pairs_body<const FMA: bool>(
     let words = (&mut *out.words, out.ld);
     pair_dot::exponentiate_pairs(s, ld, rows, cols, m_safe, l, words, delta);
     Some(rescale)
+}
+
+/// Keys whose maximum starts the one pass of a row that has seen nothing yet: a few
+/// vectors' worth, a small part of the maxima pass they save.
+const ESTIMATE_KEYS: usize = 32;
+
+/// The reference maxima for the one pass over a block, into `guess` (as long as `m`):
+/// `m`, with each row that has seen nothing yet (`-inf`) given the maximum of the block's
+/// first [`ESTIMATE_KEYS`] scores (times `scale`). Whether every row has one.
+#[inline(always)]
+fn reference_maxima<const FMA: bool>(
+    s: &[f32],
+    ld: usize,
+    cols: usize,
+    m: &[f32],
+    scale: f32,
+    guess: &mut [f32],
+) -> bool {
+    let rows = m.len();
+    guess.copy_from_slice(m);
+    if m.iter().all(|x| x.is_finite()) {
+        return true;
+    }
+    guess.fill(f32::NEG_INFINITY);
+    for j in 0..cols.min(ESTIMATE_KEYS) {
+        for (g, &x) in guess.iter_mut().zip(&s[j * ld..j * ld + rows]) {
+            let x = x * scale;
+            *g = if x > *g { x } else { *g };
+        }
+    }
+    for (g, &m) in guess.iter_mut().zip(m) {
+        if m.is_finite() {
+            *g = m;
+        }
+    }
+    guess.iter().all(|g| g.is_finite())
 }
 
 /// Steps 1 and 2 of the softmax update: the block maxima, the saturation of overflowed
@@ -597,7 +638,10 @@ mod tests {
                 }
                 for ((l, a), b) in plain[1].iter().zip(&delta_fused).zip(&delta_plain) {
                     let (fused, plain) = (l + a, l + b);
-                    assert!((fused - plain).abs() <= 4.0 * f32::EPSILON * plain, "{fused} {plain}");
+                    assert!(
+                        (fused - plain).abs() <= 4.0 * f32::EPSILON * plain,
+                        "{fused} {plain}"
+                    );
                 }
             }
         }
