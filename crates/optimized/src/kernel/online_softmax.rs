@@ -569,6 +569,74 @@ mod tests {
         assert!(p.iter().all(|&x| x == 0.0));
     }
 
+    /// A row that has seen nothing starts the one pass at the maximum of the block's first
+    /// keys: kept when the rest of the block stays within the allowance, with the same
+    /// weights up to the reference (`l·2^m` within rounding); a block far above it takes
+    /// the two passes, bit for bit the plain update's.
+    #[test]
+    fn a_fresh_row_starts_at_its_first_keys() {
+        if !pair_dot::available() && !crate::kernel::amx::available() {
+            return;
+        }
+        let (rows, cols) = (20usize, 100usize);
+        let ld = rows.next_multiple_of(pair_dot::LANES);
+        // Key 60 lies 5 above the first keys (kept), or 40 above them (two passes).
+        for (lift, kept) in [(5.0f32, true), (40.0, false)] {
+            let tile: Vec<f32> = (0..cols * rows)
+                .map(|x| {
+                    if x / rows == 60 {
+                        lift
+                    } else {
+                        (x % 7) as f32 * 0.1
+                    }
+                })
+                .collect();
+            let mut plain = state_vecs(rows);
+            let mut fused = state_vecs(rows);
+            update(&mut tile.clone(), rows, rows, cols, &mut plain);
+            let mut words = vec![0u32; pair_dot::pairs(cols) * ld];
+            let mut delta = vec![0.0f32; rows];
+            let mut scratch = vec![0.0; 4 * rows];
+            let [m, l, alpha, m_safe] = &mut fused;
+            let mut st = RowState {
+                m,
+                l,
+                alpha,
+                m_safe,
+            };
+            let mut out = PairsOut {
+                words: &mut words,
+                ld,
+                delta: &mut delta,
+                scratch: &mut scratch,
+                pending_scale: 1.0,
+            };
+            let r = softmax_update_pairs(
+                &mut tile.clone(),
+                rows,
+                rows,
+                cols,
+                &mut st,
+                true,
+                true,
+                &mut out,
+            );
+            // The two passes move the fresh rows' maxima from -inf (a rescale by 0).
+            assert_eq!(r, Some(!kept));
+            for i in 0..rows {
+                let first = (0..32).map(|j| tile[j * rows + i]).fold(f32::MIN, f32::max);
+                let (m, l) = (fused[0][i], fused[1][i]);
+                if kept {
+                    assert_eq!(m, first, "row {i}");
+                    let (a, b) = (l * m.exp2(), plain[1][i] * plain[0][i].exp2());
+                    assert!((a - b).abs() <= 1e-6 * b, "row {i}: {a} vs {b}");
+                } else {
+                    assert_eq!((m, l), (plain[0][i], plain[1][i]), "row {i}");
+                }
+            }
+        }
+    }
+
     /// The fused update writes what the plain update and the packer write, bit for bit:
     /// the same words, sums and maxima, and the sums of the rounded weights within a
     /// rounding, over blocks that rescale and ragged shapes (an odd column count, rows past
@@ -578,16 +646,24 @@ mod tests {
         if !pair_dot::available() && !crate::kernel::amx::available() {
             return;
         }
-        // Blocks that move the maxima (a rescale: the second lies past the one pass's
-        // allowance too, `LAZY_RESCALE_LOG2 + log2(cols)`), then blocks that do not (one
-        // pass).
-        const OFFSETS: [f32; 4] = [0.0, 30.0, 32.0, 31.0];
+        // From rows that have seen keys (reference maximum 0, sum 1; a row that has seen
+        // none starts the one pass at its first keys' maximum, see below): a block that
+        // moves no maximum (one pass), one that moves them past the one pass's allowance
+        // (`LAZY_RESCALE_LOG2 + log2(cols)`: a rescale), then blocks that do not.
+        const OFFSETS: [f32; 4] = [-4.0, 30.0, 32.0, 31.0];
+        let seeded = |rows: usize| {
+            let mut state = state_vecs(rows);
+            state[0].fill(0.0);
+            state[1].fill(1.0);
+            state[3].fill(0.0);
+            state
+        };
         let shapes = [(1usize, 1usize), (5, 7), (16, 32), (37, 64), (128, 33)];
         // Scores already scaled, or scaled as the fused pass reads them.
         for ((rows, cols), pending) in shapes.into_iter().flat_map(|x| [(x, 1.0), (x, LOG2_E)]) {
             let ld = rows.next_multiple_of(pair_dot::LANES);
-            let mut plain = state_vecs(rows);
-            let mut fused = state_vecs(rows);
+            let mut plain = seeded(rows);
+            let mut fused = seeded(rows);
             let (mut delta_plain, mut delta_fused) = (vec![0.25f32; rows], vec![0.25f32; rows]);
             for (block, offset) in OFFSETS.into_iter().enumerate() {
                 let raw: Vec<f32> = (0..cols * rows)
