@@ -14,6 +14,7 @@ use super::{Pairs, Scratch};
 use crate::exact::rescore;
 use crate::kernel::Products;
 use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::exp2::exp2_approx;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update, softmax_update_pairs};
@@ -117,9 +118,11 @@ impl Scratch {
             let scan = !all_visible || (modified && !head.mods.keeps_non_finite());
             let check = !scan && !rescaled;
             // The tiles' scores straight into the softmax's one pass (nothing to repair,
-            // mask or modify, P written by the softmax, every row's maximum known): the
-            // softmax applies the scale as it reads them, saving a pass over the tile.
-            let in_pairs = values == Values::Exact && !products.split();
+            // mask or modify, P written by the softmax): the softmax applies the scale as
+            // it reads them, saving a pass over the tile. Values with a non-finite row take
+            // the same softmax (a row's bits must not depend on a value it does not see).
+            let in_pairs =
+                matches!(values, Values::Exact | Values::WithoutNonFinite) && !products.split();
             let scale_in_softmax =
                 products == Products::Tiles && k_native && in_pairs && check && !modified;
             let scores = |pairs: &Pairs, s: &mut [f32], k_wide: &mut Vec<f32>| {
@@ -175,6 +178,8 @@ impl Scratch {
                 m_safe: &mut self.m_safe,
             };
             let s = &mut self.s;
+            // What the scores left in the tile are still to be multiplied by.
+            let mut left_scale = 1.0;
             // Split products take P in two parts, which only the packer writes.
             let first = if in_pairs {
                 let pending = if scale_in_softmax {
@@ -183,8 +188,10 @@ impl Scratch {
                     1.0
                 };
                 let mut out = self.pairs.probabilities(&mut self.l_delta, pending);
-                softmax_update_pairs(s, br, nr, nc, &mut state, all_visible, check, &mut out)
-                    .map(|rescale| (rescale, true))
+                let first =
+                    softmax_update_pairs(s, br, nr, nc, &mut state, all_visible, check, &mut out);
+                left_scale = out.pending_scale;
+                first.map(|rescale| (rescale, true))
             } else {
                 softmax_update(s, br, nr, nc, &mut state, all_visible, check)
                     .map(|rescale| (rescale, false))
@@ -222,11 +229,19 @@ impl Scratch {
                 self.pairs
                     .add_weighted_values(products, shape, v_tiles, &mut self.acc, br);
                 if values == Values::WithoutNonFinite {
-                    // The non-finite rows' terms, for the rows that see them.
+                    // The non-finite rows' terms, for the rows that see them, with the
+                    // weights the softmax gave (recomputed from the scores it left).
                     let v_tile = vb.to_f32(&mut self.v_wide);
-                    let (s, acc) = (&self.s, &mut self.acc);
+                    let (s, acc, m) = (&self.s, &mut self.acc, &self.m_safe);
                     let at = (rows.clone(), cols.clone());
-                    let p = |i: usize, jj: usize| s[jj * br + i];
+                    let p = |i: usize, jj: usize| {
+                        let x = s[jj * br + i];
+                        if p_in_pairs {
+                            exp2_approx::<true>(x * left_scale - m[i])
+                        } else {
+                            x
+                        }
+                    };
                     add_non_finite_terms(head, at, v_tile, p, |i, c, x| acc[c * br + i] += x);
                 }
                 continue;

@@ -17,6 +17,8 @@ pub(crate) const ROUND: f32 = 12_582_912.0;
 /// `u = 2⁻²⁴`), highest coefficient first: one step fewer than Cephes' degree 6 for a
 /// quarter of the bound's `e_x = 4u` (the softmax's most frequent operation). The vector
 /// copies in [`super::pair_dot`] use the same steps, so their bits are these.
+// The linear coefficient is the minimax one, not `ln 2`.
+#[allow(clippy::approx_constant)]
 pub(crate) const EXP2_POLY: [f32; 6] = [
     1.326_470_9e-3,
     9.671_511e-3,

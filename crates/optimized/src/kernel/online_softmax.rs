@@ -99,7 +99,8 @@ fn update_body<const FMA: bool>(
     all_visible: bool,
     check_finite: bool,
 ) -> Option<bool> {
-    let rescale = maxima_body::<FMA>(s, ld, rows, cols, state, all_visible, check_finite)?;
+    let checks = (all_visible, check_finite);
+    let rescale = maxima_body::<FMA>(s, ld, rows, cols, state, checks, None)?;
     // 3. P = 2^(s − m) in place, and the row sums.
     let (m_safe, l) = (&state.m_safe[..rows], &mut state.l[..rows]);
     for j in 0..cols {
@@ -125,23 +126,32 @@ fn update_pairs_body<const FMA: bool>(
     check_finite: bool,
     out: &mut PairsOut<'_>,
 ) -> Option<bool> {
-    // Most blocks move no row's maximum: then one pass finds that out and exponentiates
-    // at the maxima as they are (the same bits as the two passes below). A row that has
-    // seen nothing yet starts from the maximum of the block's first keys instead.
-    let (scratch, guess) = out.scratch.split_at_mut(3 * rows);
-    let m = &mut guess[..rows];
-    if reference_maxima::<FMA>(s, ld, cols, &state.m[..rows], out.pending_scale, m) {
+    // Most blocks move no row's maximum: then one pass exponentiates at the reference
+    // maxima as they are and finds that out. A row that has seen nothing yet starts from
+    // the maximum of the block's first keys instead.
+    let (scratch, reference) = out.scratch.split_at_mut(3 * rows);
+    let reference = &mut reference[..rows];
+    let mut kept = None;
+    if reference_maxima::<FMA>(s, ld, cols, &state.m[..rows], out.pending_scale, reference) {
         let (l, delta) = (&mut state.l[..rows], &mut out.delta[..rows]);
         let mut pass = pair_dot::OnePass::start(scratch, l, delta, all_visible);
         let span = (&s[..], ld, cols);
-        if pass.exponentiate(span, m, out.pending_scale, (&mut *out.words, out.ld))
-            && pass.settle(check_finite, l, delta)
-        {
-            state.m[..rows].copy_from_slice(m);
-            state.m_safe[..rows].copy_from_slice(m);
-            // A row that saw nothing before has a zero accumulator: 1 scales it as well.
-            state.alpha[..rows].fill(1.0);
-            return Some(false);
+        if pass.exponentiate(
+            span,
+            reference,
+            out.pending_scale,
+            (&mut *out.words, out.ld),
+        ) {
+            if pass.settle(reference, check_finite, l, delta) {
+                state.m[..rows].copy_from_slice(reference);
+                state.m_safe[..rows].copy_from_slice(reference);
+                // A row that saw nothing before has a zero accumulator: 1 scales it too.
+                state.alpha[..rows].fill(1.0);
+                return Some(false);
+            }
+            // The rows the pass kept keep their reference in the two passes too (and so
+            // their bits), whatever the other rows do.
+            kept = Some(&*reference);
         }
     }
     if out.pending_scale != 1.0 {
@@ -152,7 +162,8 @@ fn update_pairs_body<const FMA: bool>(
         }
         out.pending_scale = 1.0;
     }
-    let rescale = maxima_body::<FMA>(s, ld, rows, cols, state, all_visible, check_finite)?;
+    let checks = (all_visible, check_finite);
+    let rescale = maxima_body::<FMA>(s, ld, rows, cols, state, checks, kept)?;
     let (m_safe, l) = (&state.m_safe[..rows], &mut state.l[..rows]);
     let delta = &mut out.delta[..rows];
     if rescale {
@@ -173,7 +184,8 @@ const ESTIMATE_KEYS: usize = 32;
 
 /// The reference maxima for the one pass over a block, into `guess` (as long as `m`):
 /// `m`, with each row that has seen nothing yet (`-inf`) given the maximum of the block's
-/// first [`ESTIMATE_KEYS`] scores (times `scale`). Whether every row has one.
+/// first [`ESTIMATE_KEYS`] scores (times `scale`), and NaN for a row that sees none of
+/// them (the pass gives it up). Whether any row has one.
 #[inline(always)]
 fn reference_maxima<const FMA: bool>(
     s: &[f32],
@@ -196,16 +208,20 @@ fn reference_maxima<const FMA: bool>(
         }
     }
     for (g, &m) in guess.iter_mut().zip(m) {
-        if m.is_finite() {
-            *g = m;
-        }
+        *g = match (m.is_finite(), g.is_finite()) {
+            (true, _) => m,
+            (false, true) => *g,
+            (false, false) => f32::NAN,
+        };
     }
-    guess.iter().all(|g| g.is_finite())
+    guess.iter().any(|g| g.is_finite())
 }
 
 /// Steps 1 and 2 of the softmax update: the block maxima, the saturation of overflowed
 /// rows, and the lazy move of the reference maxima (`state.alpha`, `state.m_safe`, `l`
-/// rescaled); `None` when `check_finite` finds a non-finite score (nothing changed).
+/// rescaled); `None` when `check_finite` finds a non-finite score (nothing changed). A
+/// finite `kept[i]` is the reference the one pass kept for row `i`: it stays (NaN: the
+/// row moves by the lazy threshold as any).
 #[inline(always)]
 fn maxima_body<const FMA: bool>(
     s: &mut [f32],
@@ -213,8 +229,8 @@ fn maxima_body<const FMA: bool>(
     rows: usize,
     cols: usize,
     state: &mut RowState<'_>,
-    all_visible: bool,
-    check_finite: bool,
+    (all_visible, check_finite): (bool, bool),
+    kept: Option<&[f32]>,
 ) -> Option<bool> {
     let m = &mut state.m[..rows];
     let l = &mut state.l[..rows];
@@ -267,13 +283,19 @@ fn maxima_body<const FMA: bool>(
     }
 
     // 2. Move the reference maximum where the block exceeds it by more than the lazy
-    //    threshold; alpha = 2^(m_old − m_new) there (0 when m_old was -inf), 1 elsewhere.
+    //    threshold (or to what the one pass kept); alpha = 2^(m_old − m_new) there (0
+    //    when m_old was -inf), 1 elsewhere.
     let mut rescale = false;
     for i in 0..rows {
         let (old, block) = (m[i], alpha[i]);
-        if block > old + LAZY_RESCALE_LOG2 {
-            alpha[i] = exp2_approx::<FMA>(old - block);
-            m[i] = block;
+        let new = match kept.map(|k| k[i]) {
+            Some(k) if !k.is_nan() => k,
+            _ if block > old + LAZY_RESCALE_LOG2 => block,
+            _ => old,
+        };
+        if new != old {
+            alpha[i] = exp2_approx::<FMA>(old - new);
+            m[i] = new;
             rescale = true;
         } else {
             alpha[i] = 1.0;
@@ -571,8 +593,8 @@ mod tests {
 
     /// A row that has seen nothing starts the one pass at the maximum of the block's first
     /// keys: kept when the rest of the block stays within the allowance, with the same
-    /// weights up to the reference (`l·2^m` within rounding); a block far above it takes
-    /// the two passes, bit for bit the plain update's.
+    /// weights up to the reference (`l·2^m` within rounding); a row far above it takes the
+    /// two passes, bit for bit the plain update's, and the other rows keep what they kept.
     #[test]
     fn a_fresh_row_starts_at_its_first_keys() {
         if !pair_dot::available() && !crate::kernel::amx::available() {
@@ -580,12 +602,14 @@ mod tests {
         }
         let (rows, cols) = (20usize, 100usize);
         let ld = rows.next_multiple_of(pair_dot::LANES);
-        // Key 60 lies 5 above the first keys (kept), or 40 above them (two passes).
-        for (lift, kept) in [(5.0f32, true), (40.0, false)] {
+        // Key 60 lies 5 above the first keys (kept), or 40 above them (two passes): in
+        // every row, in none, or in all but the first.
+        let lifts: [fn(usize) -> f32; 3] = [|_| 5.0, |_| 40.0, |i| if i == 0 { 40.0 } else { 5.0 }];
+        for lift in lifts {
             let tile: Vec<f32> = (0..cols * rows)
                 .map(|x| {
                     if x / rows == 60 {
-                        lift
+                        lift(x % rows)
                     } else {
                         (x % 7) as f32 * 0.1
                     }
@@ -622,11 +646,12 @@ mod tests {
                 &mut out,
             );
             // The two passes move the fresh rows' maxima from -inf (a rescale by 0).
-            assert_eq!(r, Some(!kept));
+            let all_kept = (0..rows).all(|i| lift(i) == 5.0);
+            assert_eq!(r, Some(!all_kept));
             for i in 0..rows {
                 let first = (0..32).map(|j| tile[j * rows + i]).fold(f32::MIN, f32::max);
                 let (m, l) = (fused[0][i], fused[1][i]);
-                if kept {
+                if lift(i) == 5.0 {
                     assert_eq!(m, first, "row {i}");
                     let (a, b) = (l * m.exp2(), plain[1][i] * plain[0][i].exp2());
                     assert!((a - b).abs() <= 1e-6 * b, "row {i}: {a} vs {b}");

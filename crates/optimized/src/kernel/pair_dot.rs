@@ -526,7 +526,8 @@ impl<'a> OnePass<'a> {
     }
 
     /// The next span: `cols` columns of scores `s` (`rows` each, `ld_s` apart), times
-    /// `scale`, exponentiated at the reference maxima `m`, into the pair words of `dst`
+    /// `scale`, exponentiated at the reference maxima `m` (finite, or NaN for a row the
+    /// pass gives up), into the pair words of `dst`
     /// (`ld` apart; `cols` is even but for a block's last span). Returns `false` (and does
     /// nothing) without AVX512_BF16.
     pub(crate) fn exponentiate(
@@ -538,7 +539,7 @@ impl<'a> OnePass<'a> {
     ) -> bool {
         let rows = self.rows;
         assert!(rows <= ld && rows <= ld_s && ld.is_multiple_of(LANES));
-        assert!(m.len() >= rows && m[..rows].iter().all(|x| x.is_finite()));
+        assert!(m.len() >= rows && m[..rows].iter().all(|x| x.is_finite() || x.is_nan()));
         assert!(cols == 0 || s.len() >= (cols - 1) * ld_s + rows);
         assert!(dst.len() >= pairs(cols) * ld);
         #[cfg(target_arch = "x86_64")]
@@ -562,25 +563,39 @@ impl<'a> OnePass<'a> {
 
     /// Ends the pass: whether every row is settled (see [`OnePass`]; `check_finite`: a
     /// non-finite score fails the block), and then its sums and terms into `l` and `delta`
-    /// (which hold the sums and terms the pass started from).
-    pub(crate) fn settle(self, check_finite: bool, l: &mut [f32], delta: &mut [f32]) -> bool {
+    /// (which hold the sums and terms the pass started from). Otherwise the reference of
+    /// each row that did not settle becomes NaN in `m`: the others' are what the two
+    /// passes are to keep.
+    pub(crate) fn settle(
+        self,
+        m: &mut [f32],
+        check_finite: bool,
+        l: &mut [f32],
+        delta: &mut [f32],
+    ) -> bool {
         let rows = self.rows;
         let (sums, rest) = self.running.split_at(rows);
         let (terms, minima) = rest.split_at(rows);
         let heavy = LAZY_RESCALE_LOG2.exp2() * self.keys as f32;
-        let settled = (0..rows).all(|i| {
+        let settles = |i: usize, m: f32| {
             // A score far above the reference (or +inf, or one that overflowed to a huge
             // positive value) makes the block heavy; one that overflowed to -inf or a huge
             // negative value where nothing is hidden is a minimum; a NaN makes its sum NaN.
             let moved = sums[i] - l[i] > heavy;
             let sunk = self.all_visible && minima[i] < -HUGE;
-            !(moved || sunk || (check_finite && sums[i].is_nan()))
-        });
-        if settled {
+            !(m.is_nan() || moved || sunk || (check_finite && sums[i].is_nan()))
+        };
+        if (0..rows).all(|i| settles(i, m[i])) {
             l[..rows].copy_from_slice(sums);
             delta[..rows].copy_from_slice(terms);
+            return true;
         }
-        settled
+        for (i, m) in m[..rows].iter_mut().enumerate() {
+            if !settles(i, *m) {
+                *m = f32::NAN;
+            }
+        }
+        false
     }
 }
 
