@@ -334,32 +334,44 @@ impl<'a, T> Tensor4Mut<'a, T> {
         let n = element_count([b, h, s, 1]);
         let list = |what| Error::allocation_of::<&mut [T]>(what, n);
         let n = n.ok_or_else(|| list("tensor rows"))?;
-        let offset = |r: usize| (r / (h * s)) * sb + (r / s % h) * sh + (r % s) * ss;
         let mut rows: Vec<Option<&'a mut [T]>> = Vec::new();
         rows.try_reserve_exact(n).map_err(|_| list("tensor rows"))?;
         rows.resize_with(n, || None);
-        let mut order: Vec<usize> = Vec::new();
+        // Each row's offset, in row order (nested loops: no division per row).
+        let mut offsets: Vec<usize> = Vec::new();
         if d > 0 {
+            offsets
+                .try_reserve_exact(n)
+                .map_err(|_| list("tensor row offsets"))?;
+            for bi in 0..b {
+                for hi in 0..h {
+                    offsets.extend((0..s).map(|si| bi * sb + hi * sh + si * ss));
+                }
+            }
+        }
+        let sorted = offsets.windows(2).all(|w| w[0] < w[1]);
+        let mut order: Vec<usize> = Vec::new();
+        if !sorted {
             order
                 .try_reserve_exact(n)
                 .map_err(|_| list("tensor row order"))?;
             order.extend(0..n);
-            if !order.windows(2).all(|w| offset(w[0]) < offset(w[1])) {
-                order.sort_unstable_by_key(|&r| offset(r));
-            }
+            order.sort_unstable_by_key(|&r| offsets[r]);
         }
+        let by_address = (0..offsets.len()).map(|k| if sorted { k } else { order[k] });
         // Rows never overlap (checked when the view was made), so in address order each
         // starts at or after the end of the previous one.
         let (mut rest, mut at) = (self.data, 0);
-        for r in order {
-            let Some((_, tail)) = rest.split_at_mut_checked(offset(r) - at) else {
+        for r in by_address {
+            let offset = offsets[r];
+            let Some((_, tail)) = rest.split_at_mut_checked(offset - at) else {
                 break;
             };
             let Some((row, tail)) = tail.split_at_mut_checked(d) else {
                 break;
             };
             rows[r] = Some(row);
-            at = offset(r) + d;
+            at = offset + d;
             rest = tail;
         }
         // In place: `Option<&mut [T]>` and `&mut [T]` have the same layout, no new buffer.

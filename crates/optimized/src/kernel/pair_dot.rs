@@ -100,6 +100,25 @@ fn word(lo: u16, hi: u16) -> u32 {
 pub(crate) fn pack_lanes(a: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> bool {
     let (m, k) = (a.nrows(), a.ncols());
     let mut tiny = false;
+    if k.is_multiple_of(2) && a.col_stride() == 1 {
+        // Rows in memory order: each pair is one row's two neighbours, read row by row
+        // (a transpose of words) instead of two strided reads per word.
+        for out in dst.chunks_exact_mut(ld).take(pairs(k)) {
+            out[m..].fill(0);
+        }
+        for i in 0..m {
+            let row = a
+                .row(i)
+                .try_as_row_major()
+                .map_or(&[][..], |r| r.as_slice());
+            for (p, two) in row.chunks_exact(2).enumerate() {
+                let (lo, hi) = (two[0].to_bits(), two[1].to_bits());
+                tiny |= subnormal(lo) | subnormal(hi);
+                dst[p * ld + i] = word(lo, hi);
+            }
+        }
+        return !tiny;
+    }
     for (p, out) in dst.chunks_exact_mut(ld).take(pairs(k)).enumerate() {
         let (c0, c1) = (2 * p, 2 * p + 1);
         for (i, w) in out[..m].iter_mut().enumerate() {
