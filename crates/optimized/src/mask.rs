@@ -13,7 +13,7 @@ use faer::{MatMut, MatRef};
 
 use crate::kernel::element::Element;
 use crate::kernel::finite::{row_is_finite, rows_are_finite};
-use crate::kernel::online_softmax::{saturate, saturate_visible};
+use crate::kernel::online_softmax::{saturate, saturate_visible, scale_visible};
 use crate::problem::HeadInputs;
 
 /// The blocks of at most `block` keys of `keys` that query rows `rows` must visit, with
@@ -84,21 +84,11 @@ pub(crate) fn mask_tile<T, K>(
 ) {
     if coverage == TileCoverage::Partial && !head.mask.has_elementwise() {
         // Saturate the visible scores, hide the rest: a visible score that overflowed to
-        // -inf must not pass for a hidden key in the softmax. In chunks of rows whose
-        // ranges fit on the stack.
-        const CHUNK: usize = 128;
-        let (mut from, mut to) = ([0u32; CHUNK], [0u32; CHUNK]);
-        let local = |j: usize| (j.clamp(cols.start, cols.end) - cols.start) as u32;
-        for first in rows.clone().step_by(CHUNK) {
-            let chunk = first..(first + CHUNK).min(rows.end);
-            let n = chunk.len();
-            for (i, row) in chunk.clone().enumerate() {
-                let r = head.key_range(row);
-                (from[i], to[i]) = (local(r.start), local(r.end));
-            }
-            let at = first - rows.start;
-            saturate_visible(&mut s[at..], br, cols.len(), &from[..n], &to[..n]);
-        }
+        // -inf must not pass for a hidden key in the softmax.
+        visible_bounds(head, (rows.clone(), cols.clone()), |at, bounds| {
+            saturate_visible(&mut s[at..], br, cols.len(), bounds.0, bounds.1);
+            true
+        });
         hide_by_user(s, (1, br), head, (rows, cols));
     } else if coverage == TileCoverage::Partial {
         // The element-wise masks saturate the visible scores they touch themselves.
@@ -121,6 +111,50 @@ pub(crate) fn mask_tile<T, K>(
             }
         }
     }
+}
+
+/// [`mask_tile`] of a block that straddles a structural boundary and carries no
+/// element-wise mask, for scores still to be multiplied by `scale` (which the tile products
+/// then need not apply): the visible scores scaled, the rest hidden, in one pass. Returns
+/// `false` when a visible score is not finite: the caller repairs the tile and masks it
+/// again with [`mask_tile`] (a saturating mask would change nothing otherwise).
+pub(crate) fn scale_and_mask_tile<T, K>(
+    s: &mut [f32],
+    br: usize,
+    head: &HeadInputs<'_, T, K>,
+    (rows, cols): (Range<usize>, Range<usize>),
+    scale: f32,
+) -> bool {
+    debug_assert!(!head.mask.has_elementwise());
+    let finite = visible_bounds(head, (rows.clone(), cols.clone()), |at, bounds| {
+        scale_visible(&mut s[at..], br, cols.len(), bounds, scale)
+    });
+    hide_by_user(s, (1, br), head, (rows, cols));
+    finite
+}
+
+/// Calls `f(at, (from, to))` for chunks of `rows` whose visible keys, local to the block
+/// `cols`, fit on the stack (`at`: the chunk's first row in the tile); whether every call
+/// returned `true`.
+fn visible_bounds<T, K>(
+    head: &HeadInputs<'_, T, K>,
+    (rows, cols): (Range<usize>, Range<usize>),
+    mut f: impl FnMut(usize, (&[u32], &[u32])) -> bool,
+) -> bool {
+    const CHUNK: usize = 128;
+    let (mut from, mut to) = ([0u32; CHUNK], [0u32; CHUNK]);
+    let local = |j: usize| (j.clamp(cols.start, cols.end) - cols.start) as u32;
+    let mut all = true;
+    for first in rows.clone().step_by(CHUNK) {
+        let chunk = first..(first + CHUNK).min(rows.end);
+        let n = chunk.len();
+        for (i, row) in chunk.enumerate() {
+            let r = head.key_range(row);
+            (from[i], to[i]) = (local(r.start), local(r.end));
+        }
+        all &= f(first - rows.start, (&from[..n], &to[..n]));
+    }
+    all
 }
 
 /// Whether a key that some row gives weight 0 (every hidden key, among others) has a

@@ -20,7 +20,7 @@ use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update, softmax_update_pairs};
 use crate::keys::KeySource;
 use crate::mask::{
-    add_non_finite_terms, key_blocks, mask_tile, without_non_finite_rows,
+    add_non_finite_terms, key_blocks, mask_tile, scale_and_mask_tile, without_non_finite_rows,
     zero_weight_meets_non_finite,
 };
 use crate::modifiers::modify_scores;
@@ -125,9 +125,16 @@ impl Scratch {
                 matches!(values, Values::Exact | Values::WithoutNonFinite) && !products.split();
             let scale_in_softmax =
                 products == Products::Tiles && k_native && in_pairs && check && !modified;
+            // A block that straddles a structural boundary with nothing else to apply: the
+            // mask scales and hides in one pass, and finds the scores to repair.
+            let mask_scales = coverage == TileCoverage::Partial
+                && !head.mask.has_elementwise()
+                && !modified
+                && !rescaled
+                && !products.split();
             let scores = |pairs: &Pairs, s: &mut [f32], k_wide: &mut Vec<f32>| {
                 if k_native {
-                    let scale = if scale_in_softmax {
+                    let scale = if scale_in_softmax || mask_scales {
                         1.0
                     } else {
                         head.scale_log2
@@ -154,23 +161,19 @@ impl Scratch {
                     .repair_split_scores(&mut self.s, br, operands, packed_keys);
             }
             let rescaled_rows = Some(&self.rescaled[..nr]);
-            if rescaled || (scan && !tile_is_finite(&self.s, br, nr, nc)) {
+            if rescaled || (scan && !mask_scales && !tile_is_finite(&self.s, br, nr, nc)) {
                 rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
             }
-            modify_scores(
-                &mut self.s,
-                (1, br),
-                head,
-                (rows.clone(), cols.clone()),
-                None,
-            );
-            mask_tile(
-                &mut self.s,
-                br,
-                head,
-                (rows.clone(), cols.clone()),
-                coverage,
-            );
+            let at = (rows.clone(), cols.clone());
+            modify_scores(&mut self.s, (1, br), head, at.clone(), None);
+            // The f32 products' queries carry the scale already.
+            let left = if k_native { head.scale_log2 } else { 1.0 };
+            if !mask_scales || !scale_and_mask_tile(&mut self.s, br, head, at.clone(), left) {
+                if mask_scales {
+                    rescore(&mut self.s, (1, br), q, k, head.scale_log2, rescaled_rows);
+                }
+                mask_tile(&mut self.s, br, head, at, coverage);
+            }
             let mut state = RowState {
                 m: &mut self.m,
                 l: &mut self.l,

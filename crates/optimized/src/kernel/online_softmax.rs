@@ -406,6 +406,39 @@ fn saturate_visible_body<const FMA: bool>(
     }
 }
 
+#[inline(always)]
+fn scale_visible_body<const FMA: bool>(
+    s: &mut [f32],
+    ld: usize,
+    cols: usize,
+    (from, to): (&[u32], &[u32]),
+    scale: f32,
+) -> bool {
+    let rows = from.len().min(to.len());
+    // The largest magnitude bits of a visible score: an integer maximum vectorises where a
+    // flag would not.
+    let mut high = 0u32;
+    for j in 0..cols {
+        let key = j as u32;
+        let col = &mut s[j * ld..j * ld + rows];
+        for ((x, &a), &b) in col.iter_mut().zip(&from[..rows]).zip(&to[..rows]) {
+            let visible = a <= key && key < b;
+            let y = *x * scale;
+            high = high.max(if visible { y.to_bits() & !(1 << 31) } else { 0 });
+            *x = if visible { y } else { f32::NEG_INFINITY };
+        }
+    }
+    high < INF_BITS
+}
+
+multiversion! {
+    /// [`saturate_visible`] for scores still to be multiplied by `scale`: row `i` keeps
+    /// its keys `from[i]..to[i]` times `scale` and hides the rest, in one pass. Returns
+    /// whether every visible score is finite: then saturating would change nothing;
+    /// otherwise the caller repairs them and masks again.
+    pub(crate) fn scale_visible(s: &mut [f32], ld: usize, cols: usize, bounds: (&[u32], &[u32]), scale: f32) -> bool = scale_visible_body
+}
+
 multiversion! {
     /// Row `i` of a column-major `rows × cols` score tile keeps its keys `from[i]..to[i]`
     /// (block-local), saturated ([`saturate`]), and hides the rest (`-inf`): the masking of
