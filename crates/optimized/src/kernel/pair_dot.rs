@@ -111,10 +111,13 @@ pub(crate) fn pack_lanes(a: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> boo
                 .row(i)
                 .try_as_row_major()
                 .map_or(&[][..], |r| r.as_slice());
+            // An integer reduction (it vectorises), then the words.
+            let sub = row
+                .iter()
+                .fold(0u16, |t, x| t | u16::from(subnormal(x.to_bits())));
+            tiny |= sub != 0;
             for (p, two) in row.chunks_exact(2).enumerate() {
-                let (lo, hi) = (two[0].to_bits(), two[1].to_bits());
-                tiny |= subnormal(lo) | subnormal(hi);
-                dst[p * ld + i] = word(lo, hi);
+                dst[p * ld + i] = word(two[0].to_bits(), two[1].to_bits());
             }
         }
         return !tiny;
