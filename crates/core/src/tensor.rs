@@ -339,7 +339,8 @@ impl<'a, T> Tensor4Mut<'a, T> {
         rows.resize_with(n, || None);
         // Each row's offset, in row order (nested loops: no division per row).
         let mut offsets: Vec<usize> = Vec::new();
-        if d > 0 {
+        // (No row at all, however many batch entries and heads: nothing to walk.)
+        if d > 0 && n > 0 {
             offsets
                 .try_reserve_exact(n)
                 .map_err(|_| list("tensor row offsets"))?;
