@@ -341,8 +341,8 @@ fn half_storage_and_mixed_precision_gradients() {
     case::<bf16>(&q, &k, &v, &d_out, &opts, 3e-2);
 }
 
-/// bf16 at native precision on AMX multiplies every product of the backward on tiles
-/// (with P and dS rounded to bf16): its f32 gradients stay within a fraction of a percent
+/// bf16 at native precision multiplies every product of the backward in bf16 (AMX tiles or
+/// AVX512_BF16 pairs, with P and dS rounded to bf16): its f32 gradients stay within a fraction of a percent
 /// of f32 compute's, on a shape whose tasks each accumulate several key blocks into dQ.
 #[test]
 fn native_bf16_gradients_track_f32_compute_across_key_blocks() {

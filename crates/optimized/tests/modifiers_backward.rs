@@ -268,9 +268,10 @@ fn check_batched<T: Element + attn_reference::Element + Default>(c: &Case<'_>) -
         );
         *worst = worst.max(err / bound);
     };
-    // bf16 at native precision on AMX rounds P and dS to bf16 before dV, dK and dQ.
+    // bf16 at native precision (AMX tiles or AVX512_BF16 pairs) rounds P and dS to bf16
+    // before dV, dK and dQ.
     let native = T::DTYPE == attn_core::Dtype::Bf16
-        && attn_optimized::Isa::current().includes(attn_optimized::Isa::Amx);
+        && attn_optimized::Isa::current().includes(attn_optimized::Isa::Avx512Bf16);
     let rounded = if native { unit::<T>() } else { 0.0 };
     for bi in 0..b {
         let mut kv_sums: Vec<[Mat<f64>; 6]> = Vec::new();

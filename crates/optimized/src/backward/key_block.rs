@@ -1,9 +1,10 @@
 //! One key block of the backward pass: its dK and dV stay in the task's scratch while the
 //! query tiles of every head of the group that see it stream past, five faer GEMMs per
 //! (query tile, key block) pair and two element-wise passes between them. For bf16 at
-//! native precision on AMX, four are tile products instead: `S = Q·Kᵀ` and `dP = dO·Vᵀ` of
-//! exact inputs, `dV += Pᵀ·dO` and `dK += dSᵀ·Q` with `P` and `dS` rounded to bf16 (as the
-//! forward rounds `P`); `dQ += dS·K` stays f32.
+//! native precision they are bf16 products instead — on AMX tiles, or in AVX512_BF16 pairs
+//! reading the same packed operands ([`native_product`]): `S = Q·Kᵀ` and `dP = dO·Vᵀ` of
+//! exact inputs, `dV += Pᵀ·dO`, `dK += dSᵀ·Q` and `dQ += dS·K` with `P` and `dS` rounded to
+//! bf16 (as the forward rounds `P`).
 
 use core::ops::Range;
 
@@ -15,12 +16,14 @@ use half::bf16;
 
 use super::{Group, QueryHead};
 use crate::exact::{rescore, row_top};
+use crate::kernel::Products;
 use crate::kernel::amx::{self, CacheLines, LineWords, TileRows};
 use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::pair_dot::{
-    LANES, Lanes, pack_f32_rows, pack_lanes, pack_probabilities, pack_row_pairs_into, pairs,
+    self, Broadcast, Columns, LANES, Lanes, pack_f32_rows, pack_lanes, pack_probabilities,
+    pack_row_pairs_into, pairs,
 };
 use crate::kernel::softmax_grad::{probabilities, score_gradient};
 use crate::keys::{KeySource, PairOrder};
@@ -163,6 +166,7 @@ impl KeyRows {
         (which, packed): (QueryRows, Option<&[u32]>),
         acc: &mut [f32],
         width: usize,
+        products: Products,
     ) {
         let ld = self.weights_ld;
         pack_f32_rows(w, ld_w, nc, nr, &mut self.weights, ld);
@@ -182,7 +186,7 @@ impl KeyRows {
             rows: nc,
             pairs: ld,
         };
-        amx::product(weights, x, acc, width, 1.0, true);
+        native_product(products, (weights, x, pairs(nr)), acc, width, 1.0, true);
     }
 
     /// `dq += dS·K` on tiles, computed as `dQᵀ += Kᵀ·dSᵀ` with dS (`nr` queries of `nc`
@@ -195,6 +199,7 @@ impl KeyRows {
         (ld_s, nr, nc): (usize, usize, usize),
         dq_t: &mut [f32],
         d_k: usize,
+        products: Products,
     ) {
         let ld = self.lanes_ld;
         let (pairs_nc, padded) = (pairs(nc), padded_pairs(nc));
@@ -213,7 +218,41 @@ impl KeyRows {
             rows: nr,
             ld,
         };
-        amx::product(k, ds, dq_t, nr, 1.0, true);
+        native_product(products, (k, ds, pairs_nc), dq_t, nr, 1.0, true);
+    }
+}
+
+/// `c (+)= alpha·A·B` in bf16 on the unit `products` names (`Tiles` or `Pairs`): C has
+/// `a.rows` rows of `b.rows` floats, `ld_c` apart, summed over the first `pairs` pairs
+/// (`accumulate` adds, then `alpha` is 1). AMX multiplies A's rows of pairs as tiles
+/// against B's lanes; AVX512_BF16 reads the same words the other way round, A's word
+/// `(p, j)` (at `j·a.ld + p`) broadcast against B's lanes and C as its columns, so one
+/// packing serves both units.
+fn native_product(
+    products: Products,
+    (a, b, pairs): (TileRows<'_>, Lanes<'_>, usize),
+    c: &mut [f32],
+    ld_c: usize,
+    alpha: f32,
+    accumulate: bool,
+) {
+    if products == Products::Pairs {
+        let broadcast = Broadcast {
+            words: a.words,
+            pairs,
+            cols: a.rows,
+            pair_stride: 1,
+            col_stride: a.ld,
+        };
+        let columns = Columns {
+            data: c,
+            rows: b.rows,
+            cols: a.rows,
+            ld: ld_c,
+        };
+        pair_dot::product(b, broadcast, columns, alpha, accumulate);
+    } else {
+        amx::product(a, b, c, ld_c, alpha, accumulate);
     }
 }
 
@@ -240,7 +279,9 @@ pub(super) struct Scratch {
     plan: TilePlan,
     d_k: usize,
     d_v: usize,
-    /// Whether `S` and `dP` are AMX tile products, with their packed operands.
+    /// How the products multiply; `tiles` when in bf16 (on AMX or in pairs), with their
+    /// packed operands.
+    products: Products,
     tiles: bool,
     key_rows: KeyRows,
     /// One entry per head of the group.
@@ -270,8 +311,9 @@ impl Scratch {
         shape: &HeadShape,
         group: &Group<'_, T, K>,
         inputs: &[HeadInputs<'_, T, K>],
-        tiles: bool,
+        products: Products,
     ) -> Result<Self> {
+        let tiles = products != Products::F32;
         let TilePlan { br, bc } = plan;
         let HeadShape { n_q, d_k, d_v, .. } = *shape;
         let zeros = |what, rows: usize, cols: usize| filled(what, rows.checked_mul(cols), 0.0f32);
@@ -376,6 +418,7 @@ impl Scratch {
             plan,
             d_k,
             d_v,
+            products,
             tiles,
             key_rows,
             rows,
@@ -414,6 +457,7 @@ impl Scratch {
             dk,
             dv,
             tiles,
+            products,
             key_rows,
             ..
         } = self;
@@ -471,7 +515,8 @@ impl Scratch {
                         rows: nc,
                         pairs: k_ld,
                     };
-                    amx::product(k, q, p, br, head.scale_log2, false);
+                    let kp = pairs(d_k);
+                    native_product(*products, (k, q, kp), p, br, head.scale_log2, false);
                 } else {
                     matmul(
                         MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
@@ -516,19 +561,13 @@ impl Scratch {
                         rows: nr,
                         ld,
                     };
-                    amx::product(
-                        TileRows {
-                            words: &key_rows.v,
-                            ld: v_ld,
-                            rows: nc,
-                            pairs: v_ld,
-                        },
-                        d_o,
-                        ds,
-                        br,
-                        1.0,
-                        false,
-                    );
+                    let v = TileRows {
+                        words: &key_rows.v,
+                        ld: v_ld,
+                        rows: nc,
+                        pairs: v_ld,
+                    };
+                    native_product(*products, (v, d_o, pairs(d_v)), ds, br, 1.0, false);
                 } else {
                     matmul(
                         dp.rb_mut(),
@@ -570,7 +609,7 @@ impl Scratch {
                 {
                     // dV += Pᵀ·dO with P rounded to bf16.
                     let x = (QueryRows::DOut, d_out_pairs);
-                    key_rows.add_weighted(p, (br, nc, nr), x, dv, d_v);
+                    key_rows.add_weighted(p, (br, nc, nr), x, dv, d_v, *products);
                 } else if careful {
                     add_product_skipping_zeros(dv_acc, p_tile.transpose(), d_out_tile);
                 } else {
@@ -596,7 +635,7 @@ impl Scratch {
                 {
                     // dK += dSᵀ·Q with dS rounded to bf16.
                     let x = (QueryRows::Q, q_pairs);
-                    key_rows.add_weighted(ds, (br, nc, nr), x, dk, d_k);
+                    key_rows.add_weighted(ds, (br, nc, nr), x, dk, d_k, *products);
                 } else if careful {
                     add_product_skipping_zeros(dk_acc, ds_tile.transpose(), q_tile);
                 } else {
@@ -617,7 +656,8 @@ impl Scratch {
                 let dq_rows = &mut dq_head[rows.start * d_k..rows.end * d_k];
                 if *tiles && !careful && k_cols {
                     // dQ += dS·K with dS rounded to bf16.
-                    key_rows.add_score_gradient_times_keys(ds, (br, nr, nc), dq_rows, d_k);
+                    let shape = (br, nr, nc);
+                    key_rows.add_score_gradient_times_keys(ds, shape, dq_rows, d_k, *products);
                     continue;
                 }
                 let dq_tile = if *tiles {

@@ -85,7 +85,7 @@ pub(crate) struct Backward<'a, T, K = Dense<'a, T>> {
     groups: Vec<Group<'a, T, K>>,
     /// `Some(h_q)` when the call has sink logits: [`Backward::run`] returns their gradients.
     sinks: Option<usize>,
-    /// How the tiles multiply: AMX tiles or f32 (the backward has no pair products).
+    /// How the tiles multiply: AMX tiles, AVX512_BF16 pairs or f32.
     products: Products,
 }
 
@@ -303,10 +303,10 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         sinks: Option<usize>,
         precision: Precision,
     ) -> Self {
-        // On AMX, S, dP, dV and dK are tile products (`key_block`); the pair products
-        // serve the forward only.
+        // bf16 at native precision multiplies on AMX tiles or in AVX512_BF16 pairs
+        // (`key_block`); f16's split products serve the forward only.
         let products = match Products::of::<T>(precision) {
-            Products::Tiles => Products::Tiles,
+            p @ (Products::Tiles | Products::Pairs) => p,
             _ => Products::F32,
         };
         Self {
@@ -412,7 +412,7 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
                 core::mem::take(&mut dq_rest).split_at_mut(group.heads.len() * group.n_q());
             dq_rest = rest;
             let group_parts = &partials[start..start + chunks * per_task];
-            let (n_q, tiles) = (group.n_q(), self.products == Products::Tiles);
+            let (n_q, tiles) = (group.n_q(), self.products != Products::F32);
             for (r, row) in rows.iter_mut().enumerate() {
                 let (h, i) = (r / n_q.max(1), r % n_q.max(1));
                 let (first, stride) = dq_row(i, (n_q, d_k, self.plan.br), tiles);
@@ -579,8 +579,8 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
             return Ok(()); // no key: the partial dQ stays 0
         }
         let heads = self.head_inputs(group);
-        let tiles = self.products == Products::Tiles;
-        let mut scratch = key_block::Scratch::new(self.plan, &shape, group, &heads, tiles)?;
+        let products = self.products;
+        let mut scratch = key_block::Scratch::new(self.plan, &shape, group, &heads, products)?;
         let HeadShape { n_q, d_k, .. } = shape;
         let bc = self.plan.bc;
         for BlockRows { block, dk, dv } in task.blocks {

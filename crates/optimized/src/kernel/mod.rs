@@ -37,7 +37,7 @@ use element::Element;
 pub(crate) enum Products {
     /// f32 (half inputs widened exactly).
     F32,
-    /// bf16 pairs on AVX512_BF16 ([`pair_dot`]; the forward pass).
+    /// bf16 pairs on AVX512_BF16 ([`pair_dot`]; both passes).
     Pairs,
     /// bf16 tiles on AMX ([`amx`]).
     Tiles,
