@@ -145,9 +145,9 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
     }
 
     let mut tasks = Vec::with_capacity(tiles);
-    // With the tile products, each K/V source that several query tiles read (a head's
+    // With native products, each K/V source that several query tiles read (a head's
     // tiles, a grouped-query group's heads: consecutive jobs) is packed once.
-    let shared = Products::of::<T>(problem.precision).on_tiles();
+    let shared = Products::of::<T>(problem.precision) != Products::F32;
     let mut sources: Vec<(K, K, usize)> = Vec::new();
     for job in jobs {
         let HeadJob {

@@ -172,13 +172,18 @@ impl Pairs {
                 amx::split_product(k, q, s, ld_s, alpha, false)
             }
             _ => {
-                let kp = pair_dot::pairs(d_k);
+                // The head's K packed for the tiles is the same words: row `j`'s pairs
+                // side by side, `ld` apart.
+                let (words, col_stride) = match &k_tiles {
+                    Some(k) => (k.hi.words, k.hi.ld),
+                    None => (&self.k[..], self.k_ld),
+                };
                 let k = Broadcast {
-                    words: &self.k,
-                    pairs: kp,
+                    words,
+                    pairs: pair_dot::pairs(d_k),
                     cols: nc,
                     pair_stride: 1,
-                    col_stride: self.k_ld,
+                    col_stride,
                 };
                 let c = Columns {
                     data: s,
@@ -282,12 +287,18 @@ impl Pairs {
                     rows: nr,
                     ld: lanes,
                 };
+                // The head's V packed for the tiles holds each column's pairs side by
+                // side, `ld` apart; a block packed here, each pair's columns.
+                let (words, pair_stride, col_stride) = match &v_tiles {
+                    Some(v) => (v.hi.words, 1, v.hi.ld),
+                    None => (&self.v[..], d_v, 1),
+                };
                 let v = Broadcast {
-                    words: &self.v,
+                    words,
                     pairs,
                     cols: d_v,
-                    pair_stride: d_v,
-                    col_stride: 1,
+                    pair_stride,
+                    col_stride,
                 };
                 let c = Columns {
                     data: acc,

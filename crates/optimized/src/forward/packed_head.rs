@@ -1,5 +1,6 @@
-//! K and V of a head packed once for the tile products
-//! ([`Products::Tiles`](crate::kernel::Products::Tiles)), for every
+//! K and V of a head packed once for the native products (the tiles of
+//! [`Products::Tiles`](crate::kernel::Products::Tiles), which the pair products of
+//! [`Products::Pairs`](crate::kernel::Products::Pairs) read as they are), for every
 //! query tile of the head — and every query head of a grouped-query group — to read,
 //! instead of each query tile packing each key block again.
 //!

@@ -58,11 +58,6 @@ impl Products {
         }
     }
 
-    /// Whether these products run on AMX tiles.
-    pub(crate) fn on_tiles(self) -> bool {
-        matches!(self, Products::Tiles | Products::SplitTiles)
-    }
-
     /// Whether the operands are split in two bf16 parts.
     pub(crate) fn split(self) -> bool {
         self == Products::SplitTiles
