@@ -31,7 +31,7 @@ pub struct CuSeqlens<'a> {
     k: &'a [usize],
 }
 
-fn check_offsets(operand: &'static str, cu: &[usize]) -> Result<()> {
+pub(crate) fn check_offsets(operand: &'static str, cu: &[usize]) -> Result<()> {
     match cu.first() {
         None => Err(Error::layout(
             operand,

@@ -1,24 +1,29 @@
 //! Where a head's keys and values come from: a [`KeySource`]. The tile loops of both
 //! passes and the exact slow paths ask it for blocks of rows — widened to f32 for the GEMM
 //! tiles, or packed in bf16 pairs for the native products — and for single entries, and never index K or V themselves; the row kernels
-//! (decoding) stream a source's rows in place when it can lend them
-//! ([`KeySource::in_place`]), and a source that cannot is computed with the GEMM tiles. Today's one source is [`Dense`], a faer view;
-//! pages of a block table and quantized blocks are sources to come, each answering the same
-//! questions, so the loops above need not change (they are generic over the source and
-//! monomorphised: the dense case compiles to what indexing the view did).
+//! (decoding) stream a source's rows in place, run by run, when it can lend them
+//! ([`KeySource::run_at`]), and a source that cannot is computed with the GEMM tiles. The
+//! sources are [`Dense`], a faer view, and [`Paged`], one head of a sequence in the pages
+//! of a block table ([`PagedKv`]); quantized blocks are a source to come, answering the
+//! same questions, so the loops above need not change (they are generic over the source
+//! and monomorphised: the dense case compiles to what indexing the view did).
 
 use core::ops::Range;
 
-use attn_core::Dtype;
+use attn_core::{Dtype, PagedKv, Tensor4Ref};
 use faer::MatRef;
 use half::bf16;
 
-use crate::kernel::element::{Element, f32_rows};
+use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::row_is_finite;
 use crate::kernel::pair_dot::{self, PackReport, SplitStage};
 
 /// Rows of keys (or values) of one head, `len()` of them, `width()` wide, of element `T`.
 pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
+    /// Whether a block's f32 rows are a copy even for f32 elements (the rows of a block are
+    /// not one strided view): the passes then keep buffers for them.
+    const GATHERS: bool = false;
+
     /// How many rows.
     fn len(&self) -> usize;
 
@@ -31,6 +36,12 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
     /// The rows in place, when the source holds them as one strided block of `T` (what the
     /// in-place row kernels and the exact paths read); `None` when they must be copied.
     fn in_place(&self) -> Option<MatRef<'_, T>>;
+
+    /// Rows `j ..` in place up to the end of the strided block that holds row `j` (all
+    /// the rest of a dense source, the rest of row `j`'s page of a paged one): the runs
+    /// the row kernels stream one after the other. `None` when `j` is past the rows or the
+    /// rows must be copied.
+    fn run_at(&self, j: usize) -> Option<MatRef<'_, T>>;
 
     /// The rows as f32: in place for a dense f32 source, else widened (or dequantized)
     /// into `buf`, which holds at least `len() · width()` floats.
@@ -114,6 +125,11 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
     }
 
     #[inline]
+    fn run_at(&self, j: usize) -> Option<MatRef<'_, T>> {
+        (j < self.0.nrows()).then(|| self.0.subrows(j, self.0.nrows() - j))
+    }
+
+    #[inline]
     fn to_f32<'s>(&'s self, buf: &'s mut [f32]) -> MatRef<'s, f32> {
         f32_rows(self.0, 0..self.0.nrows(), buf)
     }
@@ -130,16 +146,7 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
         lo: &mut [u32],
         stage: &mut SplitStage,
     ) -> Option<PackReport> {
-        let (n, w) = (self.len(), self.width());
-        let ([hi_m, lo_m], _) = (T::DTYPE == Dtype::F16)
-            .then(|| stage.split(|buf| self.to_f32(buf), n, w))
-            .flatten()?;
-        let report = order.pack(hi_m, hi);
-        let lo_report = order.pack(lo_m, lo);
-        // An f16 entry's parts are never subnormal nor tiny in bf16; its infinities and
-        // NaNs are in `hi` (and reported there).
-        debug_assert!(lo_report.exact() && !lo_report.subnormal);
-        Some(report)
+        split_pairs(self, order, [hi, lo], stage)
     }
 
     #[inline]
@@ -157,5 +164,271 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
         core::ptr::eq(a.as_ptr(), b.as_ptr())
             && (a.nrows(), a.ncols()) == (b.nrows(), b.ncols())
             && (a.row_stride(), a.col_stride()) == (b.row_stride(), b.col_stride())
+    }
+}
+
+/// [`KeySource::to_split_pairs`] of any source: its rows as f32 through `stage`, split
+/// there, each part packed.
+fn split_pairs<T: Element, K: KeySource<T>>(
+    src: &K,
+    order: PairOrder,
+    [hi, lo]: [&mut [u32]; 2],
+    stage: &mut SplitStage,
+) -> Option<PackReport> {
+    let (n, w) = (src.len(), src.width());
+    let ([hi_m, lo_m], _) = (T::DTYPE == Dtype::F16)
+        .then(|| stage.split(|buf| src.to_f32(buf), n, w))
+        .flatten()?;
+    let report = order.pack(hi_m, hi);
+    let lo_report = order.pack(lo_m, lo);
+    // An f16 entry's parts are never subnormal nor tiny in bf16; its infinities and
+    // NaNs are in `hi` (and reported there).
+    debug_assert!(lo_report.exact() && !lo_report.subnormal);
+    Some(report)
+}
+
+/// A paged source: rows `start .. start + len` of one head of one sequence of a
+/// [`PagedKv`], in its K or its V pool, read page by page through the sequence's pages
+/// (nothing is gathered into a copy of the sequence: a block is widened or packed from
+/// its pages as a dense block is from its view).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Paged<'a, T> {
+    pool: Tensor4Ref<'a, T>,
+    pages: &'a [u32],
+    head: usize,
+    start: usize,
+    len: usize,
+}
+
+impl<'a, T> Paged<'a, T> {
+    /// Head `head` of sequence `s` of `kv`, in `pool` (its keys or its values).
+    pub(crate) fn new(kv: &PagedKv<'a, T>, pool: Tensor4Ref<'a, T>, s: usize, head: usize) -> Self {
+        Self {
+            pool,
+            pages: kv.pages(s),
+            head,
+            start: 0,
+            len: kv.lens()[s],
+        }
+    }
+
+    fn page_size(&self) -> usize {
+        self.pool.dims()[2]
+    }
+
+    /// The page holding row `j` (of this source) and the row's offset in it.
+    fn page_of(&self, j: usize) -> Option<(MatRef<'a, T>, usize)> {
+        if j >= self.len {
+            return None;
+        }
+        let (t, ps) = (self.start + j, self.page_size());
+        let page = *self.pages.get(t / ps)?;
+        // The pages were checked against the pool when the view was made.
+        let m = self.pool.head(page as usize, self.head).ok()?;
+        Some((m, t % ps))
+    }
+
+    /// Rows `j ..` to the end of row `j`'s page (or of the source).
+    fn run(&self, j: usize) -> Option<MatRef<'a, T>> {
+        if j >= self.len {
+            return None;
+        }
+        let (m, offset) = self.page_of(j)?;
+        let n = (self.page_size() - offset).min(self.len - j);
+        Some(m.subrows(offset, n))
+    }
+
+    /// Every run of the source, `(first row, rows)`, in order.
+    fn runs(&self) -> impl Iterator<Item = (usize, MatRef<'a, T>)> + '_ {
+        let mut j = 0;
+        core::iter::from_fn(move || {
+            let run = self.run(j)?;
+            let first = j;
+            j += run.nrows();
+            Some((first, run))
+        })
+    }
+
+    /// Whether every run after the first starts on an even row, so that the rows pair up
+    /// within the runs (pages of an even size, a source starting on an even token).
+    fn pairs_within_runs(&self) -> bool {
+        self.start.is_multiple_of(2) && self.page_size().is_multiple_of(2)
+    }
+}
+
+impl<T: Element> KeySource<T> for Paged<'_, T> {
+    const GATHERS: bool = true;
+
+    #[inline]
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    fn width(&self) -> usize {
+        self.pool.dims()[3]
+    }
+
+    #[inline]
+    fn block(&self, rows: Range<usize>) -> Self {
+        Self {
+            start: self.start + rows.start,
+            len: rows.len(),
+            ..*self
+        }
+    }
+
+    fn in_place(&self) -> Option<MatRef<'_, T>> {
+        self.run(0).filter(|run| run.nrows() == self.len)
+    }
+
+    #[inline]
+    fn run_at(&self, j: usize) -> Option<MatRef<'_, T>> {
+        self.run(j)
+    }
+
+    fn to_f32<'s>(&'s self, buf: &'s mut [f32]) -> MatRef<'s, f32> {
+        let w = self.width();
+        for (first, run) in self.runs() {
+            widen_rows(run, 0..run.nrows(), &mut buf[first * w..]);
+        }
+        MatRef::from_row_major_slice(&buf[..self.len * w], self.len, w)
+    }
+
+    fn to_pairs(&self, order: PairOrder, buf: &mut [u32]) -> Option<PackReport> {
+        if T::DTYPE != Dtype::Bf16 {
+            return None;
+        }
+        let w = self.width();
+        let mut report = PackReport::CLEAN;
+        if let PairOrder::Columns { ld } = order {
+            // The runs fill their own pairs of each column: the padding once, here.
+            for col in buf.chunks_exact_mut(ld.max(1)).take(w) {
+                col[pair_dot::pairs(self.len)..].fill(0);
+            }
+        }
+        if !self.pairs_within_runs() && !matches!(order, PairOrder::Rows { .. }) {
+            // Pairs of rows that straddle two pages (a block starting on an odd token, or
+            // pages of an odd size): word by word.
+            for p in 0..pair_dot::pairs(self.len) {
+                let row = |j: usize| {
+                    let (m, i) = self.page_of(j)?;
+                    T::as_bf16(m).map(|m| m.row(i))
+                };
+                let (lo, hi) = (row(2 * p)?, row(2 * p + 1));
+                for c in 0..w {
+                    let hi = hi.map_or(bf16::ZERO, |r| r[c]);
+                    let at = match order {
+                        PairOrder::Columns { ld } => c * ld + p,
+                        _ => p * w + c,
+                    };
+                    buf[at] = pair_dot::word_of(lo[c], hi, &mut report);
+                }
+            }
+            return Some(report);
+        }
+        for (first, run) in self.runs() {
+            let run = T::as_bf16(run)?;
+            let part = match order {
+                PairOrder::Rows { ld } => pair_dot::pack_rows(run, &mut buf[first * ld..], ld),
+                PairOrder::RowPairs => pair_dot::pack_row_pairs(run, &mut buf[first / 2 * w..]),
+                PairOrder::Columns { ld } => {
+                    pair_dot::pack_columns_unpadded(run, &mut buf[first / 2..], ld)
+                }
+            };
+            report.merge(part);
+        }
+        Some(report)
+    }
+
+    fn to_split_pairs(
+        &self,
+        order: PairOrder,
+        hi: &mut [u32],
+        lo: &mut [u32],
+        stage: &mut SplitStage,
+    ) -> Option<PackReport> {
+        split_pairs(self, order, [hi, lo], stage)
+    }
+
+    fn at(&self, j: usize, c: usize) -> f32 {
+        self.page_of(j)
+            .map_or(f32::NAN, |(m, i)| m[(i, c)].to_f32())
+    }
+
+    fn row_finite(&self, j: usize) -> bool {
+        self.page_of(j)
+            .is_some_and(|(m, i)| row_is_finite(m.row(i)))
+    }
+
+    fn same_rows(&self, other: &Self) -> bool {
+        core::ptr::eq(self.pages, other.pages)
+            && core::ptr::eq(
+                self.pool
+                    .head(0, 0)
+                    .map_or(core::ptr::null(), |m| m.as_ptr()),
+                other
+                    .pool
+                    .head(0, 0)
+                    .map_or(core::ptr::null(), |m| m.as_ptr()),
+            )
+            && (self.head, self.start, self.len) == (other.head, other.start, other.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use attn_core::Layout;
+
+    use super::*;
+
+    /// A sequence in pages answers every question as the same rows in one view would:
+    /// blocks starting anywhere (pairs straddling pages included), in pages of an even and
+    /// of an odd size.
+    #[test]
+    fn paged_rows_are_the_dense_rows() {
+        let (n, d, heads) = (90usize, 40, 2);
+        for ps in [16usize, 7] {
+            let pages = n.div_ceil(ps) + 2;
+            let data: Vec<bf16> = (0..pages * heads * ps * d)
+                .map(|i| bf16::from_f32(((i * 7) % 23) as f32 - 11.0))
+                .collect();
+            let pool = Tensor4Ref::from_layout(&data, [pages, heads, ps, d], Layout::Bshd).unwrap();
+            // The pages in a scrambled order.
+            let table: Vec<u32> = (0..n.div_ceil(ps))
+                .map(|p| ((p * 5 + 3) % pages) as u32)
+                .collect();
+            let lens = [n];
+            let kv = PagedKv::new(pool, pool, &table, &lens).unwrap();
+            let paged = Paged::new(&kv, pool, 0, 1);
+            let rows: Vec<bf16> = (0..n)
+                .flat_map(|t| {
+                    let page = pool.head(table[t / ps] as usize, 1).unwrap();
+                    (0..d).map(move |c| page[(t % ps, c)])
+                })
+                .collect();
+            let dense = Dense(MatRef::from_row_major_slice(&rows, n, d));
+            for r in [0..90, 33..90, 32..90, 33..89, 16..48, 17..18] {
+                let (p, q) = (paged.block(r.clone()), dense.block(r.clone()));
+                for order in [
+                    PairOrder::Rows { ld: 24 },
+                    PairOrder::RowPairs,
+                    PairOrder::Columns { ld: 64 },
+                ] {
+                    let (mut a, mut b) = (vec![7u32; 64 * 64], vec![7u32; 64 * 64]);
+                    assert_eq!(p.to_pairs(order, &mut a), q.to_pairs(order, &mut b));
+                    assert!(a == b, "pages of {ps}, rows {r:?}, {order:?}");
+                }
+                let (mut a, mut b) = (vec![0.0f32; n * d], vec![0.0f32; n * d]);
+                assert_eq!(p.to_f32(&mut a), q.to_f32(&mut b));
+                assert_eq!(
+                    (p.at(3.min(r.len() - 1), 5), p.row_finite(0)),
+                    (q.at(3.min(r.len() - 1), 5), true)
+                );
+            }
+            // Runs end where the pages do.
+            let runs: Vec<usize> = paged.runs().map(|(first, _)| first).collect();
+            assert_eq!(runs, (0..n).step_by(ps).collect::<Vec<_>>());
+        }
     }
 }

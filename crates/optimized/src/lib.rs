@@ -49,12 +49,13 @@ mod mask;
 // `with_sink` is the forward's, unused on this branch until the forward computes sinks.
 mod modifiers;
 mod multi_head;
+mod paged_cache;
 mod problem;
 mod schedule;
 
 pub use attn_core::{
     Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Error, Forward, ForwardRef,
-    Gradients, GradientsMut, KeyPadding, Layout, Mask4Ref, MaskMod, Options, PartialState,
+    Gradients, GradientsMut, KeyPadding, Layout, Mask4Ref, MaskMod, Options, PagedKv, PartialState,
     Precision, Result, ScoreMod, ScoreTile, SlidingWindow, SoftCap, Tensor4, Tensor4Mut,
     Tensor4Ref,
 };
@@ -70,6 +71,7 @@ pub use kv_cache::{Growth, KvCache};
 pub use multi_head::{
     MultiHeadActivations, MultiHeadAttention, MultiHeadGradients, MultiHeadWeights,
 };
+pub use paged_cache::{PagedBatch, PagedKvCache, SeqId};
 pub use schedule::{BACKWARD_TILE, KEY_TILE, QUERY_TILE, SPLIT_KEYS, SplitKv, TilePlan};
 
 /// The vectorised `2^x` of the softmax and the instruction set it runs with.

@@ -9,13 +9,13 @@ use core::ops::Range;
 /// Every fallible buffer of the engine comes from attn-core's helper.
 pub(crate) use attn_core::filled;
 use attn_core::{
-    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, Precision, Result,
-    Tensor4Ref, validate_packed,
+    BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, PagedKv, Precision,
+    Result, Tensor4Ref, validate_packed, validate_paged,
 };
 use faer::{Mat, MatRef, RowMut, TryReserveError};
 
 use crate::kernel::element::Element;
-use crate::keys::Dense;
+use crate::keys::{Dense, Paged};
 use crate::schedule::{TilePlan, heads_per_job};
 
 /// What every job of one call shares.
@@ -429,6 +429,115 @@ impl<'a, T> Packed<'a, T> {
                 jobs.push(HeadJob {
                     inputs,
                     keys: 0..keys.len(),
+                    out: rows_out,
+                    lse: rows_lse,
+                });
+            }
+        }
+        Ok(jobs)
+    }
+}
+
+/// A paged call, validated: packed queries `[1, h_q, total_q, d_k]` against the pages of a
+/// [`PagedKv`], sequence `s`'s queries (rows `cu_q[s]..cu_q[s + 1]`) its newest positions.
+/// Each (query head, sequence) is one job whose K and V are [`Paged`] sources, as a packed
+/// call's are sub-views; the tile plan is the longest sequence's, so the bits do not depend
+/// on the thread count (nor on the page size: a block is the same keys in any pages).
+#[derive(Debug)]
+pub(crate) struct PagedBatch<'a, T> {
+    pub problem: Problem,
+    q: Tensor4Ref<'a, T>,
+    kv: PagedKv<'a, T>,
+    cu_q: &'a [usize],
+    options: Options<'a>,
+    /// `[1, h_q, total_q, d_v]`.
+    out_dims: [usize; 4],
+    group: usize,
+}
+
+impl<'a, T> PagedBatch<'a, T> {
+    /// Validates the queries, their offsets and the options against the pages.
+    pub fn new(
+        q: Tensor4Ref<'a, T>,
+        cu_q: &'a [usize],
+        kv: PagedKv<'a, T>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let (shape, scale) = validate_paged(q, cu_q, &kv, options)?;
+        let HeadShape { n_q, n_k, d_k, d_v } = shape.head;
+        check_row_handles(element_count(&[shape.h_q, n_q]))?;
+        let max_q = cu_q.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        Ok(Self {
+            problem: Problem::new(max_q, n_k, d_k, d_v, scale, options.precision),
+            q,
+            kv,
+            cu_q,
+            options: *options,
+            out_dims: [1, shape.h_q, n_q, d_v],
+            group: shape.h_q / shape.h_kv.max(1),
+        })
+    }
+
+    /// `[1, h_q, total_q, d_v]`.
+    pub fn out_dims(&self) -> [usize; 4] {
+        self.out_dims
+    }
+
+    /// The jobs writing `out` (rows in (head, packed row) order) and, if not empty, `lse`:
+    /// one per (query head, sequence) with queries, over the sequence's pages. Masks,
+    /// windows and the user's modifiers see the queries at their positions in the sequence,
+    /// as a [`crate::KvCache`]'s do.
+    pub fn jobs<'s, 'o, O>(
+        &self,
+        out: &'s mut [RowMut<'o, O>],
+        lse: &'s mut [f32],
+    ) -> Result<Vec<HeadJob<'s, 'o, T, O, Paged<'a, T>>>>
+    where
+        'a: 's,
+    {
+        let [_, h_q, _, _] = self.out_dims;
+        let batch = self.kv.batch();
+        let n = h_q.checked_mul(batch);
+        let mut jobs = Vec::new();
+        jobs.try_reserve_exact(n.unwrap_or(usize::MAX))
+            .map_err(|_| Error::allocation_of::<HeadJob<'s, 'o, T, O>>("paged jobs", n))?;
+        let (mut out, mut lse) = (out, if lse.is_empty() { None } else { Some(lse) });
+        for h in 0..h_q {
+            let kv = h / self.group.max(1);
+            let qh = self.q.head(0, h)?;
+            for s in 0..batch {
+                let (rows, n_k) = (self.cu_q[s]..self.cu_q[s + 1], self.kv.lens()[s]);
+                let (rows_out, rest) = core::mem::take(&mut out).split_at_mut(rows.len());
+                out = rest;
+                let rows_lse = lse.take().map(|l| {
+                    let (a, b) = l.split_at_mut(rows.len());
+                    lse = Some(b);
+                    a
+                });
+                if rows.is_empty() {
+                    continue;
+                }
+                let n_q = rows.len();
+                // The queries are the sequence's last `n_q` positions (validated: n_q ≤ n_k).
+                let offset = n_k - n_q;
+                let mask = HeadMask::new(&self.options, n_q, n_k, None)
+                    .at(s, h)
+                    .with_query_offset(offset);
+                let mut mods = self.options.head_modifiers(s, h, h_q, n_q, n_k);
+                mods.query_offset = offset;
+                let inputs = HeadInputs {
+                    q: qh.subrows(rows.start, n_q),
+                    k: Paged::new(&self.kv, self.kv.keys(), s, kv),
+                    v: Paged::new(&self.kv, self.kv.values(), s, kv),
+                    key_base: 0,
+                    mask,
+                    mods,
+                    scale_log2: self.problem.scale_log2,
+                    stacked: false,
+                };
+                jobs.push(HeadJob {
+                    inputs,
+                    keys: 0..n_k,
                     out: rows_out,
                     lse: rows_lse,
                 });

@@ -7,8 +7,8 @@ use core::marker::PhantomData;
 
 pub use attn_core::{Batch, OneHead};
 use attn_core::{
-    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, Gradients, Options, Result, Tensor4,
-    Tensor4Ref, validate_batch, validate_head, validate_packed,
+    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, Gradients, Options, PagedKv, Result,
+    Tensor4, Tensor4Ref, validate_batch, validate_head, validate_packed, validate_paged,
 };
 use faer::{ColRef, Mat, MatRef};
 
@@ -16,7 +16,7 @@ use crate::backward;
 use crate::backward::{MaterializedBackward, batched_gradients, head_gradients};
 use crate::element::Element;
 use crate::head::{Materialized, batched_forward, batched_materialized, head_materialized, narrow};
-use crate::packed::{packed_forward, packed_gradients};
+use crate::packed::{packed_forward, packed_gradients, paged_forward};
 
 /// The operands of a call.
 #[derive(Debug, Clone, Copy)]
@@ -36,6 +36,11 @@ enum Operands<'a, T> {
         k: Tensor4Ref<'a, T>,
         v: Tensor4Ref<'a, T>,
         seqs: CuSeqlens<'a>,
+    },
+    Paged {
+        q: Tensor4Ref<'a, T>,
+        cu_q: &'a [usize],
+        kv: PagedKv<'a, T>,
     },
 }
 
@@ -252,12 +257,42 @@ impl<'a, T: Element + Default> Attention<'a, T, Batch> {
         Ok(Self::new(Operands::Packed { q, k, v, seqs }, options))
     }
 
+    /// Packed queries against keys and values in pages (a paged KV cache): Q
+    /// `[1, h_q, total_q, d_k]`, sequence `s` on its rows `cu_q[s]..cu_q[s + 1]`, the
+    /// newest of the `kv.lens()[s]` tokens its pages hold — attn-optimized's
+    /// `Attention::paged`, by the formula: each sequence's rows are read out of its pages
+    /// and the sequence computed on its own.
+    ///
+    /// ```
+    /// use attn_reference::{Attention, Causal, Layout, Options, PagedKv, Tensor4Ref};
+    /// let pool: Vec<f32> = (0..3 * 2 * 4).map(|i| (i % 5) as f32 * 0.5).collect();
+    /// let pages = Tensor4Ref::from_layout(&pool, [3, 1, 2, 4], Layout::Bhsd)?; // 3 pages of 2
+    /// let (table, lens) = ([2, 0], [3]); // one sequence of 3 tokens in pages 2, 0
+    /// let kv = PagedKv::new(pages, pages, &table, &lens)?;
+    /// let q = vec![1.0f32; 4];
+    /// let q = Tensor4Ref::from_layout(&q, [1, 1, 1, 4], Layout::Bhsd)?;
+    /// let opts = Options::default().with_causal(Causal::BottomRight);
+    /// let fwd = Attention::paged(q, &[0, 1], kv, &opts)?.forward()?;
+    /// assert_eq!(fwd.output().dims(), [1, 1, 1, 4]);
+    /// # Ok::<(), attn_reference::Error>(())
+    /// ```
+    pub fn paged(
+        q: Tensor4Ref<'a, T>,
+        cu_q: &'a [usize],
+        kv: PagedKv<'a, T>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        validate_paged(q, cu_q, &kv, options)?;
+        Ok(Self::new(Operands::Paged { q, cu_q, kv }, options))
+    }
+
     /// The output (`[batch, h_q, n_q, d_v]`, f64 rounded to `T` once) and the LSE of
     /// every row, `[batch][h_q][n_q]` flattened.
     pub fn forward(&self) -> Result<Forward<Tensor4<T>>> {
         let (out, lse) = match self.ops {
             Operands::Batched { q, k, v } => batched_forward(q, k, v, &self.options)?,
             Operands::Packed { q, k, v, seqs } => packed_forward(q, k, v, &seqs, &self.options)?,
+            Operands::Paged { q, cu_q, kv } => paged_forward(q, cu_q, &kv, &self.options)?,
             Operands::Head { .. } => return Err(other_kind()),
         };
         Forward::batch(out, lse)
@@ -312,6 +347,10 @@ impl<'a, T: Element + Default> Attention<'a, T, Batch> {
                 packed_gradients(d_out, q, k, v, fwd.output, rows, &seqs, &self.options)
             }
             Operands::Head { .. } => Err(other_kind()),
+            Operands::Paged { .. } => Err(Error::unsupported(
+                "the backward pass of a paged call",
+                "train with Attention::batched over the whole sequences",
+            )),
         }
     }
 

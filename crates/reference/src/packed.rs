@@ -1,9 +1,10 @@
 //! Packed batches of sequences of different lengths, literally: each sequence is cut out
-//! of the packed views and computed on its own by the formula.
+//! of the packed views and computed on its own by the formula. Paged keys and values too:
+//! each sequence's rows are read out of its pages, token by token, first.
 
 use attn_core::{
-    BatchGradients, CuSeqlens, HeadMask, Options, Result, Tensor4, Tensor4Ref, validate_packed,
-    validate_packed_backward,
+    BatchGradients, CuSeqlens, HeadMask, Options, PagedKv, Result, Tensor4, Tensor4Ref,
+    validate_packed, validate_packed_backward, validate_paged,
 };
 use faer::Mat;
 
@@ -43,6 +44,71 @@ pub(crate) fn packed_forward<T: Element + Default>(
                 widen(qh).as_ref(),
                 widen(kh).as_ref(),
                 widen(vh).as_ref(),
+                scale,
+                &mask,
+                &mods,
+            );
+            let mut view = out.as_mut();
+            let mut dst = view.head_mut(0, h)?;
+            for (i, r) in rows.clone().enumerate() {
+                for c in 0..d_v {
+                    dst[(r, c)] = T::from_f64(m.output[(i, c)]);
+                }
+                lse[h * total_q + r] = m.lse[i] as f32;
+            }
+        }
+    }
+    Ok((out, lse))
+}
+
+/// Attention of packed queries against paged keys and values: Q `[1, h_q, total_q, d_k]`,
+/// sequence `s` on rows `cu_q[s]..cu_q[s+1]`, the newest of the `kv.lens()[s]` tokens in
+/// its pages (masks, windows and the user's modifiers see them at those positions).
+/// Each sequence's K and V are read out of the pages into f64 and the formula computes it
+/// on its own. Returns the output `[1, h_q, total_q, d_v]` and the LSE `[h_q][total_q]`.
+pub(crate) fn paged_forward<T: Element + Default>(
+    q: Tensor4Ref<'_, T>,
+    cu_q: &[usize],
+    kv: &PagedKv<'_, T>,
+    options: &Options<'_>,
+) -> Result<(Tensor4<T>, Vec<f32>)> {
+    let (shape, _) = validate_paged(q, cu_q, kv, options)?;
+    let scale = options.scale_for_f64(shape.head.d_k)?;
+    let (h_q, total_q, d_v) = (shape.h_q, shape.head.n_q, shape.head.d_v);
+    let mut out = Tensor4::<T>::try_zeros([1, h_q, total_q, d_v])?;
+    let mut lse = vec![f32::NEG_INFINITY; h_q * total_q];
+    // A sequence's rows of one head of a pool, page by page, in f64.
+    let rows_of = |pool: Tensor4Ref<'_, T>, s: usize, head: usize, n: usize, width: usize| {
+        let mut m = Mat::<f64>::zeros(n, width);
+        for (first, run) in kv.segments(pool, s, head, 0..n) {
+            for i in 0..run.nrows() {
+                for c in 0..width {
+                    m[(first + i, c)] = run[(i, c)].to_f64();
+                }
+            }
+        }
+        m
+    };
+    for s in 0..kv.batch() {
+        let (rows, n_k) = (cu_q[s]..cu_q[s + 1], kv.lens()[s]);
+        let n_q = rows.len();
+        if n_q == 0 {
+            continue;
+        }
+        let offset = n_k - n_q;
+        let seq_mask = HeadMask::new(options, n_q, n_k, None);
+        for h in 0..h_q {
+            let kv_head = shape.kv_head(h);
+            let kh = rows_of(kv.keys(), s, kv_head, n_k, kv.d_k());
+            let vh = rows_of(kv.values(), s, kv_head, n_k, d_v);
+            let qh = q.head(0, h)?.subrows(rows.start, n_q);
+            let mask = seq_mask.at(s, h).with_query_offset(offset);
+            let mut mods = options.head_modifiers(s, h, h_q, n_q, n_k);
+            mods.query_offset = offset;
+            let m = attend(
+                widen(qh).as_ref(),
+                kh.as_ref(),
+                vh.as_ref(),
                 scale,
                 &mask,
                 &mods,

@@ -1,8 +1,8 @@
 //! [`Attention`] over many heads: `[batch, heads, seq, dim]` views in, `Tensor4` out.
 
 use attn_core::{
-    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, GradientsMut, Options, Result, Tensor4,
-    Tensor4Mut, Tensor4Ref,
+    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, GradientsMut, Options, PagedKv, Result,
+    Tensor4, Tensor4Mut, Tensor4Ref,
 };
 use faer::{Par, RowMut};
 
@@ -10,7 +10,7 @@ use super::{Attention, Batch, check_lse_view, lse_rows};
 use crate::backward::Backward;
 use crate::forward;
 use crate::kernel::element::Element;
-use crate::problem::{Batched, Packed, filled, zeroed};
+use crate::problem::{Batched, Packed, PagedBatch, filled, zeroed};
 
 /// The validated operands of a call over many heads.
 #[derive(Debug)]
@@ -35,6 +35,8 @@ enum Operands<'a, T> {
     },
     /// New queries against a KV cache's entries.
     Cached(Batched<'a, T>),
+    /// Packed queries against the pages of a paged KV cache.
+    Paged(PagedBatch<'a, T>),
 }
 
 impl<'a, T: Element> Attention<'a, T, Batch> {
@@ -108,6 +110,49 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         Ok(Self::from_operands(ops, options))
     }
 
+    /// Attention of packed queries against keys and values in pages (a paged KV cache,
+    /// vLLM's and FlashAttention's `flash_attn_with_kvcache`): Q `[1, h_q, total_q, d_k]`
+    /// (any strides), sequence `s` on its rows `cu_seqlens_q[s]..cu_seqlens_q[s + 1]`,
+    /// which are the newest of the `kv.lens()[s]` tokens in its pages — one row per
+    /// sequence to decode, a chunk of rows to prefill against the cached prefix, any mix of
+    /// both in one call (continuous batching). The pages are read in place, block by block;
+    /// nothing is gathered into a contiguous copy. Causal masks, windows and ALiBi align
+    /// bottom-right (each query at its position in its sequence), and the user's masks and
+    /// score modifiers see those positions, as with [`crate::KvCache`]; element-wise masks
+    /// and key padding are rejected. The output is `[1, h_q, total_q, d_v]`, the LSE
+    /// `[h_q][total_q]`; there is no backward pass. [`crate::PagedKvCache`] owns pages and
+    /// block tables; any other pool of pages is a [`PagedKv`] view.
+    ///
+    /// ```
+    /// use attn_optimized::{Attention, Causal, Layout, Options, PagedKv, Par, Tensor4Ref};
+    /// let (page, d) = (16, 8);
+    /// // A pool of 4 pages in FlashAttention's layout [pages, page_size, h_kv, d], one head.
+    /// let pool: Vec<f32> = (0..4 * page * d).map(|i| ((i * 7) % 13) as f32 * 0.1).collect();
+    /// let pages = Tensor4Ref::from_layout(&pool, [4, 1, page, d], Layout::Bshd)?;
+    /// // Sequence 0: 20 tokens in pages 3, 1; sequence 1: 9 tokens in page 0.
+    /// let (table, lens) = ([3, 1, 0, 0], [20, 9]);
+    /// let kv = PagedKv::new(pages, pages, &table, &lens)?;
+    /// // One decode step for sequence 0, a chunk of 2 for sequence 1.
+    /// let q = vec![0.5f32; 3 * d];
+    /// let q = Tensor4Ref::from_layout(&q, [1, 1, 3, d], Layout::Bshd)?;
+    /// let opts = Options::default().with_causal(Causal::BottomRight);
+    /// let out = Attention::paged(q, &[0, 1, 3], kv, &opts)?.forward(Par::rayon(0))?;
+    /// assert_eq!(out.output().dims(), [1, 1, 3, d]);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn paged(
+        q: Tensor4Ref<'a, T>,
+        cu_seqlens_q: &'a [usize],
+        kv: PagedKv<'a, T>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let call = PagedBatch::new(q, cu_seqlens_q, kv, options)?;
+        Ok(Self::from_operands(
+            BatchOperands(Operands::Paged(call)),
+            options,
+        ))
+    }
+
     /// A KV cache's call ([`crate::KvCache::attention`]), validated by the cache.
     pub(crate) fn cached(call: Batched<'a, T>, options: &Options<'a>) -> Self {
         Self::from_operands(BatchOperands(Operands::Cached(call)), options)
@@ -118,6 +163,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         match &self.ops.0 {
             Operands::Batched { call, .. } | Operands::Cached(call) => call.out_dims(),
             Operands::Packed { call, .. } => call.out_dims(),
+            Operands::Paged(call) => call.out_dims(),
         }
     }
 
@@ -195,6 +241,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
                 forward::batched(call, out, lse, self.split, par)
             }
             Operands::Packed { call, .. } => forward::packed(call, out, lse, self.split, par),
+            Operands::Paged(call) => forward::paged(call, out, lse, self.split, par),
         }
     }
 
@@ -316,7 +363,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
             Operands::Batched { q, k, v, .. } | Operands::Packed { q, k, v, .. } => {
                 Ok((*q, *k, *v))
             }
-            Operands::Cached(_) => Err(Error::unsupported(
+            Operands::Cached(_) | Operands::Paged(_) => Err(Error::unsupported(
                 "the backward pass of a KV cache's call",
                 "train with Attention::batched over the whole sequences",
             )),

@@ -33,7 +33,7 @@ use crate::kernel::online_softmax::{log_sum_exp, normalise_rows, scale_rows};
 use crate::kernel::{Products, amx, pair_dot};
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
-use crate::problem::{Batched, HeadInputs, HeadJob, Packed, Problem};
+use crate::problem::{Batched, HeadInputs, HeadJob, Packed, PagedBatch, Problem};
 use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
 
 /// One head into `out : [n_q, d_v]` (and its LSE), with the problem's shape already checked.
@@ -85,6 +85,21 @@ pub(crate) fn packed<T: Element, O: Element>(
     let mut rows = row_list(out.into_rows()?.into_iter().map(RowMut::from_slice_mut))?;
     let jobs = packed.jobs(&mut rows, lse.unwrap_or_default())?;
     run(&packed.problem, jobs, split, par);
+    Ok(())
+}
+
+/// A paged call into `out : [1, h_q, total_q, d_v]` (any layout) and, if given,
+/// `lse : [h_q][total_q]`; the output's dims already checked.
+pub(crate) fn paged<T: Element, O: Element>(
+    paged: &PagedBatch<'_, T>,
+    out: Tensor4Mut<'_, O>,
+    lse: Option<&mut [f32]>,
+    split: SplitKv,
+    par: Par,
+) -> Result<()> {
+    let mut rows = row_list(out.into_rows()?.into_iter().map(RowMut::from_slice_mut))?;
+    let jobs = paged.jobs(&mut rows, lse.unwrap_or_default())?;
+    run(&paged.problem, jobs, split, par);
     Ok(())
 }
 
@@ -197,7 +212,7 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
         let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
             return;
         };
-        Scratch::with::<T, _>(problem, |scratch| {
+        Scratch::with::<T, K, _>(problem, |scratch| {
             let (k, v) = (&task.inputs.k, &task.inputs.v);
             let split = scratch.shape.products.split();
             let head = task.source.and_then(|i| packed.get(i, (k, v), split));
@@ -405,7 +420,10 @@ impl Scratch {
     /// shape left on this thread, or a new one. Fresh scratch costs page faults (hundreds
     /// of KiB per task), which matter when tasks are short (decoding); a thread keeps at
     /// most one scratch alive between calls.
-    fn with<T: Element, R>(problem: &Problem, f: impl FnOnce(&mut Scratch) -> R) -> R {
+    fn with<T: Element, K: KeySource<T>, R>(
+        problem: &Problem,
+        f: impl FnOnce(&mut Scratch) -> R,
+    ) -> R {
         let Problem { plan, d_k, d_v, .. } = *problem;
         thread_local! {
             static CACHE: RefCell<Option<Scratch>> = const { RefCell::new(None) };
@@ -414,7 +432,7 @@ impl Scratch {
             plan,
             d_k,
             d_v,
-            widens: T::WIDENS,
+            widens: T::WIDENS || K::GATHERS,
             products: Products::of::<T>(problem.precision),
         };
         let cached = CACHE
@@ -436,14 +454,15 @@ impl Scratch {
         packed: Option<&PackedHead>,
     ) {
         debug_assert!(rows.len() <= self.plan.br);
-        // The row kernels stream K and V in place: a source that cannot lend its rows in
-        // place goes through the GEMM tiles, which take them as f32 blocks.
-        let in_place = head.k.in_place().zip(head.v.in_place());
+        // The row kernels stream K and V in place, run by run: a source that cannot lend
+        // its rows in place goes through the GEMM tiles, which take them as f32 blocks.
+        let lends = |src: &K| src.in_place().is_some() || src.run_at(0).is_some();
         let few_rows = rows.len() <= DECODE_ROWS && !self.acc_rows.is_empty();
-        self.row_tile = few_rows && in_place.is_some();
-        match in_place {
-            Some(kv) if self.row_tile => self.attend_rows(head, kv, rows, keys),
-            _ => self.attend_gemm(head, rows, keys, packed),
+        self.row_tile = few_rows && lends(&head.k) && lends(&head.v);
+        if self.row_tile {
+            self.attend_rows(head, rows, keys);
+        } else {
+            self.attend_gemm(head, rows, keys, packed);
         }
     }
 

@@ -19,14 +19,14 @@ use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::softmax_row;
 use crate::kernel::rows::{RowKernels, accumulate, scores};
-use crate::keys::Dense;
+use crate::keys::KeySource;
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_row, without_non_finite_rows,
     zero_weight_meets_non_finite,
 };
 use crate::modifiers::modify_scores;
 use crate::problem::HeadInputs;
-use crate::schedule::{KEY_TILE, TilePlan};
+use crate::schedule::{DECODE_ROWS, KEY_TILE, TilePlan};
 
 /// The in-place row kernels this CPU has, if any (looked up once per task; each block
 /// then asks [`RowKernels::reads`] of its K and V).
@@ -42,16 +42,18 @@ impl Scratch {
     /// [`Scratch::attend`] for a tile of at most [`DECODE_ROWS`](crate::schedule::DECODE_ROWS) queries: a dot product per
     /// key instead of a GEMM, so the loop streams K and V at memory speed. The
     /// accumulators stay row-major (`acc_rows`), where [`Scratch::normalised`] reads them.
-    pub(super) fn attend_rows<T: Element, K>(
+    /// K and V are read run by run where the source lends its rows in place
+    /// ([`KeySource::run_at`]: one run a dense block, one a page of a paged one), each
+    /// run's prefetches reaching into the next.
+    pub(super) fn attend_rows<T: Element, K: KeySource<T>>(
         &mut self,
         head: &HeadInputs<'_, T, K>,
-        (k_rows, v_rows): (MatRef<'_, T>, MatRef<'_, T>),
         rows: Range<usize>,
         keys: Range<usize>,
     ) {
         let TilePlan { bc, .. } = self.plan;
         let nr = rows.len();
-        let (d_k, d_v) = (head.q.ncols(), v_rows.ncols());
+        let (d_k, d_v) = (head.q.ncols(), head.v.width());
         for (i, q) in self.q.chunks_exact_mut(d_k).take(nr).enumerate() {
             for (c, x) in q.iter_mut().enumerate() {
                 // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
@@ -67,27 +69,37 @@ impl Scratch {
         let best = row_kernels();
         for (cols, coverage) in key_blocks(head, rows.clone(), keys, KEY_TILE) {
             let (nc, local) = (cols.len(), cols.start - head.key_base);
-            let (kb, vb) = (k_rows.subrows(local, nc), v_rows.subrows(local, nc));
-            // Read in place where this CPU has in-place kernels for the layout, else copied
-            // block by block.
-            let in_place = best.filter(|s| s.reads(kb) && s.reads(vb));
+            let (kb, vb) = (
+                head.k.block(local..local + nc),
+                head.v.block(local..local + nc),
+            );
+            // Read in place where this CPU has in-place kernels for every run's layout, else
+            // copied block by block.
+            let readable = |s: &RowKernels, src: &K| runs(src).all(|(_, run)| s.reads(run));
+            let in_place = best.filter(|s| readable(s, &kb) && readable(s, &vb));
             // K pass, then V pass: each is one long sequential stream, which the prefetchers
             // follow at full bandwidth (interleaving K and V rows does not).
             let q_row = |i: usize| &self.q[i * d_k..(i + 1) * d_k];
             if let Some(kernels) = in_place {
-                kernels.scores(&self.q[..nr * d_k], kb, vb, (&mut self.s, bc));
+                let mut k_runs = runs(&kb).peekable();
+                while let Some((first, run)) = k_runs.next() {
+                    let next = k_runs.peek().map(|&(_, r)| r).or_else(|| vb.run_at(0));
+                    let next = next.unwrap_or(run.subrows(0, 0));
+                    let s = (&mut self.s[first..], bc);
+                    kernels.scores(&self.q[..nr * d_k], run, next, s);
+                }
             } else {
                 let mut k: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
-                row_slices(k_rows, local..local + nc, &mut self.k_wide, &mut k);
+                f32_row_slices(&kb, &mut self.k_wide, &mut k);
                 for (i, s) in self.s.chunks_exact_mut(bc).take(nr).enumerate() {
                     scores(q_row(i), &k[..nc], &mut s[..nc]);
                 }
             }
             // Row-major scores: rows `bc` apart, so the tile is `nc × nr` column-major.
             if rescaled || !tile_is_finite(&self.s, bc, nc, nr) {
-                let (q, k) = (head.q.subrows(rows.start, nr), Dense(kb));
+                let q = head.q.subrows(rows.start, nr);
                 let rescaled = Some(&self.rescaled[..nr]);
-                rescore(&mut self.s, (bc, 1), q, &k, head.scale_log2, rescaled);
+                rescore(&mut self.s, (bc, 1), q, &kb, head.scale_log2, rescaled);
             }
             modify_scores(
                 &mut self.s,
@@ -107,39 +119,130 @@ impl Scratch {
             // A hidden key must contribute nothing, not 0·V_j (NaN for a non-finite V_j):
             // the values are then read without the non-finite rows, whose terms the rows
             // that see them add alone, so the other rows get the bits they would anyway.
-            let careful = masked && zero_weight_meets_non_finite(vb, zero_weight);
-            let mut buf = Vec::new();
-            let values = if careful {
-                without_non_finite_rows(vb, &mut buf)
-            } else {
-                vb
-            };
-            if let Some(kernels) = in_place.filter(|k| k.reads(values)) {
-                let rest = k_rows.nrows() - (local + nc);
-                let next_k = k_rows.subrows(local + nc, rest);
-                let accs = (&mut self.acc_rows[..nr * d_v], &self.alpha[..nr]);
-                kernels.accumulate(accs, (&self.s, bc), values, next_k);
-            } else {
-                let mut v: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
-                row_slices(values, 0..nc, &mut self.v_wide, &mut v);
-                for i in 0..nr {
-                    let p = &self.s[i * bc..i * bc + nc];
-                    let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
-                    accumulate(acc, self.alpha[i], p, &v[..nc]);
+            let careful = masked
+                && match vb.in_place() {
+                    Some(v) => zero_weight_meets_non_finite(v, zero_weight),
+                    None => zero_weight_meets_non_finite(vb.to_f32(&mut self.v_wide), zero_weight),
+                };
+            let next_k = head.k.run_at(local + nc);
+            match in_place {
+                Some(kernels) if !careful => {
+                    // Each run rescales the accumulators by what the softmax asked of the
+                    // block (the first) or by nothing (1, exactly).
+                    let ones = [1.0f32; DECODE_ROWS];
+                    let mut v_runs = runs(&vb).peekable();
+                    while let Some((first, run)) = v_runs.next() {
+                        let next = v_runs.peek().map(|&(_, r)| r).or(next_k);
+                        let next = next.unwrap_or(run.subrows(0, 0));
+                        let alpha = if first == 0 {
+                            &self.alpha[..nr]
+                        } else {
+                            &ones[..nr]
+                        };
+                        let accs = (&mut self.acc_rows[..nr * d_v], alpha);
+                        kernels.accumulate(accs, (&self.s[first..], bc), run, next);
+                    }
                 }
+                _ => match vb.in_place() {
+                    Some(v) => {
+                        let mut buf = Vec::new();
+                        let values = if careful {
+                            without_non_finite_rows(v, &mut buf)
+                        } else {
+                            v
+                        };
+                        self.accumulate_block(in_place, values, next_k, (nr, nc, d_v));
+                    }
+                    None => {
+                        // Rows from several pages: the block's rows as f32.
+                        let mut buf = Vec::new();
+                        let wide = vb.to_f32(&mut self.v_wide);
+                        let values = if careful {
+                            without_non_finite_rows(wide, &mut buf)
+                        } else {
+                            wide
+                        };
+                        let mut v: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
+                        for (slot, j) in v.iter_mut().zip(0..nc) {
+                            *slot = values
+                                .row(j)
+                                .try_as_row_major()
+                                .map_or(&[], |r| r.as_slice());
+                        }
+                        for i in 0..nr {
+                            let p = &self.s[i * bc..i * bc + nc];
+                            let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
+                            accumulate(acc, self.alpha[i], p, &v[..nc]);
+                        }
+                    }
+                },
             }
             if careful {
                 let (s, acc) = (&self.s, &mut self.acc_rows);
                 let at = (rows.clone(), cols.clone());
-                add_non_finite_terms(
-                    head,
-                    at,
-                    vb,
-                    |i, jj| s[i * bc + jj],
-                    |i, c, x| {
-                        acc[i * d_v + c] += x;
-                    },
-                );
+                let p = |i: usize, jj: usize| s[i * bc + jj];
+                let add = |i: usize, c: usize, x: f32| acc[i * d_v + c] += x;
+                match vb.in_place() {
+                    Some(v) => add_non_finite_terms(head, at, v, p, add),
+                    None => add_non_finite_terms(head, at, vb.to_f32(&mut self.v_wide), p, add),
+                }
+            }
+        }
+    }
+
+    /// `acc_r = alpha_r·acc_r + Σ_j p_r[j]·v[j]` over the block's values `values` (in place
+    /// when this CPU's kernels read them, prefetching `next`; else copied rows).
+    fn accumulate_block<U: Element>(
+        &mut self,
+        kernels: Option<RowKernels>,
+        values: MatRef<'_, U>,
+        next: Option<MatRef<'_, U>>,
+        (nr, nc, d_v): (usize, usize, usize),
+    ) {
+        let bc = self.plan.bc;
+        if let Some(kernels) = kernels.filter(|k| k.reads(values)) {
+            let accs = (&mut self.acc_rows[..nr * d_v], &self.alpha[..nr]);
+            let next = next.unwrap_or(values.subrows(0, 0));
+            kernels.accumulate(accs, (&self.s, bc), values, next);
+            return;
+        }
+        let mut v: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
+        row_slices(values, 0..nc, &mut self.v_wide, &mut v);
+        for i in 0..nr {
+            let p = &self.s[i * bc..i * bc + nc];
+            let acc = &mut self.acc_rows[i * d_v..(i + 1) * d_v];
+            accumulate(acc, self.alpha[i], p, &v[..nc]);
+        }
+    }
+}
+
+/// Every run of `src` ([`KeySource::run_at`]), `(first row, rows)`, in order; none when the
+/// source cannot lend its rows in place.
+fn runs<'s, T: Element, K: KeySource<T>>(
+    src: &'s K,
+) -> impl Iterator<Item = (usize, MatRef<'s, T>)> + 's {
+    let mut j = 0;
+    core::iter::from_fn(move || {
+        let run = src.run_at(j)?;
+        let first = j;
+        j += run.nrows();
+        Some((first, run))
+    })
+}
+
+/// The rows of `src` as f32 slices for the portable kernels: in place for dense f32 rows
+/// that are contiguous, else widened into `wide`.
+fn f32_row_slices<'b, T: Element, K: KeySource<T>>(
+    src: &'b K,
+    wide: &'b mut [f32],
+    out: &mut [&'b [f32]],
+) {
+    match src.in_place() {
+        Some(m) => row_slices(m, 0..m.nrows(), wide, out),
+        None => {
+            let m = src.to_f32(wide);
+            for (slot, j) in out.iter_mut().zip(0..m.nrows()) {
+                *slot = m.row(j).try_as_row_major().map_or(&[], |r| r.as_slice());
             }
         }
     }

@@ -34,7 +34,7 @@ pub(super) fn run<T: Element, O: Element, K: KeySource<T>>(
     let states: Vec<OnceLock<PartialState>> = index.iter().map(|_| OnceLock::new()).collect();
     for_each_index(index.len(), Order::BothEnds, par, |i| {
         let (j, t, c) = index[i];
-        let state = Scratch::with::<T, _>(problem, |scratch| {
+        let state = Scratch::with::<T, K, _>(problem, |scratch| {
             let rows = t * plan.br..((t + 1) * plan.br).min(n_q);
             let keys = chunks[j].get(c).cloned().unwrap_or(0..0);
             scratch.attend(&jobs[j].inputs, rows.clone(), keys.clone(), None);

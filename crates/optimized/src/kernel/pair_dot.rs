@@ -94,6 +94,14 @@ fn word(lo: u16, hi: u16) -> u32 {
     u32::from(lo) | (u32::from(hi) << 16)
 }
 
+/// The word of entries `lo` and `hi`, scanned into `report`: for packers that assemble
+/// pairs one word at a time (rows from different pages).
+pub(crate) fn word_of(lo: bf16, hi: bf16, report: &mut PackReport) -> u32 {
+    let (lo, hi) = (lo.to_bits(), hi.to_bits());
+    scan([lo, hi].into_iter(), report);
+    word(lo, hi)
+}
+
 /// Packs `a : [m, k]` (any strides) as A into `dst` (`ld` words per pair, `ld` a multiple
 /// of [`LANES`], at least `m`; padding rows zero). Returns `false` (and packs nothing
 /// usable) when an entry is subnormal.
@@ -148,11 +156,19 @@ pub(crate) struct PackReport {
 }
 
 impl PackReport {
-    const CLEAN: PackReport = PackReport {
+    /// Nothing to report.
+    pub const CLEAN: PackReport = PackReport {
         subnormal: false,
         tiny: false,
         non_finite: false,
     };
+
+    /// Adds what `other` (another part of the same block) holds.
+    pub fn merge(&mut self, other: PackReport) {
+        self.subnormal |= other.subnormal;
+        self.tiny |= other.tiny;
+        self.non_finite |= other.non_finite;
+    }
 
     /// Whether the products compute this block of values as f32 would, up to rounding.
     pub fn exact(self) -> bool {
@@ -300,13 +316,23 @@ pub(crate) fn pack_f32_rows(
 /// column (the padding zero): word `(p, c)` at `c·ld + p` holds rows `2p` and `2p + 1` of
 /// column `c` (V for `Oᵀ += Vᵀ·Pᵀ`: A of the tile products).
 pub(crate) fn pack_columns(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> PackReport {
-    let (n, w) = (m.nrows(), m.ncols());
-    let np = pairs(n);
+    let (np, w) = (pairs(m.nrows()), m.ncols());
     assert!(ld >= np && dst.len() >= w * ld);
-    let mut report = PackReport::CLEAN;
     for col in dst.chunks_exact_mut(ld).take(w) {
         col[np..].fill(0);
     }
+    pack_columns_unpadded(m, dst, ld)
+}
+
+/// [`pack_columns`] without the padding: writes only words `(p, c)` for the pairs of `m`'s
+/// rows, so that blocks of rows (pages) can fill one column each at its own first pair
+/// (`dst` starting there; every block but the last of an even number of rows). `dst`
+/// holds the last column's pairs at least.
+pub(crate) fn pack_columns_unpadded(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> PackReport {
+    let (n, w) = (m.nrows(), m.ncols());
+    let np = pairs(n);
+    assert!(ld >= np && (w == 0 || dst.len() >= (w - 1) * ld + np));
+    let mut report = PackReport::CLEAN;
     let row = |r: usize| m.row(r).try_as_row_major().map(|row| row.as_slice());
     // Whole blocks of 16 pairs × 16 columns transposed in registers, the rest one word at
     // a time.
@@ -316,7 +342,8 @@ pub(crate) fn pack_columns(m: MatRef<'_, bf16>, dst: &mut [u32], ld: usize) -> P
         let rows: Option<Vec<&[bf16]>> = (0..n - n % 32).map(row).collect();
         if let Some(rows) = rows {
             // SAFETY: AVX-512 F and BW are part of the chosen path; every row holds `w`
-            // entries and `dst` holds `w` columns of `ld ≥ pairs(n)` words.
+            // entries, and `dst` the first `pairs(n) ≤ ld` words of each of `w` columns
+            // `ld` apart (the assert above), all the kernel writes.
             done = unsafe { x86::pack_columns(&rows, w, dst, ld, &mut report) };
         }
     }
@@ -819,8 +846,8 @@ mod x86 {
     /// (all of `rows`, whose count is a multiple of 32; none when `w < 16`).
     ///
     /// # Safety
-    /// AVX-512 F and BW; every row has at least `w` entries; `dst` holds `w` columns of
-    /// `ld ≥ rows.len() / 2` words.
+    /// AVX-512 F and BW; every row has at least `w` entries; `dst` holds the first
+    /// `rows.len() / 2 ≤ ld` words of each of `w` columns `ld` apart.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn pack_columns(
         rows: &[&[half::bf16]],

@@ -1,0 +1,339 @@
+//! A paged key/value cache for serving: one pool of fixed-size pages per layer, a block
+//! table per sequence, sequences created, extended, forked and freed while others decode.
+//!
+//! [`crate::KvCache`] gives each batch entry one contiguous buffer of a fixed capacity.
+//! Serving many sequences of unknown lengths wants what vLLM's PagedAttention does: memory
+//! that grows with the tokens in use, a prefix shared between sequences without copying,
+//! and one call over a batch that mixes prefill chunks and decode steps. The pool holds
+//! `[pages, kv_heads, page_size, d]` for K and for V (each head's rows of a page
+//! contiguous, so decoding streams them); a page is shared by the sequences whose prefix
+//! it holds and returns to the pool with its last user. The engines read the pages in
+//! place through [`PagedKv`] ([`crate::Attention::paged`]).
+
+use attn_core::{Error, Layout, Options, PagedKv, Result, Tensor4Ref};
+
+use crate::call::{Attention, Batch};
+use crate::kernel::element::Element;
+use crate::problem::zeroed;
+
+/// A sequence of a [`PagedKvCache`]: a handle, valid until the sequence is freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SeqId(usize);
+
+/// One sequence's pages and length.
+#[derive(Debug, Clone, Default)]
+struct Sequence {
+    pages: Vec<u32>,
+    len: usize,
+}
+
+/// Keys and values of one attention layer in pages, for sequences that come and go.
+///
+/// ```
+/// use attn_optimized::{Causal, Layout, Options, PagedKvCache, Par, Tensor4Ref};
+/// // 64 pages of 16 tokens, 2 kv heads, d = 8.
+/// let mut cache = PagedKvCache::<f32>::new(64, 16, 2, 8, 8)?;
+/// let a = cache.add_sequence()?;
+/// let prompt = vec![0.5f32; 2 * 20 * 8]; // 20 tokens, [1, h_kv, t, d] in [B,S,H,D]
+/// let kv = Tensor4Ref::from_layout(&prompt, [1, 2, 20, 8], Layout::Bshd)?;
+/// cache.append(a, kv, kv)?;
+/// let b = cache.fork(a)?; // shares the full page, copies the partial one
+/// assert_eq!((cache.len(b)?, cache.free_pages()), (20, 64 - 3));
+/// // One decode step for each: append the new token's K and V, then attend.
+/// let token = vec![1.0f32; 2 * 8];
+/// let token = Tensor4Ref::from_layout(&token, [1, 2, 1, 8], Layout::Bshd)?;
+/// cache.append(a, token, token)?;
+/// cache.append(b, token, token)?;
+/// let q = vec![0.1f32; 2 * 4 * 8]; // two tokens (one a sequence), 4 query heads
+/// let q = Tensor4Ref::from_layout(&q, [1, 4, 2, 8], Layout::Bshd)?;
+/// let batch = cache.batch(&[a, b])?;
+/// let opts = Options::default().with_causal(Causal::BottomRight);
+/// let out = batch.attention(q, &[0, 1, 2], &opts)?.forward(Par::rayon(0))?;
+/// assert_eq!(out.output().dims(), [1, 4, 2, 8]);
+/// cache.free(b)?;
+/// assert_eq!(cache.free_pages(), 64 - 2);
+/// # Ok::<(), attn_optimized::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct PagedKvCache<T> {
+    pages: usize,
+    page_size: usize,
+    kv_heads: usize,
+    d_k: usize,
+    d_v: usize,
+    k: Vec<T>,
+    v: Vec<T>,
+    /// Users of each page (0: free).
+    users: Vec<u32>,
+    /// The free pages, the next to hand out last.
+    free: Vec<u32>,
+    /// Slot per sequence handle; `None` once freed.
+    seqs: Vec<Option<Sequence>>,
+}
+
+impl<T: Element> PagedKvCache<T> {
+    /// An empty cache of `pages` pages of `page_size` tokens for `kv_heads` heads of keys
+    /// `d_k` wide and values `d_v` wide, allocated now (fallibly: a pool that cannot be
+    /// held is an [`Error::Allocation`]).
+    pub fn new(
+        pages: usize,
+        page_size: usize,
+        kv_heads: usize,
+        d_k: usize,
+        d_v: usize,
+    ) -> Result<Self> {
+        if page_size == 0 {
+            return Err(Error::layout(
+                "paged cache",
+                "a page holds no token (page_size must be at least 1)",
+            ));
+        }
+        if pages > u32::MAX as usize {
+            return Err(Error::capacity(
+                "pages of a paged cache",
+                pages,
+                u32::MAX as usize,
+            ));
+        }
+        let k = zeroed("paged cache keys", &[pages, kv_heads, page_size, d_k])?;
+        let v = zeroed("paged cache values", &[pages, kv_heads, page_size, d_v])?;
+        let users = attn_core::filled("paged cache pages", Some(pages), 0u32)?;
+        let mut free = attn_core::filled("paged cache pages", Some(pages), 0u32)?;
+        for (slot, p) in free.iter_mut().zip((0..pages as u32).rev()) {
+            *slot = p;
+        }
+        Ok(Self {
+            pages,
+            page_size,
+            kv_heads,
+            d_k,
+            d_v,
+            k,
+            v,
+            users,
+            free,
+            seqs: Vec::new(),
+        })
+    }
+
+    /// Tokens a page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Pages not used by any sequence.
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    /// A new, empty sequence.
+    pub fn add_sequence(&mut self) -> Result<SeqId> {
+        self.seqs
+            .try_reserve(1)
+            .map_err(|_| Error::allocation_of::<Sequence>("paged cache sequences", None))?;
+        self.seqs.push(Some(Sequence::default()));
+        Ok(SeqId(self.seqs.len() - 1))
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&Sequence> {
+        match self.seqs.get(id.0) {
+            Some(Some(s)) => Ok(s),
+            _ => Err(Error::out_of_range("live sequence", id.0, self.seqs.len())),
+        }
+    }
+
+    /// The tokens sequence `id` holds.
+    pub fn len(&self, id: SeqId) -> Result<usize> {
+        self.seq(id).map(|s| s.len)
+    }
+
+    /// The pages sequence `id` uses, in order.
+    pub fn pages_of(&self, id: SeqId) -> Result<&[u32]> {
+        self.seq(id).map(|s| &s.pages[..])
+    }
+
+    /// Appends `t` tokens to sequence `id`: `k : [1, kv_heads, t, d_k]`,
+    /// `v : [1, kv_heads, t, d_v]` (any layout). Takes pages from the pool as it fills
+    /// them; running out is an [`Error::Capacity`] that leaves every sequence as it was.
+    pub fn append(&mut self, id: SeqId, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>) -> Result<()> {
+        self.check_tokens(k, v)?;
+        let (t, ps) = (k.dims()[2], self.page_size);
+        let seq = self.seq(id)?;
+        let (len, have) = (seq.len, seq.pages.len());
+        let new_len =
+            len.checked_add(t)
+                .ok_or(Error::capacity("tokens of a sequence", usize::MAX, len))?;
+        let need = new_len.div_ceil(ps) - have;
+        if need > self.free.len() {
+            return Err(Error::capacity("free pages", need, self.free.len()));
+        }
+        let seq = self.seqs[id.0]
+            .as_mut()
+            .ok_or(Error::out_of_range("live sequence", id.0, 0))?;
+        seq.pages
+            .try_reserve(need)
+            .map_err(|_| Error::allocation_of::<u32>("a sequence's pages", Some(need)))?;
+        // Nothing can fail from here on.
+        for _ in 0..need {
+            if let Some(p) = self.free.pop() {
+                self.users[p as usize] = 1;
+                seq.pages.push(p);
+            }
+        }
+        seq.len = new_len;
+        // A page another sequence shares is full (forks copy the partial page), so the
+        // rows written here are this sequence's own.
+        let pages = &seq.pages;
+        for (src, pool, d) in [(k, &mut self.k, self.d_k), (v, &mut self.v, self.d_v)] {
+            for h in 0..self.kv_heads {
+                let rows = src.head(0, h)?;
+                for i in 0..t {
+                    let tok = len + i;
+                    let page = pages[tok / ps] as usize;
+                    let at = ((page * self.kv_heads + h) * ps + tok % ps) * d;
+                    for (c, x) in pool[at..at + d].iter_mut().enumerate() {
+                        *x = rows[(i, c)];
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>) -> Result<()> {
+        let ([bk, hk, tk, dk], [bv, hv, tv, dv]) = (k.dims(), v.dims());
+        let cache = |operand, axis, found, expected, rule| {
+            attn_core::check_dim(operand, axis, found, "the cache", expected, rule)
+        };
+        cache("new K", "batch entries", bk, 1, "one sequence's tokens")?;
+        cache("new V", "batch entries", bv, 1, "one sequence's tokens")?;
+        cache("new K", "heads", hk, self.kv_heads, "kv heads must match")?;
+        cache("new V", "heads", hv, self.kv_heads, "kv heads must match")?;
+        cache("new K", "columns", dk, self.d_k, "d_k must match")?;
+        cache("new V", "columns", dv, self.d_v, "d_v must match")?;
+        attn_core::check_dim(
+            "new V",
+            "tokens",
+            tv,
+            "new K",
+            tk,
+            "K and V carry the same tokens",
+        )
+    }
+
+    /// A new sequence holding what `id` holds: it shares `id`'s full pages and gets its
+    /// own copy of the last, partial one (so neither's appends reach the other). Needs one
+    /// free page when the length is not a whole number of pages.
+    pub fn fork(&mut self, id: SeqId) -> Result<SeqId> {
+        let parent = self.seq(id)?.clone();
+        let partial = !parent.len.is_multiple_of(self.page_size);
+        if partial && self.free.is_empty() {
+            return Err(Error::capacity("free pages", 1, 0));
+        }
+        self.seqs
+            .try_reserve(1)
+            .map_err(|_| Error::allocation_of::<Sequence>("paged cache sequences", None))?;
+        let mut pages = parent.pages;
+        if partial && let (Some(last), Some(copy)) = (pages.last_mut(), self.free.pop()) {
+            let (from, to) = (*last as usize, copy as usize);
+            for (pool, d) in [(&mut self.k, self.d_k), (&mut self.v, self.d_v)] {
+                let page = self.kv_heads * self.page_size * d;
+                pool.copy_within(from * page..(from + 1) * page, to * page);
+            }
+            self.users[to] = 1;
+            *last = copy;
+        }
+        let full = if partial {
+            pages.len() - 1
+        } else {
+            pages.len()
+        };
+        for &p in &pages[..full] {
+            self.users[p as usize] += 1;
+        }
+        self.seqs.push(Some(Sequence {
+            pages,
+            len: parent.len,
+        }));
+        Ok(SeqId(self.seqs.len() - 1))
+    }
+
+    /// Frees sequence `id`: each of its pages returns to the pool with its last user.
+    pub fn free(&mut self, id: SeqId) -> Result<()> {
+        self.seq(id)?;
+        let Some(seq) = self.seqs[id.0].take() else {
+            return Ok(());
+        };
+        for p in seq.pages {
+            let users = &mut self.users[p as usize];
+            *users -= 1;
+            if *users == 0 {
+                // `free` was allocated for every page: this never reallocates.
+                self.free.push(p);
+            }
+        }
+        Ok(())
+    }
+
+    /// The sequences `ids` as one batch (their block table, built once), for
+    /// [`PagedBatch::attention`].
+    pub fn batch(&self, ids: &[SeqId]) -> Result<PagedBatch<'_, T>> {
+        let mut lens = Vec::new();
+        lens.try_reserve_exact(ids.len())
+            .map_err(|_| Error::allocation_of::<usize>("paged batch lengths", Some(ids.len())))?;
+        let mut widest = 0;
+        for &id in ids {
+            let s = self.seq(id)?;
+            lens.push(s.len);
+            widest = widest.max(s.pages.len());
+        }
+        let n = ids.len().checked_mul(widest);
+        let mut table = attn_core::filled("paged batch block table", n, 0u32)?;
+        for (row, &id) in table.chunks_exact_mut(widest.max(1)).zip(ids) {
+            let pages = &self.seq(id)?.pages;
+            row[..pages.len()].copy_from_slice(pages);
+        }
+        Ok(PagedBatch {
+            cache: self,
+            table,
+            lens,
+        })
+    }
+
+    /// The pools as `[pages, kv_heads, page_size, d]` views.
+    fn pools(&self) -> Result<(Tensor4Ref<'_, T>, Tensor4Ref<'_, T>)> {
+        let dims = |d| [self.pages, self.kv_heads, self.page_size, d];
+        Ok((
+            Tensor4Ref::from_layout(&self.k, dims(self.d_k), Layout::Bhsd)?,
+            Tensor4Ref::from_layout(&self.v, dims(self.d_v), Layout::Bhsd)?,
+        ))
+    }
+}
+
+/// Sequences of a [`PagedKvCache`] gathered into one batch: their block table and lengths.
+#[derive(Debug)]
+pub struct PagedBatch<'c, T> {
+    cache: &'c PagedKvCache<T>,
+    table: Vec<u32>,
+    lens: Vec<usize>,
+}
+
+impl<'c, T: Element> PagedBatch<'c, T> {
+    /// The batch's pages as the view the engines read.
+    pub fn kv(&self) -> Result<PagedKv<'_, T>> {
+        let (k, v) = self.cache.pools()?;
+        PagedKv::new(k, v, &self.table, &self.lens)
+    }
+
+    /// The call of `q` (`[1, h_q, total_q, d_k]`, sequence `s` of the batch on its rows
+    /// `cu_seqlens_q[s]..cu_seqlens_q[s + 1]`, its newest tokens) against the batch's
+    /// pages: [`Attention::paged`].
+    pub fn attention<'a>(
+        &'a self,
+        q: Tensor4Ref<'a, T>,
+        cu_seqlens_q: &'a [usize],
+        options: &Options<'a>,
+    ) -> Result<Attention<'a, T, Batch>> {
+        Attention::paged(q, cu_seqlens_q, self.kv()?, options)
+    }
+}
