@@ -39,8 +39,8 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
 
     /// Rows `j ..` in place up to the end of the strided block that holds row `j` (all
     /// the rest of a dense source, the rest of row `j`'s page of a paged one): the runs
-    /// the row kernels stream one after the other. `None` when `j` is past the rows or the
-    /// rows must be copied.
+    /// the row kernels stream one after the other, all with the same column count and
+    /// strides. `None` when `j` is past the rows or the rows must be copied.
     fn run_at(&self, j: usize) -> Option<MatRef<'_, T>>;
 
     /// The rows as f32: in place for a dense f32 source, else widened (or dequantized)

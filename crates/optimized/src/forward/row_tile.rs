@@ -73,9 +73,10 @@ impl Scratch {
                 head.k.block(local..local + nc),
                 head.v.block(local..local + nc),
             );
-            // Read in place where this CPU has in-place kernels for every run's layout, else
-            // copied block by block.
-            let readable = |s: &RowKernels, src: &K| runs(src).all(|(_, run)| s.reads(run));
+            // Read in place where this CPU has in-place kernels for the layout, else copied
+            // block by block. A source's runs share one layout (a dense view's strides, a
+            // pool's), so its first run speaks for all.
+            let readable = |s: &RowKernels, src: &K| src.run_at(0).is_some_and(|r| s.reads(r));
             let in_place = best.filter(|s| readable(s, &kb) && readable(s, &vb));
             // K pass, then V pass: each is one long sequential stream, which the prefetchers
             // follow at full bandwidth (interleaving K and V rows does not).
