@@ -1,7 +1,8 @@
 //! The paged cache's decoding target, 2 threads: one query per head against a long cache
 //! held in pages (32 query and 32 K/V heads, batch 1, n_k = 32768, d = 128, f16), against
 //! the same tokens in a contiguous [`KvCache`]. Pages of 16 tokens (the target's) and of
-//! 128.
+//! 128, handed out in order (one sequence filling the cache) and interleaved with a second
+//! sequence's (two sequences decoding side by side: every other page is the other's).
 //!
 //! Criterion times each; the ratio comes from a loop that interleaves the two round by
 //! round and prints the median of the per-round ratios (memory bandwidth drifts by tens
@@ -14,9 +15,7 @@ use std::time::Duration;
 
 use attn_benches::protocol::median;
 use attn_benches::roof::pool;
-use attn_optimized::{
-    Causal, KvCache, Layout, Options, PagedKvCache, Par, SeqId, Tensor4Ref, f16,
-};
+use attn_optimized::{Causal, KvCache, Layout, Options, PagedKvCache, Par, SeqId, Tensor4Ref, f16};
 use criterion::{Criterion, Throughput};
 
 /// The shape of the target, or a toy one in test mode.
@@ -40,36 +39,64 @@ fn values(n: usize, seed: u64) -> Vec<f16> {
         .collect()
 }
 
-/// The same tokens in a contiguous cache and in paged caches of `pages` tokens a page.
+/// The same tokens in a contiguous cache and in paged caches: `(page size, interleaved,
+/// cache, the sequence measured)`.
 struct Caches {
     contiguous: KvCache<f16>,
-    paged: Vec<(usize, PagedKvCache<f16>, SeqId)>,
+    paged: Vec<(usize, bool, PagedKvCache<f16>, SeqId)>,
     q: Vec<f16>,
 }
 
 impl Caches {
-    fn new(s: &Setup, page_sizes: &[usize]) -> Self {
+    fn new(s: &Setup, configs: &[(usize, bool)]) -> Self {
         let (h, n, d) = (s.heads, s.n_k, s.d);
         let mut contiguous = KvCache::<f16>::new(1, h, n, d, d).expect("a cache");
-        let mut paged: Vec<_> = page_sizes
+        let mut paged: Vec<_> = configs
             .iter()
-            .map(|&ps| {
-                let mut cache =
-                    PagedKvCache::<f16>::new(n.div_ceil(ps), ps, h, d, d).expect("a cache");
+            .map(|&(ps, interleaved)| {
+                let pages = n.div_ceil(ps) * if interleaved { 2 } else { 1 };
+                let mut cache = PagedKvCache::<f16>::new(pages, ps, h, d, d).expect("a cache");
                 let seq = cache.add_sequence().expect("a sequence");
-                (ps, cache, seq)
+                (ps, interleaved, cache, seq)
             })
             .collect();
-        // The prompt in chunks, appended to every cache alike.
+        let others: Vec<Option<SeqId>> = paged
+            .iter_mut()
+            .map(|(_, interleaved, cache, _)| {
+                interleaved.then(|| cache.add_sequence().expect("a sequence"))
+            })
+            .collect();
+        // The prompt in chunks, appended to every cache alike; an interleaved cache takes
+        // a page of it at a time, each followed by a page for the other sequence.
         let chunk = 1024.min(n);
         for (i, start) in (0..n).step_by(chunk).enumerate() {
             let t = chunk.min(n - start);
-            let (k, v) = (values(h * t * d, 2 * i as u64), values(h * t * d, 2 * i as u64 + 1));
-            let k = Tensor4Ref::from_layout(&k, [1, h, t, d], Layout::Bshd).expect("a view");
-            let v = Tensor4Ref::from_layout(&v, [1, h, t, d], Layout::Bshd).expect("a view");
-            contiguous.append(k, v).expect("room");
-            for (_, cache, seq) in &mut paged {
-                cache.append(*seq, k, v).expect("pages");
+            let (k, v) = (
+                values(h * t * d, 2 * i as u64),
+                values(h * t * d, 2 * i as u64 + 1),
+            );
+            fn view(
+                x: &[f16],
+                (h, d): (usize, usize),
+                from: usize,
+                len: usize,
+            ) -> Tensor4Ref<'_, f16> {
+                let x = &x[from * h * d..(from + len) * h * d];
+                Tensor4Ref::from_layout(x, [1, h, len, d], Layout::Bshd).expect("a view")
+            }
+            contiguous
+                .append(view(&k, (h, d), 0, t), view(&v, (h, d), 0, t))
+                .expect("room");
+            for ((ps, _, cache, seq), other) in paged.iter_mut().zip(&others) {
+                let step = if other.is_some() { *ps } else { t };
+                for from in (0..t).step_by(step) {
+                    let len = step.min(t - from);
+                    let (kc, vc) = (view(&k, (h, d), from, len), view(&v, (h, d), from, len));
+                    cache.append(*seq, kc, vc).expect("pages");
+                    if let Some(o) = other {
+                        cache.append(*o, kc, vc).expect("pages");
+                    }
+                }
             }
         }
         let q = values(h * d, 99);
@@ -95,7 +122,7 @@ impl Caches {
 
     fn step_paged(&self, s: &Setup, i: usize) {
         let opts = Options::default().with_causal(Causal::BottomRight);
-        let (_, cache, seq) = &self.paged[i];
+        let (_, _, cache, seq) = &self.paged[i];
         let batch = cache.batch(&[*seq]).expect("a batch");
         batch
             .attention(self.q(s), &[0, 1], &opts)
@@ -124,7 +151,7 @@ fn main() {
         }
     };
     let pool = pool(2);
-    let caches = Caches::new(&s, &[16, 128]);
+    let caches = Caches::new(&s, &[(16, false), (16, true), (128, true)]);
     let kv_bytes = 2 * s.heads * s.n_k * s.d * 2;
 
     let mut c = Criterion::default()
@@ -138,8 +165,13 @@ fn main() {
         group.bench_function("contiguous", |b| {
             pool.install(|| b.iter(|| caches.step_contiguous(&s)))
         });
-        for (i, (ps, _, _)) in caches.paged.iter().enumerate() {
-            group.bench_function(format!("pages_of_{ps}"), |b| {
+        for (i, (ps, interleaved, _, _)) in caches.paged.iter().enumerate() {
+            let order = if *interleaved {
+                "interleaved"
+            } else {
+                "in_order"
+            };
+            group.bench_function(format!("pages_of_{ps}_{order}"), |b| {
                 pool.install(|| b.iter(|| caches.step_paged(&s, i)))
             });
         }
@@ -165,11 +197,16 @@ fn main() {
         "\npaged decode: interleaved ratios, median of {} rounds (n_q=1, h={}, n_k={}, d={}, f16, 2 threads)",
         s.rounds, s.heads, s.n_k, s.d
     );
-    for ((ps, _, _), r) in caches.paged.iter().zip(&ratios) {
+    for ((ps, interleaved, _, _), r) in caches.paged.iter().zip(&ratios) {
         let (lo, hi) = common::range(r);
         let target = if *ps == 16 { "  (target ≥ 0.95)" } else { "" };
+        let order = if *interleaved {
+            "interleaved with another sequence's"
+        } else {
+            "in order"
+        };
         println!(
-            "  pages of {ps}: speed ÷ contiguous cache's = {:.3}  (range {lo:.2}–{hi:.2}){target}",
+            "  pages of {ps}, {order}: speed ÷ contiguous cache's = {:.3}  (range {lo:.2}–{hi:.2}){target}",
             median(r).unwrap_or(f64::NAN)
         );
     }

@@ -167,6 +167,12 @@ impl<'a, T> Tensor4Ref<'a, T> {
         self.strides
     }
 
+    /// The buffer the view reads (what its dims and strides address, and whatever else
+    /// the caller's buffer holds).
+    pub fn buffer(&self) -> &'a [T] {
+        self.data
+    }
+
     /// The `[seq, dim]` matrix of one (batch, head).
     pub fn head(&self, batch: usize, head: usize) -> Result<MatRef<'a, T>> {
         check_index("batch", batch, self.dims[0])?;

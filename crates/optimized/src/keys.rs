@@ -194,6 +194,10 @@ fn split_pairs<T: Element, K: KeySource<T>>(
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Paged<'a, T> {
     pool: Tensor4Ref<'a, T>,
+    /// The pool as one sequence of pages, `[1, h_kv, pages · page_size, d]`, when each
+    /// page's rows follow the previous page's at the row stride (then pages that follow
+    /// each other in the pool make one run).
+    flat: Option<Tensor4Ref<'a, T>>,
     pages: &'a [u32],
     head: usize,
     start: usize,
@@ -203,8 +207,21 @@ pub(crate) struct Paged<'a, T> {
 impl<'a, T> Paged<'a, T> {
     /// Head `head` of sequence `s` of `kv`, in `pool` (its keys or its values).
     pub(crate) fn new(kv: &PagedKv<'a, T>, pool: Tensor4Ref<'a, T>, s: usize, head: usize) -> Self {
+        let ([pages, heads, ps, d], [page_stride, head_stride, row]) =
+            (pool.dims(), pool.strides());
+        let flat = (page_stride == ps * row)
+            .then(|| {
+                Tensor4Ref::new(
+                    pool.buffer(),
+                    [1, heads, pages * ps, d],
+                    [0, head_stride, row],
+                )
+                .ok()
+            })
+            .flatten();
         Self {
             pool,
+            flat,
             pages: kv.pages(s),
             head,
             start: 0,
@@ -228,14 +245,26 @@ impl<'a, T> Paged<'a, T> {
         Some((m, t % ps))
     }
 
-    /// Rows `j ..` to the end of row `j`'s page (or of the source).
+    /// Rows `j ..` to the end of row `j`'s page (or of the source), and on through the
+    /// pages after it that follow it in the pool.
     fn run(&self, j: usize) -> Option<MatRef<'a, T>> {
         if j >= self.len {
             return None;
         }
-        let (m, offset) = self.page_of(j)?;
-        let n = (self.page_size() - offset).min(self.len - j);
-        Some(m.subrows(offset, n))
+        let Some(flat) = self.flat else {
+            let (m, offset) = self.page_of(j)?;
+            let n = (self.page_size() - offset).min(self.len - j);
+            return Some(m.subrows(offset, n));
+        };
+        let (t, ps) = (self.start + j, self.page_size());
+        let (first, last_needed) = (t / ps, (self.start + self.len - 1) / ps);
+        let mut last = first;
+        while last < last_needed && self.pages.get(last + 1) == Some(&(self.pages[last] + 1)) {
+            last += 1;
+        }
+        let n = ((last + 1) * ps - t).min(self.len - j);
+        let at = *self.pages.get(first)? as usize * ps + t % ps;
+        Some(flat.head(0, self.head).ok()?.subrows(at, n))
     }
 
     /// Every run of the source, `(first row, rows)`, in order.
@@ -384,20 +413,27 @@ mod tests {
 
     /// A sequence in pages answers every question as the same rows in one view would:
     /// blocks starting anywhere (pairs straddling pages included), in pages of an even and
-    /// of an odd size.
+    /// of an odd size, scattered or partly following each other in the pool (whose runs
+    /// then span them).
     #[test]
     fn paged_rows_are_the_dense_rows() {
         let (n, d, heads) = (90usize, 40, 2);
-        for ps in [16usize, 7] {
+        let scattered = |ps: usize, pages: usize| -> Vec<u32> {
+            (0..n.div_ceil(ps))
+                .map(|p| ((p * 5 + 3) % pages) as u32)
+                .collect()
+        };
+        let cases: [(usize, Vec<u32>, Vec<usize>); 3] = [
+            (16, scattered(16, 8), (0..n).step_by(16).collect()),
+            (7, scattered(7, 15), (0..n).step_by(7).collect()),
+            (16, vec![2, 3, 4, 0, 1, 5], vec![0, 48, 80]),
+        ];
+        for (ps, table, run_starts) in cases {
             let pages = n.div_ceil(ps) + 2;
             let data: Vec<bf16> = (0..pages * heads * ps * d)
                 .map(|i| bf16::from_f32(((i * 7) % 23) as f32 - 11.0))
                 .collect();
             let pool = Tensor4Ref::from_layout(&data, [pages, heads, ps, d], Layout::Bshd).unwrap();
-            // The pages in a scrambled order.
-            let table: Vec<u32> = (0..n.div_ceil(ps))
-                .map(|p| ((p * 5 + 3) % pages) as u32)
-                .collect();
             let lens = [n];
             let kv = PagedKv::new(pool, pool, &table, &lens).unwrap();
             let paged = Paged::new(&kv, pool, 0, 1);
@@ -426,9 +462,9 @@ mod tests {
                     (q.at(3.min(r.len() - 1), 5), true)
                 );
             }
-            // Runs end where the pages do.
+            // Runs end where the pages stop following each other.
             let runs: Vec<usize> = paged.runs().map(|(first, _)| first).collect();
-            assert_eq!(runs, (0..n).step_by(ps).collect::<Vec<_>>());
+            assert_eq!(runs, run_starts);
         }
     }
 }

@@ -5,12 +5,13 @@
 //! Serving many sequences of unknown lengths wants what vLLM's PagedAttention does: memory
 //! that grows with the tokens in use, a prefix shared between sequences without copying,
 //! and one call over a batch that mixes prefill chunks and decode steps. The pool holds
-//! `[pages, kv_heads, page_size, d]` for K and for V (each head's rows of a page
-//! contiguous, so decoding streams them); a page is shared by the sequences whose prefix
-//! it holds and returns to the pool with its last user. The engines read the pages in
+//! K and V as `[kv_heads, pages, page_size, d]`: each head's pages in a region of their
+//! own, each page's rows contiguous, so that decoding streams one head's pages (pages
+//! handed out in order are one stream). A page is shared by the sequences whose prefix it
+//! holds and returns to the pool with its last user. The engines read the pages in
 //! place through [`PagedKv`] ([`crate::Attention::paged`]).
 
-use attn_core::{Error, Layout, Options, PagedKv, Result, Tensor4Ref};
+use attn_core::{Error, Options, PagedKv, Result, Tensor4Ref};
 
 use crate::call::{Attention, Batch};
 use crate::kernel::element::Element;
@@ -62,7 +63,9 @@ pub struct PagedKvCache<T> {
     d_k: usize,
     d_v: usize,
     k: Vec<T>,
+    /// Empty in a latent cache, whose values are the first `d_v` columns of its keys.
     v: Vec<T>,
+    latent: bool,
     /// Users of each page (0: free).
     users: Vec<u32>,
     /// The free pages, the next to hand out last.
@@ -82,6 +85,54 @@ impl<T: Element> PagedKvCache<T> {
         d_k: usize,
         d_v: usize,
     ) -> Result<Self> {
+        Self::with_pools(pages, page_size, kv_heads, (d_k, d_v), false)
+    }
+
+    /// An empty latent cache (DeepSeek's multi-head latent attention): one buffer per
+    /// token and head, `d_k` wide, that is the key, and whose first `d_v ≤ d_k` columns are
+    /// the value — stored once ([`PagedKvCache::append_latent`]), read as both.
+    ///
+    /// ```
+    /// use attn_optimized::{Layout, Options, PagedKvCache, Par, Tensor4Ref};
+    /// // 576-wide latent rows whose first 512 columns are the values, one K/V head.
+    /// let mut cache = PagedKvCache::<f32>::latent(8, 16, 1, 576, 512)?;
+    /// let s = cache.add_sequence()?;
+    /// let latent = vec![0.25f32; 20 * 576];
+    /// cache.append_latent(s, Tensor4Ref::from_layout(&latent, [1, 1, 20, 576], Layout::Bshd)?)?;
+    /// let q = vec![0.1f32; 16 * 576]; // 16 query heads, one decode step
+    /// let q = Tensor4Ref::from_layout(&q, [1, 16, 1, 576], Layout::Bshd)?;
+    /// let batch = cache.batch(&[s])?;
+    /// let out = batch.attention(q, &[0, 1], &Options::default())?.forward(Par::rayon(0))?;
+    /// assert_eq!(out.output().dims(), [1, 16, 1, 512]);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn latent(
+        pages: usize,
+        page_size: usize,
+        kv_heads: usize,
+        d_k: usize,
+        d_v: usize,
+    ) -> Result<Self> {
+        if d_v > d_k {
+            return Err(Error::mismatch(
+                "latent values",
+                "columns",
+                d_v,
+                "the latent keys",
+                d_k,
+                "the values are a column prefix of the keys",
+            ));
+        }
+        Self::with_pools(pages, page_size, kv_heads, (d_k, d_v), true)
+    }
+
+    fn with_pools(
+        pages: usize,
+        page_size: usize,
+        kv_heads: usize,
+        (d_k, d_v): (usize, usize),
+        latent: bool,
+    ) -> Result<Self> {
         if page_size == 0 {
             return Err(Error::layout(
                 "paged cache",
@@ -95,8 +146,9 @@ impl<T: Element> PagedKvCache<T> {
                 u32::MAX as usize,
             ));
         }
-        let k = zeroed("paged cache keys", &[pages, kv_heads, page_size, d_k])?;
-        let v = zeroed("paged cache values", &[pages, kv_heads, page_size, d_v])?;
+        let k = zeroed("paged cache keys", &[kv_heads, pages, page_size, d_k])?;
+        let v_pages = if latent { 0 } else { pages };
+        let v = zeroed("paged cache values", &[kv_heads, v_pages, page_size, d_v])?;
         let users = attn_core::filled("paged cache pages", Some(pages), 0u32)?;
         let mut free = attn_core::filled("paged cache pages", Some(pages), 0u32)?;
         for (slot, p) in free.iter_mut().zip((0..pages as u32).rev()) {
@@ -110,6 +162,7 @@ impl<T: Element> PagedKvCache<T> {
             d_v,
             k,
             v,
+            latent,
             users,
             free,
             seqs: Vec::new(),
@@ -156,7 +209,36 @@ impl<T: Element> PagedKvCache<T> {
     /// `v : [1, kv_heads, t, d_v]` (any layout). Takes pages from the pool as it fills
     /// them; running out is an [`Error::Capacity`] that leaves every sequence as it was.
     pub fn append(&mut self, id: SeqId, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>) -> Result<()> {
-        self.check_tokens(k, v)?;
+        if self.latent {
+            return Err(Error::unsupported(
+                "values of a latent cache",
+                "a latent cache stores one buffer, keys and values at once: append_latent",
+            ));
+        }
+        self.check_tokens(k, Some(v))?;
+        self.write(id, k, Some(v))
+    }
+
+    /// Appends `t` tokens to sequence `id` of a latent cache ([`PagedKvCache::latent`]):
+    /// `latent : [1, kv_heads, t, d_k]`, keys and (their first `d_v` columns) values.
+    pub fn append_latent(&mut self, id: SeqId, latent: Tensor4Ref<'_, T>) -> Result<()> {
+        if !self.latent {
+            return Err(Error::unsupported(
+                "latent rows",
+                "this cache stores keys and values apart: append",
+            ));
+        }
+        self.check_tokens(latent, None)?;
+        self.write(id, latent, None)
+    }
+
+    /// [`PagedKvCache::append`] of checked rows; `v` is `None` in a latent cache.
+    fn write(
+        &mut self,
+        id: SeqId,
+        k: Tensor4Ref<'_, T>,
+        v: Option<Tensor4Ref<'_, T>>,
+    ) -> Result<()> {
         let (t, ps) = (k.dims()[2], self.page_size);
         let seq = self.seq(id)?;
         let (len, have) = (seq.len, seq.pages.len());
@@ -184,13 +266,14 @@ impl<T: Element> PagedKvCache<T> {
         // A page another sequence shares is full (forks copy the partial page), so the
         // rows written here are this sequence's own.
         let pages = &seq.pages;
-        for (src, pool, d) in [(k, &mut self.k, self.d_k), (v, &mut self.v, self.d_v)] {
+        let pools = [(Some(k), &mut self.k, self.d_k), (v, &mut self.v, self.d_v)];
+        for (src, pool, d) in pools.into_iter().filter_map(|(s, p, d)| Some((s?, p, d))) {
             for h in 0..self.kv_heads {
                 let rows = src.head(0, h)?;
                 for i in 0..t {
                     let tok = len + i;
                     let page = pages[tok / ps] as usize;
-                    let at = ((page * self.kv_heads + h) * ps + tok % ps) * d;
+                    let at = ((h * self.pages + page) * ps + tok % ps) * d;
                     for (c, x) in pool[at..at + d].iter_mut().enumerate() {
                         *x = rows[(i, c)];
                     }
@@ -200,8 +283,10 @@ impl<T: Element> PagedKvCache<T> {
         Ok(())
     }
 
-    fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>) -> Result<()> {
-        let ([bk, hk, tk, dk], [bv, hv, tv, dv]) = (k.dims(), v.dims());
+    /// Checks new rows against the cache (`v` is `None` for a latent cache's rows).
+    fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Option<Tensor4Ref<'_, T>>) -> Result<()> {
+        let [bk, hk, tk, dk] = k.dims();
+        let [bv, hv, tv, dv] = v.map_or([bk, hk, tk, self.d_v], |v| v.dims());
         let cache = |operand, axis, found, expected, rule| {
             attn_core::check_dim(operand, axis, found, "the cache", expected, rule)
         };
@@ -236,9 +321,18 @@ impl<T: Element> PagedKvCache<T> {
         let mut pages = parent.pages;
         if partial && let (Some(last), Some(copy)) = (pages.last_mut(), self.free.pop()) {
             let (from, to) = (*last as usize, copy as usize);
-            for (pool, d) in [(&mut self.k, self.d_k), (&mut self.v, self.d_v)] {
-                let page = self.kv_heads * self.page_size * d;
-                pool.copy_within(from * page..(from + 1) * page, to * page);
+            let v = if self.latent {
+                None
+            } else {
+                Some((&mut self.v, self.d_v))
+            };
+            for (pool, d) in core::iter::once((&mut self.k, self.d_k)).chain(v) {
+                let page = self.page_size * d;
+                for h in 0..self.kv_heads {
+                    let head = h * self.pages;
+                    let from = (head + from) * page;
+                    pool.copy_within(from..from + page, (head + to) * page);
+                }
             }
             self.users[to] = 1;
             *last = copy;
@@ -300,13 +394,21 @@ impl<T: Element> PagedKvCache<T> {
         })
     }
 
-    /// The pools as `[pages, kv_heads, page_size, d]` views.
+    /// The pools as `[pages, kv_heads, page_size, d]` views of their
+    /// `[kv_heads, pages, page_size, d]` storage.
     fn pools(&self) -> Result<(Tensor4Ref<'_, T>, Tensor4Ref<'_, T>)> {
-        let dims = |d| [self.pages, self.kv_heads, self.page_size, d];
-        Ok((
-            Tensor4Ref::from_layout(&self.k, dims(self.d_k), Layout::Bhsd)?,
-            Tensor4Ref::from_layout(&self.v, dims(self.d_v), Layout::Bhsd)?,
-        ))
+        let (pages, ps) = (self.pages, self.page_size);
+        let view = |data, (d, row): (usize, usize)| {
+            let dims = [pages, self.kv_heads, ps, d];
+            Tensor4Ref::new(data, dims, [ps * row, pages * ps * row, row])
+        };
+        let k = view(&self.k, (self.d_k, self.d_k))?;
+        // A latent cache's values: the keys' rows, their first `d_v` columns.
+        let v = match self.latent {
+            true => view(&self.k, (self.d_v, self.d_k))?,
+            false => view(&self.v, (self.d_v, self.d_v))?,
+        };
+        Ok((k, v))
     }
 }
 

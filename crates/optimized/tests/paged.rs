@@ -397,3 +397,57 @@ fn bad_pages_and_queries_are_typed_errors() {
     });
     assert!(matches!(fwd, Err(Error::Unsupported { .. })));
 }
+
+/// Multi-head latent attention: the values are the first columns of the keys, stored once
+/// in a latent cache, and read as both: the packed call over the same rows, bit for bit.
+fn latent_is_packed<T: Element>() {
+    let (h_q, d_k, d_v, ps) = (8, 80, 64, 16);
+    let (lens, queries) = ([40usize, 300], [1usize, 7]);
+    let mut cache = PagedKvCache::<T>::latent(64, ps, 1, d_k, d_v).unwrap();
+    let mut packed = Vec::new();
+    let seqs: Vec<_> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let s = cache.add_sequence().unwrap();
+            let rows = data::<T>(n * d_k, 40 + i as u64);
+            let view = Tensor4Ref::from_layout(&rows, [1, 1, n, d_k], Layout::Bshd).unwrap();
+            cache.append_latent(s, view).unwrap();
+            packed.extend(rows);
+            s
+        })
+        .collect();
+    // Keys and values can only be appended together in a latent cache.
+    let one = Tensor4Ref::from_layout(&packed[..d_k], [1, 1, 1, d_k], Layout::Bshd).unwrap();
+    assert!(matches!(
+        cache.append(seqs[0], one, one),
+        Err(Error::Unsupported { .. })
+    ));
+    let total_q: usize = queries.iter().sum();
+    let qd = data::<T>(total_q * h_q * d_k, 3);
+    let q = Tensor4Ref::from_layout(&qd, [1, h_q, total_q, d_k], Layout::Bshd).unwrap();
+    let cu_q = [0, 1, 8];
+    let opts = Options::default().with_causal(Causal::BottomRight);
+    let batch = cache.batch(&seqs).unwrap();
+    let got = batch
+        .attention(q, &cu_q, &opts)
+        .and_then(|c| c.forward(Par::rayon(0)))
+        .unwrap();
+    let total_k: usize = lens.iter().sum();
+    let k = Tensor4Ref::from_layout(&packed, [1, 1, total_k, d_k], Layout::Bshd).unwrap();
+    let v = Tensor4Ref::new(&packed, [1, 1, total_k, d_v], [total_k * d_k, d_k, d_k]).unwrap();
+    let cu_k = [0, 40, 340];
+    let seqs = CuSeqlens::new(&cu_q, &cu_k).unwrap();
+    let want = Attention::packed(q, k, v, &seqs, &opts)
+        .and_then(|c| c.forward(Par::rayon(0)))
+        .unwrap();
+    assert_eq!(got.output().dims(), [1, h_q, total_q, d_v]);
+    same_bits(&bits(got.output()), &bits(want.output()), T::NAME);
+}
+
+#[test]
+fn a_latent_cache_reads_its_values_as_a_prefix_of_its_keys() {
+    latent_is_packed::<f32>();
+    latent_is_packed::<bf16>();
+    assert!(PagedKvCache::<f32>::latent(4, 16, 1, 64, 80).is_err());
+}

@@ -43,8 +43,8 @@ impl Scratch {
     /// key instead of a GEMM, so the loop streams K and V at memory speed. The
     /// accumulators stay row-major (`acc_rows`), where [`Scratch::normalised`] reads them.
     /// K and V are read run by run where the source lends its rows in place
-    /// ([`KeySource::run_at`]: one run a dense block, one a page of a paged one), each
-    /// run's prefetches reaching into the next.
+    /// ([`KeySource::run_at`]: one run a dense block; a page of a paged one, or pages that
+    /// follow each other in its pool), each run's prefetches reaching into the next.
     pub(super) fn attend_rows<T: Element, K: KeySource<T>>(
         &mut self,
         head: &HeadInputs<'_, T, K>,
