@@ -13,6 +13,7 @@ mod common;
 
 use std::time::Duration;
 
+use attn_benches::inputs::random_vec;
 use attn_benches::protocol::median;
 use attn_benches::roof::pool;
 use attn_optimized::{Causal, KvCache, Layout, Options, PagedKvCache, Par, SeqId, Tensor4Ref, f16};
@@ -26,17 +27,9 @@ struct Setup {
     rounds: usize,
 }
 
-/// Deterministic values in [-1, 1).
+/// Deterministic values, rounded to f16.
 fn values(n: usize, seed: u64) -> Vec<f16> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            f16::from_f32((x % 2000) as f32 / 1000.0 - 1.0)
-        })
-        .collect()
+    random_vec(n, seed).into_iter().map(f16::from_f32).collect()
 }
 
 /// The same tokens in a contiguous cache and in paged caches: `(page size, interleaved,

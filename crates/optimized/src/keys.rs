@@ -54,14 +54,17 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
 
     /// The rows split exactly in two bf16 parts ([`crate::kernel::amx::Split`]) and packed
     /// like [`KeySource::to_pairs`] into `hi` and `lo`, through `stage`; `None` when the
-    /// source is not f16 or `stage` is too small for it.
+    /// source is not f16 or `stage` is too small for it (the rows through
+    /// [`KeySource::to_f32`], split, each part packed: any source's way).
     fn to_split_pairs(
         &self,
         order: PairOrder,
         hi: &mut [u32],
         lo: &mut [u32],
         stage: &mut SplitStage,
-    ) -> Option<PackReport>;
+    ) -> Option<PackReport> {
+        split_pairs(self, order, [hi, lo], stage)
+    }
 
     /// Entry `c` of row `j`, as f32 (the exact slow paths, a few rows at a time).
     fn at(&self, j: usize, c: usize) -> f32;
@@ -137,16 +140,6 @@ impl<T: Element> KeySource<T> for Dense<'_, T> {
     #[inline]
     fn to_pairs(&self, order: PairOrder, buf: &mut [u32]) -> Option<PackReport> {
         T::as_bf16(self.0).map(|m| order.pack(m, buf))
-    }
-
-    fn to_split_pairs(
-        &self,
-        order: PairOrder,
-        hi: &mut [u32],
-        lo: &mut [u32],
-        stage: &mut SplitStage,
-    ) -> Option<PackReport> {
-        split_pairs(self, order, [hi, lo], stage)
     }
 
     #[inline]
@@ -368,16 +361,6 @@ impl<T: Element> KeySource<T> for Paged<'_, T> {
             report.merge(part);
         }
         Some(report)
-    }
-
-    fn to_split_pairs(
-        &self,
-        order: PairOrder,
-        hi: &mut [u32],
-        lo: &mut [u32],
-        stage: &mut SplitStage,
-    ) -> Option<PackReport> {
-        split_pairs(self, order, [hi, lo], stage)
     }
 
     fn at(&self, j: usize, c: usize) -> f32 {

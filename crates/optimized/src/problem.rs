@@ -404,13 +404,7 @@ impl<'a, T> Packed<'a, T> {
             let (qh, kh, vh) = (self.q.head(0, h)?, self.k.head(0, kv)?, self.v.head(0, kv)?);
             for s in 0..batch {
                 let (rows, keys) = (self.seqs.queries(s), self.seqs.keys(s));
-                let (rows_out, rest) = core::mem::take(&mut out).split_at_mut(rows.len());
-                out = rest;
-                let rows_lse = lse.take().map(|l| {
-                    let (a, b) = l.split_at_mut(rows.len());
-                    lse = Some(b);
-                    a
-                });
+                let (rows_out, rows_lse) = take_rows(&mut out, &mut lse, rows.len());
                 if rows.is_empty() {
                     continue;
                 }
@@ -507,13 +501,7 @@ impl<'a, T> PagedBatch<'a, T> {
             let qh = self.q.head(0, h)?;
             for s in 0..batch {
                 let (rows, n_k) = (self.cu_q[s]..self.cu_q[s + 1], self.kv.lens()[s]);
-                let (rows_out, rest) = core::mem::take(&mut out).split_at_mut(rows.len());
-                out = rest;
-                let rows_lse = lse.take().map(|l| {
-                    let (a, b) = l.split_at_mut(rows.len());
-                    lse = Some(b);
-                    a
-                });
+                let (rows_out, rows_lse) = take_rows(&mut out, &mut lse, rows.len());
                 if rows.is_empty() {
                     continue;
                 }
@@ -545,6 +533,23 @@ impl<'a, T> PagedBatch<'a, T> {
         }
         Ok(jobs)
     }
+}
+
+/// The next `n` output rows and LSE entries of a packed or paged call's jobs, taken off the
+/// front of what is left.
+fn take_rows<'s, 'o, O>(
+    out: &mut &'s mut [RowMut<'o, O>],
+    lse: &mut Option<&'s mut [f32]>,
+    n: usize,
+) -> (&'s mut [RowMut<'o, O>], Option<&'s mut [f32]>) {
+    let (rows, rest) = core::mem::take(out).split_at_mut(n);
+    *out = rest;
+    let rows_lse = lse.take().map(|l| {
+        let (a, b) = l.split_at_mut(n);
+        *lse = Some(b);
+        a
+    });
+    (rows, rows_lse)
 }
 
 // Every buffer whose size a caller chooses (outputs, LSE, the KV cache) is allocated here,

@@ -6,17 +6,11 @@ use attn_optimized::{
     PagedKvCache, Par, ScoreMod, SlidingWindow, SoftCap, Tensor4, Tensor4Ref, bf16, f16,
 };
 
-/// Deterministic values in [-1, 1).
+mod common;
+
+/// Deterministic values in [-1, 1].
 fn data<T: Element>(n: usize, seed: u64) -> Vec<T> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            T::from_f32((x % 2000) as f32 / 1000.0 - 1.0)
-        })
-        .collect()
+    common::data(n, seed, 1.0)
 }
 
 /// Sequences laid out in pages in a shuffled order: the pool (FlashAttention's

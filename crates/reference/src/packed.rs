@@ -48,14 +48,7 @@ pub(crate) fn packed_forward<T: Element + Default>(
                 &mask,
                 &mods,
             );
-            let mut view = out.as_mut();
-            let mut dst = view.head_mut(0, h)?;
-            for (i, r) in rows.clone().enumerate() {
-                for c in 0..d_v {
-                    dst[(r, c)] = T::from_f64(m.output[(i, c)]);
-                }
-                lse[h * total_q + r] = m.lse[i] as f32;
-            }
+            write_rows(&mut out, &mut lse, (h, rows.clone()), &m)?;
         }
     }
     Ok((out, lse))
@@ -113,17 +106,30 @@ pub(crate) fn paged_forward<T: Element + Default>(
                 &mask,
                 &mods,
             );
-            let mut view = out.as_mut();
-            let mut dst = view.head_mut(0, h)?;
-            for (i, r) in rows.clone().enumerate() {
-                for c in 0..d_v {
-                    dst[(r, c)] = T::from_f64(m.output[(i, c)]);
-                }
-                lse[h * total_q + r] = m.lse[i] as f32;
-            }
+            write_rows(&mut out, &mut lse, (h, rows.clone()), &m)?;
         }
     }
     Ok((out, lse))
+}
+
+/// Writes head `h`'s rows `rows` of a packed output (`[1, h_q, total_q, d_v]`) and its
+/// LSE (`[h_q][total_q]`) from one sequence's materialised attention, rounded once.
+fn write_rows<T: Element>(
+    out: &mut Tensor4<T>,
+    lse: &mut [f32],
+    (h, rows): (usize, core::ops::Range<usize>),
+    m: &crate::head::Materialized,
+) -> Result<()> {
+    let [_, _, total_q, d_v] = out.dims();
+    let mut view = out.as_mut();
+    let mut dst = view.head_mut(0, h)?;
+    for (i, r) in rows.enumerate() {
+        for c in 0..d_v {
+            dst[(r, c)] = T::from_f64(m.output[(i, c)]);
+        }
+        lse[h * total_q + r] = m.lse[i] as f32;
+    }
+    Ok(())
 }
 
 /// The backward pass of a packed batch, sequence by sequence in f64, rounded once: the
