@@ -18,7 +18,7 @@ use crate::kernel::element::{Element, row_slices};
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::softmax_row;
-use crate::kernel::rows::{RowKernels, accumulate, scores};
+use crate::kernel::rows::{RUN_PREFETCH_BYTES, RowKernels, accumulate, prefetch, scores};
 use crate::keys::KeySource;
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_row, without_non_finite_rows,
@@ -44,7 +44,8 @@ impl Scratch {
     /// accumulators stay row-major (`acc_rows`), where [`Scratch::normalised`] reads them.
     /// K and V are read run by run where the source lends its rows in place
     /// ([`KeySource::run_at`]: one run a dense block; a page of a paged one, or pages that
-    /// follow each other in its pool), each run's prefetches reaching into the next.
+    /// follow each other in its pool), each run's prefetches reaching into the next, and
+    /// the runs of a scattered source asked into the caches [`RUN_PREFETCH_BYTES`] ahead.
     pub(super) fn attend_rows<T: Element, K: KeySource<T>>(
         &mut self,
         head: &HeadInputs<'_, T, K>,
@@ -83,7 +84,11 @@ impl Scratch {
             let q_row = |i: usize| &self.q[i * d_k..(i + 1) * d_k];
             if let Some(kernels) = in_place {
                 let mut k_runs = runs(&kb).peekable();
+                let mut ahead = runs(&kb).skip(look_ahead(&kb));
                 while let Some((first, run)) = k_runs.next() {
+                    if let Some((_, far)) = ahead.next() {
+                        prefetch(far);
+                    }
                     let next = k_runs.peek().map(|&(_, r)| r).or_else(|| vb.run_at(0));
                     let next = next.unwrap_or(run.subrows(0, 0));
                     let s = (&mut self.s[first..], bc);
@@ -132,7 +137,11 @@ impl Scratch {
                     // block (the first) or by nothing (1, exactly).
                     let ones = [1.0f32; DECODE_ROWS];
                     let mut v_runs = runs(&vb).peekable();
+                    let mut ahead = runs(&vb).skip(look_ahead(&vb));
                     while let Some((first, run)) = v_runs.next() {
+                        if let Some((_, far)) = ahead.next() {
+                            prefetch(far);
+                        }
                         let next = v_runs.peek().map(|&(_, r)| r).or(next_k);
                         let next = next.unwrap_or(run.subrows(0, 0));
                         let alpha = if first == 0 {
@@ -228,6 +237,16 @@ fn runs<'s, T: Element, K: KeySource<T>>(
         let first = j;
         j += run.nrows();
         Some((first, run))
+    })
+}
+
+/// How many runs ahead of the kernels to prefetch a source's runs: enough to be
+/// [`RUN_PREFETCH_BYTES`] ahead, at least two (the kernels' own prefetches cover the next);
+/// none for a source whose first run is the whole block.
+fn look_ahead<T: Element, K: KeySource<T>>(src: &K) -> usize {
+    src.run_at(0).map_or(usize::MAX, |run| {
+        let bytes = run.nrows() * run.ncols() * core::mem::size_of::<T>();
+        RUN_PREFETCH_BYTES.div_ceil(bytes.max(1)).max(2)
     })
 }
 

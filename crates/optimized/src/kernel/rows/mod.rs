@@ -28,6 +28,36 @@ mod kernels;
 /// Rows the multi-row kernels take at once.
 pub(crate) const MAX_ROWS: usize = 4;
 
+/// How far ahead of the kernels the row tile asks for the runs of a source that lies in
+/// many places (pages): the kernels' own prefetches reach one run ahead, which for pages of
+/// a few kilobytes is too short to hide the memory's latency.
+pub(crate) const RUN_PREFETCH_BYTES: usize = 32 * 1024;
+
+/// Asks the CPU to bring the rows of `m` into its second-level cache (the row tile's
+/// look-ahead across runs); changes nothing else, and does nothing off x86-64.
+pub(crate) fn prefetch<T>(m: MatRef<'_, T>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let bytes = m.ncols() * core::mem::size_of::<T>();
+        let stride = m.row_stride() * core::mem::size_of::<T>() as isize;
+        let base = m.as_ptr().cast::<i8>();
+        for j in 0..m.nrows() {
+            let row = base.wrapping_offset(j as isize * stride);
+            for off in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch is a hint that never faults, and the address is
+                // computed with wrapping arithmetic, never dereferenced.
+                unsafe {
+                    core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T1 }>(
+                        row.wrapping_add(off),
+                    )
+                };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = m;
+}
+
 /// Keys whose dot products run side by side: independent FMA chains hide the FMA
 /// latency that a single running sum would wait on (both families).
 pub(crate) const KEYS_AT_ONCE: usize = 8;
