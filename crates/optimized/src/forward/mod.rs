@@ -289,6 +289,8 @@ pub(crate) struct Pairs {
     k_ld: usize,
     /// Words of a column of `v` (tiles): `pairs(bc)`, padded.
     v_ld: usize,
+    /// The plan's key-block width `bc`.
+    block_width: usize,
     /// The low parts of operands split in two ([`Products::SplitTiles`]); `None` for
     /// operands of one part, or when their memory could not be had (then the tiles are
     /// multiplied in f32).
@@ -340,6 +342,7 @@ impl Pairs {
             ld,
             k_ld,
             v_ld,
+            block_width: plan.bc,
             low,
         }
     }

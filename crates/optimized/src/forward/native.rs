@@ -212,6 +212,7 @@ impl Pairs {
             delta,
             scratch: &mut self.settle,
             pending_scale,
+            block_width: self.block_width,
         }
     }
 

@@ -87,6 +87,8 @@ pub(crate) struct PairsOut<'a> {
     /// scale): the one-pass check multiplies them as it reads them, and a block that
     /// takes the two passes is scaled in place first (the same bits either way).
     pub pending_scale: f32,
+    /// The plan's key-block width (the one-pass check's, [`pair_dot::OnePass`]).
+    pub block_width: usize,
 }
 
 #[inline(always)]
@@ -134,7 +136,8 @@ fn update_pairs_body<const FMA: bool>(
     let mut kept = None;
     if reference_maxima::<FMA>(s, ld, cols, &state.m[..rows], out.pending_scale, reference) {
         let (l, delta) = (&mut state.l[..rows], &mut out.delta[..rows]);
-        let mut pass = pair_dot::OnePass::start(scratch, l, delta, all_visible);
+        let block = (all_visible, out.block_width.max(cols));
+        let mut pass = pair_dot::OnePass::start(scratch, l, delta, block);
         let span = (&s[..], ld, cols);
         if pass.exponentiate(
             span,
@@ -667,6 +670,7 @@ mod tests {
                 delta: &mut delta,
                 scratch: &mut scratch,
                 pending_scale: 1.0,
+                block_width: cols,
             };
             let r = softmax_update_pairs(
                 &mut tile.clone(),
@@ -760,6 +764,7 @@ mod tests {
                     delta: &mut delta_fused,
                     scratch: &mut scratch,
                     pending_scale: pending,
+                    block_width: cols,
                 };
                 let r = softmax_update_pairs(
                     &mut s2, rows, rows, cols, &mut st, false, false, &mut out,

@@ -532,9 +532,11 @@ super::multiversion! {
 /// scores are computed): each span is exponentiated at the reference maxima, rounded into
 /// P's pair words and summed (and, in a block with nothing hidden, the scores' minima
 /// kept); at the end [`OnePass::settle`] keeps the sums when no row's block weighs more
-/// than `2^LAZY_RESCALE_LOG2` a key on average (no score more than
-/// `LAZY_RESCALE_LOG2 + log2(keys)` above its reference: the lazy maximum's lag, without
-/// a maximum kept per score), none overflowed and (when asked) none was not finite.
+/// than `2^LAZY_RESCALE_LOG2` times the plan's block width (no score more than
+/// `LAZY_RESCALE_LOG2 + log2(width)` above its reference: the lazy maximum's lag, without
+/// a maximum kept per score), none overflowed and (when asked) none was not finite. The
+/// width is the plan's, not the block's own count of keys, so that a row's choice does not
+/// depend on how many hidden keys its block was cut to.
 /// Otherwise nothing is kept, and the caller runs the two passes (the words are scratch).
 /// Where the two passes would not move a maximum either, the sums are bit for bit theirs.
 ///
@@ -544,19 +546,21 @@ pub(crate) struct OnePass<'a> {
     /// Three floats a row: the running sums, rounding terms and minima.
     running: &'a mut [f32],
     rows: usize,
-    keys: usize,
+    /// The plan's key-block width: the heaviness threshold's.
+    width: usize,
     all_visible: bool,
 }
 
 impl<'a> OnePass<'a> {
     /// Starts the pass of `rows` rows from the sums `l` and rounding terms `delta` in
-    /// `scratch` (at least `3·rows` floats). `all_visible`: nothing in the block is hidden,
-    /// so a `-inf` or huge negative score overflowed and fails the block.
+    /// `scratch` (at least `3·rows` floats), for blocks of at most `width` keys.
+    /// `all_visible`: nothing in the block is hidden, so a `-inf` or huge negative score
+    /// overflowed and fails the block.
     pub(crate) fn start(
         scratch: &'a mut [f32],
         l: &[f32],
         delta: &[f32],
-        all_visible: bool,
+        (all_visible, width): (bool, usize),
     ) -> Self {
         let rows = l.len();
         assert!(delta.len() == rows && scratch.len() >= 3 * rows);
@@ -569,7 +573,7 @@ impl<'a> OnePass<'a> {
         Self {
             running,
             rows,
-            keys: 0,
+            width,
             all_visible,
         }
     }
@@ -600,7 +604,6 @@ impl<'a> OnePass<'a> {
                 terms: terms.as_mut_ptr(),
                 minima: self.all_visible.then_some(minima.as_mut_ptr()),
             };
-            self.keys += cols;
             // SAFETY: AVX512_BF16 (with AVX-512 F and BW) is part of the chosen path, and
             // the asserts above bound every access (loads and stores are masked to `rows`).
             unsafe { x86::exponentiate_span(s, ld_s, rows, cols, m, scale, running, dst, ld) };
@@ -625,7 +628,7 @@ impl<'a> OnePass<'a> {
         let rows = self.rows;
         let (sums, rest) = self.running.split_at(rows);
         let (terms, minima) = rest.split_at(rows);
-        let heavy = LAZY_RESCALE_LOG2.exp2() * self.keys as f32;
+        let heavy = LAZY_RESCALE_LOG2.exp2() * self.width as f32;
         let settles = |i: usize, m: f32| {
             // A score far above the reference (or +inf, or one that overflowed to a huge
             // positive value) makes the block heavy; one that overflowed to -inf or a huge
