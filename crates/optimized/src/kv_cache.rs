@@ -177,63 +177,7 @@ impl<T: Element> KvCache<T> {
     }
 
     fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>, batch: usize) -> Result<()> {
-        let mismatch = |operand, axis, found, expected, rule| {
-            Error::mismatch(operand, axis, found, "the cache", expected, rule)
-        };
-        let ([bk, hk, tk, dk], [bv, hv, tv, dv]) = (k.dims(), v.dims());
-        let checks = [
-            (
-                bk == batch,
-                mismatch(
-                    "new K",
-                    "batch entries",
-                    bk,
-                    batch,
-                    "one block of tokens per batch entry",
-                ),
-            ),
-            (
-                bv == batch,
-                mismatch(
-                    "new V",
-                    "batch entries",
-                    bv,
-                    batch,
-                    "one block of tokens per batch entry",
-                ),
-            ),
-            (
-                hk == self.kv_heads,
-                mismatch("new K", "heads", hk, self.kv_heads, "kv heads must match"),
-            ),
-            (
-                hv == self.kv_heads,
-                mismatch("new V", "heads", hv, self.kv_heads, "kv heads must match"),
-            ),
-            (
-                dk == self.d_k,
-                mismatch("new K", "columns", dk, self.d_k, "d_k must match"),
-            ),
-            (
-                dv == self.d_v,
-                mismatch("new V", "columns", dv, self.d_v, "d_v must match"),
-            ),
-            (
-                tv == tk,
-                Error::mismatch(
-                    "new V",
-                    "tokens",
-                    tv,
-                    "new K",
-                    tk,
-                    "K and V carry the same tokens",
-                ),
-            ),
-        ];
-        match checks.into_iter().find(|(ok, _)| !ok) {
-            Some((_, err)) => Err(err),
-            None => Ok(()),
-        }
+        check_new_tokens(k, Some(v), [batch, self.kv_heads, self.d_k, self.d_v])
     }
 
     /// Makes room for `need` tokens per entry (`None`: a count that overflowed), or fails
@@ -393,4 +337,34 @@ impl<T: Element> KvCache<T> {
         let batch = Batched::cached(q, keys, values, &self.lens, options, scale)?;
         Ok(Attention::cached(batch, options))
     }
+}
+
+/// Checks new tokens against a cache of `batch` entries of `kv_heads` heads, keys `d_k`
+/// and values `d_v` wide: `k : [batch, kv_heads, t, d_k]`, `v : [batch, kv_heads, t, d_v]`
+/// (`None` for a latent cache's rows, whose values are their keys' first columns).
+pub(crate) fn check_new_tokens<T>(
+    k: Tensor4Ref<'_, T>,
+    v: Option<Tensor4Ref<'_, T>>,
+    [batch, kv_heads, d_k, d_v]: [usize; 4],
+) -> Result<()> {
+    let [bk, hk, tk, dk] = k.dims();
+    let [bv, hv, tv, dv] = v.map_or([bk, hk, tk, d_v], |v| v.dims());
+    let cache = |operand, axis, found, expected, rule| {
+        attn_core::check_dim(operand, axis, found, "the cache", expected, rule)
+    };
+    let per_entry = "one block of tokens per batch entry";
+    cache("new K", "batch entries", bk, batch, per_entry)?;
+    cache("new V", "batch entries", bv, batch, per_entry)?;
+    cache("new K", "heads", hk, kv_heads, "kv heads must match")?;
+    cache("new V", "heads", hv, kv_heads, "kv heads must match")?;
+    cache("new K", "columns", dk, d_k, "d_k must match")?;
+    cache("new V", "columns", dv, d_v, "d_v must match")?;
+    attn_core::check_dim(
+        "new V",
+        "tokens",
+        tv,
+        "new K",
+        tk,
+        "K and V carry the same tokens",
+    )
 }

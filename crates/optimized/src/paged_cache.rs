@@ -15,6 +15,7 @@ use attn_core::{Error, Options, PagedKv, Result, Tensor4Ref};
 
 use crate::call::{Attention, Batch};
 use crate::kernel::element::Element;
+use crate::kv_cache::check_new_tokens;
 use crate::problem::zeroed;
 
 /// A sequence of a [`PagedKvCache`]: a handle, valid until the sequence is freed.
@@ -285,25 +286,7 @@ impl<T: Element> PagedKvCache<T> {
 
     /// Checks new rows against the cache (`v` is `None` for a latent cache's rows).
     fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Option<Tensor4Ref<'_, T>>) -> Result<()> {
-        let [bk, hk, tk, dk] = k.dims();
-        let [bv, hv, tv, dv] = v.map_or([bk, hk, tk, self.d_v], |v| v.dims());
-        let cache = |operand, axis, found, expected, rule| {
-            attn_core::check_dim(operand, axis, found, "the cache", expected, rule)
-        };
-        cache("new K", "batch entries", bk, 1, "one sequence's tokens")?;
-        cache("new V", "batch entries", bv, 1, "one sequence's tokens")?;
-        cache("new K", "heads", hk, self.kv_heads, "kv heads must match")?;
-        cache("new V", "heads", hv, self.kv_heads, "kv heads must match")?;
-        cache("new K", "columns", dk, self.d_k, "d_k must match")?;
-        cache("new V", "columns", dv, self.d_v, "d_v must match")?;
-        attn_core::check_dim(
-            "new V",
-            "tokens",
-            tv,
-            "new K",
-            tk,
-            "K and V carry the same tokens",
-        )
+        check_new_tokens(k, v, [1, self.kv_heads, self.d_k, self.d_v])
     }
 
     /// A new sequence holding what `id` holds: it shares `id`'s full pages and gets its
