@@ -4,6 +4,12 @@
 //! 128, handed out in order (one sequence filling the cache) and interleaved with a second
 //! sequence's (two sequences decoding side by side: every other page is the other's).
 //!
+//! Then the other two serving targets: a continuous batch (one chunk of 512 queries after
+//! 3,584 cached tokens plus 31 decoding steps at 4,096 keys, 32/8 heads, d = 128, f16, pages
+//! of 16) against the chunk alone plus the 31 steps alone; and multi-head latent attention
+//! (128 query heads, one latent K/V head, d_k = 576, d_v = 512, n_k = 16384, pages of 64)
+//! against separate K and V buffers and faer's f32 GEMM rate, in f32 and bf16.
+//!
 //! Criterion times each; the ratio comes from a loop that interleaves the two round by
 //! round and prints the median of the per-round ratios (memory bandwidth drifts by tens
 //! of per cent within a run on these machines). Under `cargo test --benches` the shapes
@@ -15,8 +21,11 @@ use std::time::Duration;
 
 use attn_benches::inputs::random_vec;
 use attn_benches::protocol::median;
-use attn_benches::roof::pool;
-use attn_optimized::{Causal, KvCache, Layout, Options, PagedKvCache, Par, SeqId, Tensor4Ref, f16};
+use attn_benches::roof::{gemm_gflops, pool};
+use attn_optimized::{
+    Attention, Batch, Causal, Element, KvCache, Layout, Options, PagedKvCache, Par, Result, SeqId,
+    Tensor4Ref, bf16, f16,
+};
 use criterion::{Criterion, Throughput};
 
 /// The shape of the target, or a toy one in test mode.
@@ -27,9 +36,22 @@ struct Setup {
     rounds: usize,
 }
 
-/// Deterministic values, rounded to f16.
-fn values(n: usize, seed: u64) -> Vec<f16> {
-    random_vec(n, seed).into_iter().map(f16::from_f32).collect()
+/// Deterministic values, rounded to `T`.
+fn values<T: Element>(n: usize, seed: u64) -> Vec<T> {
+    random_vec(n, seed).into_iter().map(T::from_f32).collect()
+}
+
+/// `x` as `[1, h, len, d]` from token `from` on, for `x` token-major (`[tokens, h, d]`).
+fn tokens<T>(x: &[T], (h, d): (usize, usize), from: usize, len: usize) -> Tensor4Ref<'_, T> {
+    let x = &x[from * h * d..(from + len) * h * d];
+    Tensor4Ref::from_layout(x, [1, h, len, d], Layout::Bshd).expect("a view")
+}
+
+/// One forward call, its result dropped.
+fn step<T: Element>(call: Result<Attention<'_, T, Batch>>) {
+    call.and_then(|c| c.forward(Par::rayon(0)))
+        .map(drop)
+        .expect("an attention call");
 }
 
 /// The same tokens in a contiguous cache and in paged caches: `(page size, interleaved,
@@ -65,26 +87,17 @@ impl Caches {
         for (i, start) in (0..n).step_by(chunk).enumerate() {
             let t = chunk.min(n - start);
             let (k, v) = (
-                values(h * t * d, 2 * i as u64),
-                values(h * t * d, 2 * i as u64 + 1),
+                values::<f16>(h * t * d, 2 * i as u64),
+                values::<f16>(h * t * d, 2 * i as u64 + 1),
             );
-            fn view(
-                x: &[f16],
-                (h, d): (usize, usize),
-                from: usize,
-                len: usize,
-            ) -> Tensor4Ref<'_, f16> {
-                let x = &x[from * h * d..(from + len) * h * d];
-                Tensor4Ref::from_layout(x, [1, h, len, d], Layout::Bshd).expect("a view")
-            }
             contiguous
-                .append(view(&k, (h, d), 0, t), view(&v, (h, d), 0, t))
+                .append(tokens(&k, (h, d), 0, t), tokens(&v, (h, d), 0, t))
                 .expect("room");
             for ((ps, _, cache, seq), other) in paged.iter_mut().zip(&others) {
                 let step = if other.is_some() { *ps } else { t };
                 for from in (0..t).step_by(step) {
                     let len = step.min(t - from);
-                    let (kc, vc) = (view(&k, (h, d), from, len), view(&v, (h, d), from, len));
+                    let (kc, vc) = (tokens(&k, (h, d), from, len), tokens(&v, (h, d), from, len));
                     cache.append(*seq, kc, vc).expect("pages");
                     if let Some(o) = other {
                         cache.append(*o, kc, vc).expect("pages");
@@ -92,7 +105,7 @@ impl Caches {
                 }
             }
         }
-        let q = values(h * d, 99);
+        let q = values::<f16>(h * d, 99);
         Self {
             contiguous,
             paged,
@@ -128,6 +141,28 @@ impl Caches {
 fn main() {
     common::print_platform();
     let full = common::full_size();
+    let only = std::env::var("ATTN_PAGED_ONLY").unwrap_or_default();
+    let wanted = |section: &str| only.is_empty() || only.split(',').any(|s| s == section);
+    let pool = pool(2);
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(if full { 4 } else { 1 }))
+        .configure_from_args();
+    if wanted("decode") {
+        decode(&mut c, &pool, full);
+    }
+    if wanted("continuous") {
+        continuous(&mut c, &pool, full);
+    }
+    if wanted("latent") {
+        latent::<f32>(&mut c, &pool, full);
+        latent::<bf16>(&mut c, &pool, full);
+    }
+    c.final_summary();
+}
+
+/// The decoding target: a paged cache against the contiguous one.
+fn decode(c: &mut Criterion, pool: &rayon::ThreadPool, full: bool) {
     let s = if full {
         Setup {
             heads: 32,
@@ -143,14 +178,8 @@ fn main() {
             rounds: 1,
         }
     };
-    let pool = pool(2);
     let caches = Caches::new(&s, &[(16, false), (16, true), (128, true)]);
     let kv_bytes = 2 * s.heads * s.n_k * s.d * 2;
-
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .measurement_time(Duration::from_secs(if full { 4 } else { 1 }))
-        .configure_from_args();
     {
         let (h, n, d) = (s.heads, s.n_k, s.d);
         let mut group = c.benchmark_group(format!("paged_decode_h{h}_nk{n}_d{d}_f16_t2"));
@@ -170,7 +199,6 @@ fn main() {
         }
         group.finish();
     }
-    c.final_summary();
     if common::criterion_only() {
         return;
     }
@@ -202,5 +230,224 @@ fn main() {
             "  pages of {ps}, {order}: speed ÷ contiguous cache's = {:.3}  (range {lo:.2}–{hi:.2}){target}",
             median(r).unwrap_or(f64::NAN)
         );
+    }
+}
+
+/// The continuous batch against its chunk alone plus its decoding steps alone.
+fn continuous(c: &mut Criterion, pool: &rayon::ThreadPool, full: bool) {
+    let (h_q, h_kv, d, n_k, chunk, decodes, rounds) = if full {
+        (32, 8, 128, 4096, 512, 31, 9)
+    } else {
+        (4, 2, 32, 300, 40, 3, 1)
+    };
+    let batch = Continuous::new(h_q, h_kv, d, n_k, chunk, decodes);
+    let mut group = c.benchmark_group(format!(
+        "paged_continuous_h{h_q}_{h_kv}_nk{n_k}_chunk{chunk}_decodes{decodes}_d{d}_f16_t2"
+    ));
+    group.bench_function("mixed", |b| pool.install(|| b.iter(|| batch.mixed())));
+    group.bench_function("chunk_alone", |b| {
+        pool.install(|| b.iter(|| batch.chunk_alone()))
+    });
+    group.bench_function("decodes_alone", |b| {
+        pool.install(|| b.iter(|| batch.decodes_alone()))
+    });
+    group.finish();
+    if common::criterion_only() {
+        return;
+    }
+    let mut ratios = Vec::new();
+    for _ in 0..rounds {
+        let mixed = pool.install(|| common::seconds(|| batch.mixed()));
+        let apart = pool.install(|| {
+            common::seconds(|| batch.chunk_alone()) + common::seconds(|| batch.decodes_alone())
+        });
+        ratios.push(mixed / apart);
+    }
+    let (lo, hi) = common::range(&ratios);
+    println!(
+        "\ncontinuous batch (a chunk of {chunk} after {} cached, {decodes} decodes at {n_k} keys, \
+         h={h_q}/{h_kv}, d={d}, f16, pages of 16, 2 threads), median of {rounds} rounds:\n  \
+         time ÷ (chunk alone + decodes alone) = {:.3}  (range {lo:.2}–{hi:.2})  (target ≤ 1.1)",
+        n_k - chunk,
+        median(&ratios).unwrap_or(f64::NAN)
+    );
+}
+
+/// Multi-head latent attention's decoding step: its rate against faer's f32 GEMM rate, and
+/// its time against separate K and V buffers.
+fn latent<T: Element>(c: &mut Criterion, pool: &rayon::ThreadPool, full: bool) {
+    let (h_q, n_k, d_k, d_v, rounds) = if full {
+        (128, 16384, 576, 512, 9)
+    } else {
+        (16, 300, 72, 64, 1)
+    };
+    let mla = Latent::<T>::new(h_q, n_k, d_k, d_v);
+    let flops = 2.0 * (h_q * n_k * (d_k + d_v)) as f64;
+    let mut group = c.benchmark_group(format!(
+        "latent_decode_h{h_q}_nk{n_k}_dk{d_k}_dv{d_v}_{}_t2",
+        T::NAME
+    ));
+    group.throughput(Throughput::Elements(flops as u64));
+    group.bench_function("latent_pages", |b| {
+        pool.install(|| b.iter(|| mla.step_latent()))
+    });
+    group.bench_function("separate_kv", |b| {
+        pool.install(|| b.iter(|| mla.step_separate()))
+    });
+    group.finish();
+    if common::criterion_only() {
+        return;
+    }
+    let (mut roof, mut ratios, mut speed) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let g = gemm_gflops(if full { 2048 } else { 64 }, 2, 1)[0];
+        let t = pool.install(|| common::seconds(|| mla.step_latent()));
+        let apart = pool.install(|| common::seconds(|| mla.step_separate()));
+        roof.push(flops / t / 1e9 / g);
+        ratios.push(apart / t);
+        speed.push(flops / t / 1e9);
+    }
+    let (lo, hi) = common::range(&roof);
+    println!(
+        "\nlatent decode ({h_q} query heads, one latent head, d_k={d_k}, d_v={d_v}, n_k={n_k}, {}, \
+         pages of 64, 2 threads), median of {rounds} rounds: {:.0} GFLOP/s\n  \
+         ÷ faer's f32 GEMM rate = {:.3}  (range {lo:.2}–{hi:.2})  (target ≥ 0.75)\n  \
+         speed ÷ separate K and V buffers' = {:.3}  (target ≥ 1)",
+        T::NAME,
+        median(&speed).unwrap_or(f64::NAN),
+        median(&roof).unwrap_or(f64::NAN),
+        median(&ratios).unwrap_or(f64::NAN)
+    );
+}
+
+/// The continuous batch: sequence 0 a chunk of `chunk` queries at the end of `n_k` tokens,
+/// the others one decoding step each at `n_k` tokens, in one paged cache whose sequences
+/// took their prompts a page-run of 1024 tokens at a time, round robin.
+struct Continuous {
+    cache: PagedKvCache<f16>,
+    seqs: Vec<SeqId>,
+    /// `[1, h_q, chunk + decodes, d]`, the chunk's rows first.
+    q: Vec<f16>,
+    chunk: usize,
+    h_q: usize,
+    d: usize,
+}
+
+impl Continuous {
+    fn new(h_q: usize, h_kv: usize, d: usize, n_k: usize, chunk: usize, decodes: usize) -> Self {
+        let seqs_n = decodes + 1;
+        let ps = 16;
+        let mut cache =
+            PagedKvCache::<f16>::new(seqs_n * n_k.div_ceil(ps), ps, h_kv, d, d).expect("a cache");
+        let seqs: Vec<SeqId> = (0..seqs_n)
+            .map(|_| cache.add_sequence().expect("a sequence"))
+            .collect();
+        let run = 1024.min(n_k);
+        for (r, from) in (0..n_k).step_by(run).enumerate() {
+            let len = run.min(n_k - from);
+            for (i, &seq) in seqs.iter().enumerate() {
+                let seed = 1000 + 2 * (r * seqs_n + i) as u64;
+                let (k, v) = (
+                    values::<f16>(h_kv * len * d, seed),
+                    values::<f16>(h_kv * len * d, seed + 1),
+                );
+                let (k, v) = (tokens(&k, (h_kv, d), 0, len), tokens(&v, (h_kv, d), 0, len));
+                cache.append(seq, k, v).expect("pages");
+            }
+        }
+        let q = values(h_q * (chunk + decodes) * d, 7);
+        Self {
+            cache,
+            seqs,
+            q,
+            chunk,
+            h_q,
+            d,
+        }
+    }
+
+    /// The call over sequences `seqs` whose queries are rows `rows` of the batch's.
+    fn run(&self, seqs: &[SeqId], rows: core::ops::Range<usize>, cu_q: &[usize]) {
+        let total = self.chunk + self.seqs.len() - 1;
+        let q = Tensor4Ref::new(
+            &self.q[rows.start * self.d..],
+            [1, self.h_q, rows.len(), self.d],
+            [self.h_q * total * self.d, total * self.d, self.d],
+        )
+        .expect("a view");
+        let opts = Options::default().with_causal(Causal::BottomRight);
+        let batch = self.cache.batch(seqs).expect("a batch");
+        step(batch.attention(q, cu_q, &opts));
+    }
+
+    fn mixed(&self) {
+        let total = self.chunk + self.seqs.len() - 1;
+        let cu_q: Vec<usize> = core::iter::once(0).chain(self.chunk..=total).collect();
+        self.run(&self.seqs, 0..total, &cu_q);
+    }
+
+    fn chunk_alone(&self) {
+        self.run(&self.seqs[..1], 0..self.chunk, &[0, self.chunk]);
+    }
+
+    fn decodes_alone(&self) {
+        let n = self.seqs.len() - 1;
+        let cu_q: Vec<usize> = (0..=n).collect();
+        self.run(&self.seqs[1..], self.chunk..self.chunk + n, &cu_q);
+    }
+}
+
+/// Multi-head latent attention's decoding step: `h_q` query heads against one latent head
+/// (the value a column prefix of the key) in pages of 64, and the same keys and values in
+/// a contiguous cache holding K and V apart.
+struct Latent<T> {
+    latent: PagedKvCache<T>,
+    seq: SeqId,
+    separate: KvCache<T>,
+    q: Vec<T>,
+    h_q: usize,
+    d_k: usize,
+}
+
+impl<T: Element> Latent<T> {
+    fn new(h_q: usize, n_k: usize, d_k: usize, d_v: usize) -> Self {
+        let ps = 64;
+        let mut latent =
+            PagedKvCache::<T>::latent(n_k.div_ceil(ps), ps, 1, d_k, d_v).expect("a latent cache");
+        let seq = latent.add_sequence().expect("a sequence");
+        let mut separate = KvCache::<T>::new(1, 1, n_k, d_k, d_v).expect("a cache");
+        let rows = values::<T>(n_k * d_k, 21);
+        let all = Tensor4Ref::from_layout(&rows, [1, 1, n_k, d_k], Layout::Bhsd).expect("a view");
+        latent.append_latent(seq, all).expect("pages");
+        let v =
+            Tensor4Ref::new(&rows, [1, 1, n_k, d_v], [n_k * d_k, n_k * d_k, d_k]).expect("a view");
+        separate.append(all, v).expect("room");
+        Self {
+            latent,
+            seq,
+            separate,
+            q: values(h_q * d_k, 22),
+            h_q,
+            d_k,
+        }
+    }
+
+    fn q(&self) -> Tensor4Ref<'_, T> {
+        Tensor4Ref::from_layout(&self.q, [1, self.h_q, 1, self.d_k], Layout::Bhsd).expect("a view")
+    }
+
+    fn step_latent(&self) {
+        let opts = Options::default().with_causal(Causal::BottomRight);
+        let batch = self.latent.batch(&[self.seq]).expect("a batch");
+        step(batch.attention(self.q(), &[0, 1], &opts));
+    }
+
+    fn step_separate(&self) {
+        let opts = Options::default().with_causal(Causal::BottomRight);
+        self.separate
+            .attention(self.q(), &opts)
+            .and_then(|c| c.forward(Par::rayon(0)))
+            .map(drop)
+            .expect("a decoding step");
     }
 }

@@ -447,6 +447,8 @@ pub(crate) struct PagedBatch<'a, T> {
     /// `[1, h_q, total_q, d_v]`.
     out_dims: [usize; 4],
     group: usize,
+    /// Query heads per job of a decoding sequence (one query): [`heads_per_job`].
+    stack: usize,
 }
 
 impl<'a, T> PagedBatch<'a, T> {
@@ -461,15 +463,74 @@ impl<'a, T> PagedBatch<'a, T> {
         let HeadShape { n_q, n_k, d_k, d_v } = shape.head;
         check_row_handles(element_count(&[shape.h_q, n_q]))?;
         let max_q = cu_q.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let group = shape.h_q / shape.h_kv.max(1);
+        let stack = if options.varies_over_heads() {
+            1
+        } else {
+            heads_per_job(1, group)
+        };
+        // The plan has room for a stack of heads: its tiles are the longest sequence's
+        // whenever that has more rows (a tile holds at most QUERY_TILE rows either way).
+        let decodes = cu_q.windows(2).any(|w| w[1] - w[0] == 1);
+        let rows = if decodes { max_q.max(stack) } else { max_q };
         Ok(Self {
-            problem: Problem::new(max_q, n_k, d_k, d_v, scale, options.precision),
+            problem: Problem::new(rows, n_k, d_k, d_v, scale, options.precision),
             q,
             kv,
             cu_q,
             options: *options,
             out_dims: [1, shape.h_q, n_q, d_v],
-            group: shape.h_q / shape.h_kv.max(1),
+            group,
+            stack,
         })
+    }
+
+    /// The jobs in order, as (query heads, sequence), head by head: a decoding sequence's
+    /// heads stacked [`heads_per_job`] at a time (the stack's heads share a K/V head), every
+    /// other sequence's one head a job; sequences without queries have none.
+    fn job_list(&self) -> Result<Vec<(Range<usize>, usize)>> {
+        let [_, h_q, _, _] = self.out_dims;
+        let batch = self.kv.batch();
+        let n = h_q.checked_mul(batch);
+        let mut jobs = Vec::new();
+        jobs.try_reserve_exact(n.unwrap_or(usize::MAX))
+            .map_err(|_| Error::allocation_of::<(Range<usize>, usize)>("paged jobs", n))?;
+        let stack = self.stack.max(1);
+        for h in 0..h_q {
+            for s in 0..batch {
+                match self.cu_q[s + 1] - self.cu_q[s] {
+                    0 => {}
+                    1 if stack > 1 => {
+                        if h.is_multiple_of(stack) {
+                            jobs.push((h..(h + stack).min(h_q), s));
+                        }
+                    }
+                    _ => jobs.push((h..h + 1, s)),
+                }
+            }
+        }
+        Ok(jobs)
+    }
+
+    /// The output rows (indices into `[h_q][total_q]`) in the order the jobs write them:
+    /// `None` when that is the rows' own order (nothing stacked). The forward pass hands
+    /// the jobs their rows in this order.
+    pub fn row_order(&self) -> Result<Option<Vec<usize>>> {
+        let [_, _, total_q, _] = self.out_dims;
+        let jobs = self.job_list()?;
+        let n = self.out_dims[1].checked_mul(total_q);
+        let mut order = Vec::new();
+        order
+            .try_reserve_exact(n.unwrap_or(usize::MAX))
+            .map_err(|_| Error::allocation_of::<usize>("paged row order", n))?;
+        for (heads, s) in jobs {
+            let rows = self.cu_q[s]..self.cu_q[s + 1];
+            for h in heads {
+                order.extend(rows.clone().map(|r| h * total_q + r));
+            }
+        }
+        let in_order = order.iter().enumerate().all(|(j, &i)| i == j);
+        Ok((!in_order).then_some(order))
     }
 
     /// `[1, h_q, total_q, d_v]`.
@@ -477,10 +538,10 @@ impl<'a, T> PagedBatch<'a, T> {
         self.out_dims
     }
 
-    /// The jobs writing `out` (rows in (head, packed row) order) and, if not empty, `lse`:
-    /// one per (query head, sequence) with queries, over the sequence's pages. Masks,
-    /// windows and the user's modifiers see the queries at their positions in the sequence,
-    /// as a [`crate::KvCache`]'s do.
+    /// The jobs writing `out` and, if not empty, `lse`, their rows in [`Self::row_order`]:
+    /// one per (query head, sequence) with queries, over the sequence's pages, or per stack
+    /// of heads of a decoding sequence. Masks, windows and the user's modifiers see the
+    /// queries at their positions in the sequence, as a [`crate::KvCache`]'s do.
     pub fn jobs<'s, 'o, O>(
         &self,
         out: &'s mut [RowMut<'o, O>],
@@ -490,46 +551,45 @@ impl<'a, T> PagedBatch<'a, T> {
         'a: 's,
     {
         let [_, h_q, _, _] = self.out_dims;
-        let batch = self.kv.batch();
-        let n = h_q.checked_mul(batch);
+        let list = self.job_list()?;
         let mut jobs = Vec::new();
-        jobs.try_reserve_exact(n.unwrap_or(usize::MAX))
-            .map_err(|_| Error::allocation_of::<HeadJob<'s, 'o, T, O>>("paged jobs", n))?;
+        jobs.try_reserve_exact(list.len()).map_err(|_| {
+            Error::allocation_of::<HeadJob<'s, 'o, T, O>>("paged jobs", Some(list.len()))
+        })?;
         let (mut out, mut lse) = (out, if lse.is_empty() { None } else { Some(lse) });
-        for h in 0..h_q {
-            let kv = h / self.group.max(1);
-            let qh = self.q.head(0, h)?;
-            for s in 0..batch {
-                let (rows, n_k) = (self.cu_q[s]..self.cu_q[s + 1], self.kv.lens()[s]);
-                let (rows_out, rows_lse) = take_rows(&mut out, &mut lse, rows.len());
-                if rows.is_empty() {
-                    continue;
-                }
-                let n_q = rows.len();
-                // The queries are the sequence's last `n_q` positions (validated: n_q ≤ n_k).
-                let offset = n_k - n_q;
-                let mask = HeadMask::new(&self.options, n_q, n_k, None)
-                    .at(s, h)
-                    .with_query_offset(offset);
-                let mut mods = self.options.head_modifiers(s, h, h_q, n_q, n_k);
-                mods.query_offset = offset;
-                let inputs = HeadInputs {
-                    q: qh.subrows(rows.start, n_q),
-                    k: Paged::new(&self.kv, self.kv.keys(), s, kv),
-                    v: Paged::new(&self.kv, self.kv.values(), s, kv),
-                    key_base: 0,
-                    mask,
-                    mods,
-                    scale_log2: self.problem.scale_log2,
-                    stacked: false,
-                };
-                jobs.push(HeadJob {
-                    inputs,
-                    keys: 0..n_k,
-                    out: rows_out,
-                    lse: rows_lse,
-                });
-            }
+        for (heads, s) in list {
+            let (h, kv) = (heads.start, heads.start / self.group.max(1));
+            let (rows, n_k) = (self.cu_q[s]..self.cu_q[s + 1], self.kv.lens()[s]);
+            let n_q = rows.len();
+            let (rows_out, rows_lse) = take_rows(&mut out, &mut lse, n_q * heads.len());
+            let q = if heads.len() > 1 {
+                self.q.heads_at(0, heads.clone(), rows.start)?
+            } else {
+                self.q.head(0, h)?.subrows(rows.start, n_q)
+            };
+            // The queries are the sequence's last `n_q` positions (validated: n_q ≤ n_k).
+            let offset = n_k - n_q;
+            let mask = HeadMask::new(&self.options, n_q, n_k, None)
+                .at(s, h)
+                .with_query_offset(offset);
+            let mut mods = self.options.head_modifiers(s, h, h_q, n_q, n_k);
+            mods.query_offset = offset;
+            let inputs = HeadInputs {
+                q,
+                k: Paged::new(&self.kv, self.kv.keys(), s, kv),
+                v: Paged::new(&self.kv, self.kv.values(), s, kv),
+                key_base: 0,
+                mask,
+                mods,
+                scale_log2: self.problem.scale_log2,
+                stacked: heads.len() > 1,
+            };
+            jobs.push(HeadJob {
+                inputs,
+                keys: 0..n_k,
+                out: rows_out,
+                lse: rows_lse,
+            });
         }
         Ok(jobs)
     }

@@ -100,18 +100,29 @@ pub enum SplitKv {
 
 /// Query heads stacked into the rows of one job. With one query per head (decoding), the
 /// query heads of a grouped-query group share K and V: up to [`DECODE_ROWS`] of them (the
-/// largest divisor of the group that fits) become the rows of one tile, which reads each
-/// block of K and V from memory once for all of them instead of once per head. Anything
-/// else is one head per job.
+/// largest divisor of the group that fits) become the rows of one row tile, which reads
+/// each block of K and V from memory once for all of them instead of once per head. A
+/// group of [`GEMM_GROUP`] heads or more (multi-head latent attention's 16–128 heads on one
+/// latent head) is compute-bound: up to [`QUERY_TILE`] of its heads become the rows of one
+/// GEMM tile. Anything else is one head per job.
 pub(crate) fn heads_per_job(n_q: usize, group: usize) -> usize {
     if n_q != 1 {
         return 1;
     }
-    (1..=DECODE_ROWS.min(group))
+    let most = if group >= GEMM_GROUP {
+        QUERY_TILE
+    } else {
+        DECODE_ROWS
+    };
+    (1..=most.min(group))
         .rev()
         .find(|s| group.is_multiple_of(*s))
         .unwrap_or(1)
 }
+
+/// Decoding heads per K/V head from which a stack of them is multiplied as a GEMM tile:
+/// then each key read from memory serves enough heads for the products to set the pace.
+pub(crate) const GEMM_GROUP: usize = 16;
 
 /// Whether a grid of `jobs` heads with `tiles_per_head` query tiles each, the longest
 /// attending `n_k` keys, splits its keys into chunks (flash-decoding).

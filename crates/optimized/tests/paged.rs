@@ -3,7 +3,8 @@
 
 use attn_optimized::{
     Alibi, Attention, Causal, CuSeqlens, Element, Error, KvCache, Layout, Options, PagedKv,
-    PagedKvCache, Par, ScoreMod, SlidingWindow, SoftCap, Tensor4, Tensor4Ref, bf16, f16,
+    PagedKvCache, Par, ScoreMod, SeqId, SlidingWindow, SoftCap, SplitKv, Tensor4, Tensor4Ref, bf16,
+    f16,
 };
 
 mod common;
@@ -102,14 +103,16 @@ fn same_as_packed<T: Element>(lens: &[usize], queries: &[usize], page: usize, op
     }
     let pool = |v| Tensor4Ref::from_layout(v, [p.pages, h_kv, p.page, d], Layout::Bshd).unwrap();
     let kv = PagedKv::new(pool(&p.pool_k), pool(&p.pool_v), &p.table, &p.lens).unwrap();
+    // Decoding stacks a group's heads into one job, which changes how many tasks there are
+    // and so whether keys are split: both calls keep each head's keys whole.
     let got = Attention::paged(q, &cu_q, kv, opts)
-        .and_then(|c| c.forward(Par::rayon(0)))
+        .and_then(|c| c.split_kv(SplitKv::Never).forward(Par::rayon(0)))
         .unwrap();
     let total_k = *p.cu_k.last().unwrap();
     let packed = |v| Tensor4Ref::from_layout(v, [1, h_kv, total_k, d], Layout::Bshd).unwrap();
     let seqs = CuSeqlens::new(&cu_q, &p.cu_k).unwrap();
     let want = Attention::packed(q, packed(&p.packed_k), packed(&p.packed_v), &seqs, opts)
-        .and_then(|c| c.forward(Par::rayon(0)))
+        .and_then(|c| c.split_kv(SplitKv::Never).forward(Par::rayon(0)))
         .unwrap();
     let what = format!("{} lens {lens:?} queries {queries:?} page {page}", T::NAME);
     same_bits(&bits(got.output()), &bits(want.output()), &what);
@@ -222,6 +225,78 @@ fn the_users_modifiers_see_the_same_positions_as_a_kv_cache() {
             &bits(want.output()),
             &format!("step {step}"),
         );
+    }
+}
+
+/// One sequence of 1300 tokens in a contiguous cache and in pages of 16, and one query
+/// per head: `(contiguous, pages, its sequence, q : [1, h_q, 1, 40])`.
+fn one_decode<T: Element>(h_q: usize, h_kv: usize) -> (KvCache<T>, PagedKvCache<T>, SeqId, Vec<T>) {
+    let (d, n) = (40, 1300);
+    let mut contiguous = KvCache::<T>::new(1, h_kv, n, d, d).unwrap();
+    let mut pages = PagedKvCache::<T>::new(n.div_ceil(16), 16, h_kv, d, d).unwrap();
+    let seq = pages.add_sequence().unwrap();
+    let (k, v) = (data::<T>(h_kv * n * d, 61), data::<T>(h_kv * n * d, 62));
+    let (k, v) = (
+        Tensor4Ref::from_layout(&k, [1, h_kv, n, d], Layout::Bshd).unwrap(),
+        Tensor4Ref::from_layout(&v, [1, h_kv, n, d], Layout::Bshd).unwrap(),
+    );
+    contiguous.append(k, v).unwrap();
+    pages.append(seq, k, v).unwrap();
+    (contiguous, pages, seq, data::<T>(h_q * d, 63))
+}
+
+/// Decoding stacks the heads that share a K/V head into one job, as a contiguous cache's
+/// call does (a few as rows of the row kernels, a large group as a GEMM tile: multi-head
+/// latent attention's shape), keys split alike: the same bits.
+fn stacks_as_a_kv_cache<T: Element>(h_q: usize, h_kv: usize, opts: &Options<'_>) {
+    let (contiguous, pages, seq, qd) = one_decode::<T>(h_q, h_kv);
+    let q = Tensor4Ref::from_layout(&qd, [1, h_q, 1, 40], Layout::Bshd).unwrap();
+    let want = contiguous
+        .attention(q, opts)
+        .and_then(|c| c.forward(Par::rayon(0)))
+        .unwrap();
+    let batch = pages.batch(&[seq]).unwrap();
+    let got = batch
+        .attention(q, &[0, 1], opts)
+        .and_then(|c| c.forward(Par::rayon(0)))
+        .unwrap();
+    let what = format!("{} {h_q}/{h_kv} heads", T::NAME);
+    same_bits(&bits(got.output()), &bits(want.output()), &what);
+    let lse = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    same_bits(&lse(got.lse()), &lse(want.lse()), &format!("LSE {what}"));
+}
+
+/// A large stack (a GEMM tile of heads) within f32 rounding of the formula.
+fn large_stack_is_the_formula(h_q: usize, h_kv: usize, opts: &Options<'_>) {
+    let (_, pages, seq, qd) = one_decode::<f32>(h_q, h_kv);
+    let q = Tensor4Ref::from_layout(&qd, [1, h_q, 1, 40], Layout::Bshd).unwrap();
+    let batch = pages.batch(&[seq]).unwrap();
+    let got = batch
+        .attention(q, &[0, 1], opts)
+        .and_then(|c| c.forward(Par::rayon(0)))
+        .unwrap();
+    let want = attn_reference::Attention::paged(q, &[0, 1], batch.kv().unwrap(), opts)
+        .and_then(|c| c.forward())
+        .unwrap();
+    for (a, b) in got.output().as_slice().iter().zip(want.output().as_slice()) {
+        assert!((a - b).abs() <= 2e-6, "{h_q}/{h_kv}: {a} vs {b} ({opts:?})");
+    }
+}
+
+#[test]
+fn decoding_stacks_a_groups_heads_as_a_kv_cache_does() {
+    let opts = [
+        Options::default().with_causal(Causal::BottomRight),
+        Options::default()
+            .with_window(SlidingWindow::new(Some(700), Some(0), Causal::BottomRight))
+            .with_softcap(SoftCap::new(5.0).unwrap()),
+    ];
+    for opts in &opts {
+        for (h_q, h_kv) in [(8, 2), (32, 1), (48, 2)] {
+            stacks_as_a_kv_cache::<f32>(h_q, h_kv, opts);
+            stacks_as_a_kv_cache::<bf16>(h_q, h_kv, opts);
+            large_stack_is_the_formula(h_q, h_kv, opts);
+        }
     }
 }
 

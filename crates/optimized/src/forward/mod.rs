@@ -33,7 +33,7 @@ use crate::kernel::online_softmax::{log_sum_exp, normalise_rows, scale_rows};
 use crate::kernel::{Products, amx, pair_dot};
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
-use crate::problem::{Batched, HeadInputs, HeadJob, Packed, PagedBatch, Problem};
+use crate::problem::{Batched, HeadInputs, HeadJob, Packed, PagedBatch, Problem, filled};
 use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
 
 /// One head into `out : [n_q, d_v]` (and its LSE), with the problem's shape already checked.
@@ -97,9 +97,30 @@ pub(crate) fn paged<T: Element, O: Element>(
     split: SplitKv,
     par: Par,
 ) -> Result<()> {
-    let mut rows = row_list(out.into_rows()?.into_iter().map(RowMut::from_slice_mut))?;
-    let jobs = paged.jobs(&mut rows, lse.unwrap_or_default())?;
+    let rows = out.into_rows()?.into_iter().map(RowMut::from_slice_mut);
+    let Some(order) = paged.row_order()? else {
+        let mut rows = row_list(rows)?;
+        let jobs = paged.jobs(&mut rows, lse.unwrap_or_default())?;
+        run(&paged.problem, jobs, split, par);
+        return Ok(());
+    };
+    // Stacked heads: the jobs take their rows (and LSE entries) in `order`.
+    let mut rank = filled("paged row ranks", Some(order.len()), 0usize)?;
+    for (j, &i) in order.iter().enumerate() {
+        rank[i] = j;
+    }
+    let mut ranked = row_list(rows)?.into_iter().zip(rank).collect::<Vec<_>>();
+    ranked.sort_unstable_by_key(|&(_, r)| r);
+    let mut rows = row_list(ranked.into_iter().map(|(row, _)| row))?;
+    let entries = if lse.is_some() { order.len() } else { 0 };
+    let mut lse_jobs = filled("attention LSE", Some(entries), 0.0)?;
+    let jobs = paged.jobs(&mut rows, &mut lse_jobs)?;
     run(&paged.problem, jobs, split, par);
+    if let Some(lse) = lse {
+        for (&i, &l) in order.iter().zip(&lse_jobs) {
+            lse[i] = l;
+        }
+    }
     Ok(())
 }
 
@@ -392,8 +413,14 @@ impl Scratch {
             products,
         } = shape;
         let br = plan.br;
-        let rows_kernel = br <= DECODE_ROWS.next_multiple_of(8);
-        let wide = if widens || rows_kernel { plan.bc } else { 0 };
+        // Widened copies for tiles that need them; the row kernels of a plan for GEMM tiles
+        // (a mixed batch's decoding steps, a prefill's last few rows) get theirs when
+        // they first run ([`Scratch::attend_rows`]).
+        let wide = if widens || br <= DECODE_ROWS.next_multiple_of(8) {
+            plan.bc
+        } else {
+            0
+        };
         Self {
             shape,
             plan,
@@ -407,7 +434,7 @@ impl Scratch {
             rescaled: vec![false; br],
             k_wide: vec![0.0; wide * d_k],
             v_wide: vec![0.0; wide * d_v],
-            acc_rows: vec![0.0; if rows_kernel { DECODE_ROWS * d_v } else { 0 }],
+            acc_rows: vec![0.0; DECODE_ROWS * d_v],
             row_tile: false,
             out_row: vec![0.0; d_v],
             pairs: if products != Products::F32 {
@@ -460,7 +487,9 @@ impl Scratch {
         // The row kernels stream K and V in place, run by run: a source that cannot lend
         // its rows in place goes through the GEMM tiles, which take them as f32 blocks.
         let lends = |src: &K| src.in_place().is_some() || src.run_at(0).is_some();
-        let few_rows = rows.len() <= DECODE_ROWS && !self.acc_rows.is_empty();
+        // A tile of few rows takes the row kernels whatever the plan: in a call that also
+        // has long tiles (a continuous batch) its decoding steps stream as they do alone.
+        let few_rows = rows.len() <= DECODE_ROWS;
         self.row_tile = few_rows && lends(&head.k) && lends(&head.v);
         if self.row_tile {
             self.attend_rows(head, rows, keys);

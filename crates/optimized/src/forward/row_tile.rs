@@ -64,6 +64,12 @@ impl Scratch {
             }
         }
         let rescaled = self.mark_rescaled(head, rows.clone());
+        // Sized once per scratch: a plan for GEMM tiles reads f32 in place and has none.
+        for (wide, d) in [(&mut self.k_wide, d_k), (&mut self.v_wide, d_v)] {
+            if wide.len() < bc * d {
+                wide.resize(bc * d, 0.0);
+            }
+        }
         self.acc_rows.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
