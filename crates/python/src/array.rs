@@ -22,12 +22,15 @@ use crate::dlpack;
 use crate::output::SendPtr;
 
 /// Element types attn reads: the storage types of attn-core's [`Float`] (f32, f16, bf16),
-/// boolean masks, and anything else by name (for the error).
+/// boolean masks, int32 indices (block tables, sequence lengths), and anything else by name
+/// (for the error).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Dtype {
     /// A floating-point storage type attn computes on.
     Float(Float),
     Bool,
+    /// 32-bit signed integers: flash-attn's block tables and sequence lengths.
+    Int32,
     /// Anything else, by name (for the error).
     Other(String),
 }
@@ -43,6 +46,7 @@ impl Dtype {
         match self {
             Dtype::Float(f) => float_name(*f),
             Dtype::Bool => "bool",
+            Dtype::Int32 => "int32",
             Dtype::Other(name) => name,
         }
     }
@@ -52,6 +56,7 @@ impl Dtype {
         match self {
             Dtype::Float(f) => f.bytes(),
             Dtype::Bool => 1,
+            Dtype::Int32 => 4,
             Dtype::Other(_) => 0,
         }
     }
@@ -102,6 +107,9 @@ pub(crate) struct Array<'py> {
     pub strides: Vec<isize>,
     /// Address of element `[0, …, 0]`, aligned for `dtype`.
     ptr: *const u8,
+    /// Whether the caller's memory may be written through `ptr`: it is the caller's own (not
+    /// a copy made here or a resolved torch view) and its producer allows writing.
+    writable: bool,
     _keep: Keep<'py>,
 }
 
@@ -148,6 +156,8 @@ fn numpy_dtype(arr: &Bound<'_, PyUntypedArray>) -> Dtype {
         Dtype::F16
     } else if num == NPY_TYPES::NPY_BOOL as i32 {
         Dtype::Bool
+    } else if descr.kind() == b'i' && descr.itemsize() == 4 {
+        Dtype::Int32
     } else {
         Dtype::Other(descr.to_string())
     }
@@ -320,6 +330,7 @@ impl<'py> Array<'py> {
             )));
         };
         let mut tensor = obj.clone();
+        let mut resolved = false;
         if kind == Kind::Torch {
             if tensor.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
                 // Outside grad mode (inside it, such tensors go through attn.torch): torch
@@ -331,13 +342,14 @@ impl<'py> Array<'py> {
             // only for such views) rather than read the wrong sign.
             if tensor.call_method0(intern!(py, "is_neg"))?.is_truthy()? {
                 tensor = tensor.call_method0(intern!(py, "resolve_neg"))?;
+                resolved = true;
             }
             if tensor.call_method0(intern!(py, "is_conj"))?.is_truthy()? {
                 tensor = tensor.call_method0(intern!(py, "resolve_conj"))?;
+                resolved = true;
             }
         }
         let t = dlpack::import(name, &tensor)?;
-        let _ = t.read_only; // inputs are only read
         let dtype = match t.dtype {
             // torch before 2.1 exports bool tensors as uint8.
             Dtype::Other(ref n)
@@ -356,6 +368,8 @@ impl<'py> Array<'py> {
             dtype,
             strides: t.strides,
             ptr: t.ptr,
+            // A resolved negation or conjugation is a copy: writes would not reach `obj`.
+            writable: !t.read_only && !resolved,
             _keep: Keep::Capsule(obj.clone(), t.capsule),
             shape: t.shape,
         };
@@ -377,14 +391,18 @@ impl<'py> Array<'py> {
         let shape = arr.shape().to_vec();
         let byte_strides = arr.strides().to_vec();
         // SAFETY: `as_array_ptr` is the live `PyArrayObject` of `arr`; reading its data
-        // pointer field is what the NumPy API macros do.
-        let ptr = unsafe { (*arr.as_array_ptr()).fields.data } as *const u8;
+        // pointer and flags fields is what the NumPy API macros do.
+        let (ptr, flags) = unsafe {
+            let fields = &(*arr.as_array_ptr()).fields;
+            (fields.data as *const u8, fields.flags)
+        };
         let mut array = Array {
             name,
             kind: Kind::NumPy,
             dtype,
             strides: vec![0; shape.len()],
             ptr,
+            writable: flags & numpy::npyffi::NPY_ARRAY_WRITEABLE != 0,
             _keep: Keep::Object(arr.clone().into_any()),
             shape,
         };
@@ -414,6 +432,7 @@ impl<'py> Array<'py> {
             words.as_ptr().cast()
         };
         self.strides = strides;
+        self.writable = false; // our copy, not the caller's memory
         self._keep = Keep::Owned(words);
     }
 
@@ -543,6 +562,72 @@ impl<'py> Array<'py> {
                 *w = u64::from_ne_bytes(b);
             }
         }
+        Ok(out)
+    }
+
+    /// Raises unless the array's memory is the caller's own and may be written: for the
+    /// operands attn updates in place (`flash_attn_with_kvcache`'s caches).
+    pub(crate) fn require_writable(&self) -> PyResult<()> {
+        if self.writable {
+            return Ok(());
+        }
+        let why = match (&self._keep, self.kind) {
+            (Keep::Owned(_), _) => {
+                "its data is not aligned for its dtype, so attn reads a copy that a write would not reach"
+            }
+            (_, Kind::Torch) => {
+                "its producer exports it read-only, or it is a lazily negated or conjugated view whose values live in a copy"
+            }
+            (_, Kind::NumPy) => "it is not writeable (flags.writeable is False)",
+            (_, Kind::Other) => "its DLPack producer exports it read-only",
+        };
+        Err(PyValueError::new_err(format!(
+            "{} cannot be written in place: {why}",
+            self.name
+        )))
+    }
+
+    /// The elements of an int32 array in row-major order, `None` for another dtype.
+    pub(crate) fn int32_values(&self) -> PyResult<Option<Vec<i32>>> {
+        if self.dtype != Dtype::Int32 {
+            return Ok(None);
+        }
+        // SAFETY: the array's elements are int32 (its dtype, just checked).
+        unsafe { self.values::<i32>() }.map(Some)
+    }
+
+    /// The elements of a float32 array in row-major order, `None` for another dtype.
+    pub(crate) fn f32_values(&self) -> PyResult<Option<Vec<f32>>> {
+        if self.dtype != Dtype::F32 {
+            return Ok(None);
+        }
+        // SAFETY: the array's elements are f32 (its dtype, just checked).
+        unsafe { self.values::<f32>() }.map(Some)
+    }
+
+    /// Every element of the view in row-major order, broadcast ones repeated: for the small
+    /// integer and float operands read whole (block tables, lengths, slopes).
+    ///
+    /// # Safety
+    /// The array's elements must be of type `T`.
+    unsafe fn values<T: Copy + Default>(&self) -> PyResult<Vec<T>> {
+        let count = product(&self.shape);
+        let mut out = zeroed::<T>(self.name, count)?;
+        if out.is_empty() {
+            return Ok(out);
+        }
+        let ptr = self.ptr::<T>();
+        let (n, step) = row_of(&self.shape, &self.strides);
+        let mut at = 0;
+        for_each_row(&self.shape, &self.strides, out.len() / n, |row| {
+            for j in 0..n {
+                // SAFETY: the view's shape and strides reach only elements of its buffer
+                // (checked at import), alive while `self` holds it; they are `T`s (the
+                // caller's guarantee). `at < count` as the walk visits `count` elements.
+                out[at] = unsafe { *ptr.offset(row + j as isize * step) };
+                at += 1;
+            }
+        });
         Ok(out)
     }
 

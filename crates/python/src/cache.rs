@@ -42,8 +42,9 @@ macro_rules! typed {
     };
 }
 
-/// The dtype a user names: ``"float32"``, ``numpy.float16``, ``torch.bfloat16``, ….
-fn dtype_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Float> {
+/// The dtype a user names: ``"float32"``, ``numpy.float16``, ``torch.bfloat16``, … (float32
+/// when none is named), for the cache class `class`.
+pub(crate) fn dtype_of(class: &str, obj: Option<&Bound<'_, PyAny>>) -> PyResult<Float> {
     let Some(obj) = obj else {
         return Ok(Float::F32);
     };
@@ -63,7 +64,7 @@ fn dtype_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Float> {
         "float16" | "half" => Ok(Float::F16),
         "bfloat16" => Ok(Float::Bf16),
         other => Err(PyTypeError::new_err(format!(
-            "KVCache dtype {other}: attn caches float32, float16 or bfloat16"
+            "{class} dtype {other}: attn caches float32, float16 or bfloat16"
         ))),
     }
 }
@@ -263,7 +264,7 @@ impl PyKvCache {
                 )));
             }
         };
-        let dtype = dtype_of(dtype)?;
+        let dtype = dtype_of("KVCache", dtype)?;
         let d_v = value_dim.unwrap_or(head_dim);
         let inner = match dtype {
             Float::F32 => Inner::F32(

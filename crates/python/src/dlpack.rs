@@ -129,6 +129,7 @@ fn dtype_of(t: DlDataType) -> Dtype {
         (2, 16, 1) => Dtype::F16,
         (4, 16, 1) => Dtype::BF16,
         (6, 8, 1) => Dtype::Bool,
+        (0, 32, 1) => Dtype::Int32,
         (code, bits, lanes) => {
             let kind = match code {
                 0 => "int",

@@ -10,6 +10,10 @@
 //!   packed call for a batch of sequences of different lengths (`cu_seqlens_q`,
 //!   `cu_seqlens_k`: `packed.rs`);
 //! - `KVCache`, the engine's [`attn_optimized::KvCache`] for decoding (`cache.rs`);
+//! - `PagedKVCache`, the engine's [`attn_optimized::PagedKvCache`] for serving
+//!   (`paged_cache.rs`), and `flash_attn_with_kvcache`, flash-attn's call over paged (or
+//!   per-sequence) caches the caller owns, new keys and values written into them in place
+//!   (`paged.rs`), both one [`attn_optimized::Attention::paged`] call;
 //! - inputs read in place (`array.rs`): NumPy arrays through NumPy's C API, torch tensors
 //!   and any other CPU producer through DLPack (`dlpack.rs`, the consumer);
 //! - results allocated as NumPy arrays and handed to torch without a copy (`output.rs`);
@@ -27,6 +31,8 @@ mod cache;
 mod dlpack;
 mod output;
 mod packed;
+mod paged;
+mod paged_cache;
 mod plan;
 mod sdpa;
 
@@ -63,9 +69,11 @@ fn attn_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sdpa::scaled_dot_product_attention, m)?)?;
     m.add_function(wrap_pyfunction!(sdpa::attention_with_lse, m)?)?;
     m.add_function(wrap_pyfunction!(sdpa::attention_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::flash_attn_with_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_class::<cache::PyKvCache>()?;
+    m.add_class::<paged_cache::PyPagedKvCache>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -51,7 +51,9 @@ impl Seqlens {
     }
 }
 
-fn offsets(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+/// A 1-D sequence of non-negative integers (a NumPy array, a torch tensor, a list), named
+/// `name` in errors: offsets, sequence ids.
+pub(crate) fn offsets(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     let list = if obj.hasattr("tolist")? {
         obj.call_method0("tolist")?
     } else {
@@ -107,7 +109,9 @@ fn check_shapes(q: &Array<'_>, k: &Array<'_>, v: &Array<'_>, f: &Flags) -> PyRes
 ///
 /// # Safety
 /// `a` must be an input of element type `T` whose buffer outlives the view, unwritten.
-unsafe fn operand<'a, T>(a: &Array<'_>) -> attn_core::Result<attn_core::Tensor4Ref<'a, T>> {
+pub(crate) unsafe fn operand<'a, T>(
+    a: &Array<'_>,
+) -> attn_core::Result<attn_core::Tensor4Ref<'a, T>> {
     let [t, h, d] = [a.shape[0], a.shape[1], a.shape[2]];
     // SAFETY: the caller's guarantee; the strides are the array's own (non-negative:
     // `forward_strides` copied any other).

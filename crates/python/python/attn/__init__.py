@@ -8,7 +8,9 @@ out; torch CPU tensors (float32, float16, bfloat16) in, torch tensors out, read 
 through DLPack. torch is optional: this module imports and works without it.
 
 Also here: ``attention_with_lse`` (the output and the log-sum-exp of each row),
-``attention_backward`` (dQ, dK, dV), ``KVCache`` (decoding), ``isa()`` and
+``attention_backward`` (dQ, dK, dV), ``KVCache`` (decoding), ``PagedKVCache`` (serving: a
+pool of pages shared by sequences that come and go), ``flash_attn_with_kvcache``
+(flash-attn's call over paged or per-sequence caches, updated in place), ``isa()`` and
 ``num_threads()``. ``attn.torch`` (when torch is installed) holds
 ``scaled_dot_product_attention`` as a ``torch.autograd.Function``; the plain call routes
 tensors that require grad through it, so ``loss.backward()`` works.
@@ -27,9 +29,11 @@ Where attn differs from torch (each function's docstring says more):
 
 from ._attn import (
     KVCache,
+    PagedKVCache,
     __version__,
     attention_backward,
     attention_with_lse,
+    flash_attn_with_kvcache,
     isa,
     num_threads,
     scaled_dot_product_attention,
@@ -37,9 +41,11 @@ from ._attn import (
 
 __all__ = [
     "KVCache",
+    "PagedKVCache",
     "__version__",
     "attention_backward",
     "attention_with_lse",
+    "flash_attn_with_kvcache",
     "isa",
     "num_threads",
     "scaled_dot_product_attention",
