@@ -10,6 +10,10 @@
 //! (128 query heads, one latent K/V head, d_k = 576, d_v = 512, n_k = 16384, pages of 64)
 //! against separate K and V buffers and faer's f32 GEMM rate, in f32 and bf16.
 //!
+//! Last, memory: 64 sequences forked from one 4,096-token prompt (8 K/V heads, d = 128, f16,
+//! pages of 16), each decoding 40 tokens of its own, against what the prompt's keys and
+//! values take once (the resident set's growth, from `/proc/self/status`).
+//!
 //! Criterion times each; the ratio comes from a loop that interleaves the two round by
 //! round and prints the median of the per-round ratios (memory bandwidth drifts by tens
 //! of per cent within a run on these machines). Under `cargo test --benches` the shapes
@@ -157,6 +161,9 @@ fn main() {
     if wanted("latent") {
         latent::<f32>(&mut c, &pool, full);
         latent::<bf16>(&mut c, &pool, full);
+    }
+    if wanted("prefix") && !common::criterion_only() {
+        shared_prefix(full);
     }
     c.final_summary();
 }
@@ -449,5 +456,65 @@ impl<T: Element> Latent<T> {
             .and_then(|c| c.forward(Par::rayon(0)))
             .map(drop)
             .expect("a decoding step");
+    }
+}
+/// The resident memory of 64 sequences sharing one prompt's pages.
+fn shared_prefix(full: bool) {
+    use attn_benches::memory::residency;
+    let (h_kv, d, prompt, own, seqs, ps): (usize, usize, usize, usize, usize, usize) = if full {
+        (8, 128, 4096, 40, 64, 16)
+    } else {
+        (2, 16, 64, 3, 4, 16)
+    };
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let page_bytes = (2 * h_kv * ps * d * 2) as u64;
+    let pages = prompt / ps * seqs + seqs * own.div_ceil(ps);
+    let before = residency();
+    let mut cache = PagedKvCache::<f16>::new(pages, ps, h_kv, d, d).expect("a cache");
+    let reserved = residency();
+    let root = cache.add_sequence().expect("a sequence");
+    let (k, v) = (
+        values::<f16>(h_kv * prompt * d, 1),
+        values::<f16>(h_kv * prompt * d, 2),
+    );
+    let (k_prompt, v_prompt) = (
+        tokens(&k, (h_kv, d), 0, prompt),
+        tokens(&v, (h_kv, d), 0, prompt),
+    );
+    cache.append(root, k_prompt, v_prompt).expect("pages");
+    drop((k, v));
+    let mut all = vec![root];
+    for _ in 1..seqs {
+        all.push(cache.fork(root).expect("a fork"));
+    }
+    let token = values::<f16>(h_kv * d, 3);
+    let one = tokens(&token, (h_kv, d), 0, 1);
+    for &s in &all {
+        for _ in 0..own {
+            cache.append(s, one, one).expect("pages");
+        }
+    }
+    let after = residency();
+    let in_use = (pages - cache.free_pages()) as u64 * page_bytes;
+    let prompt_bytes = (2 * h_kv * prompt * d * 2) as u64;
+    println!(
+        "\nshared prefix ({seqs} sequences forked from a {prompt}-token prompt, each then {own} \
+         tokens of its own; {h_kv} K/V heads, d={d}, f16, pages of {ps}):\n  \
+         pages in use {:.1} MiB = the prompt's K/V once ({:.1} MiB) + {seqs} × {} own pages \
+         ({seqs} copies of the prompt would be {:.1} MiB)",
+        mib(in_use),
+        mib(prompt_bytes),
+        own.div_ceil(ps),
+        mib(prompt_bytes * seqs as u64),
+    );
+    match (before, reserved, after) {
+        (Some(b), Some(r), Some(a)) => println!(
+            "  resident memory: +{:.1} MiB once the pool of {:.1} MiB is reserved, +{:.1} MiB \
+             after the prompt, the forks and the decoding",
+            mib(r.rss_bytes.saturating_sub(b.rss_bytes)),
+            mib(pages as u64 * page_bytes),
+            mib(a.rss_bytes.saturating_sub(b.rss_bytes)),
+        ),
+        _ => println!("  resident memory: not readable on this system"),
     }
 }

@@ -107,32 +107,39 @@ impl PartialState {
             d,
             "both states cover the same queries and value width",
         )?;
+        // Per row, what the other side brings: nothing (it saw nothing: this row is kept
+        // bit for bit), everything (this side saw nothing), or a weighted mean. The outputs
+        // are then combined a column at a time, along their storage.
+        let mut weights = Vec::with_capacity(n);
         for i in 0..n {
             let (a, b) = (self.lse[i], other.lse[i]);
-            if b == f32::NEG_INFINITY {
-                continue; // the other side saw nothing: keep this row bit for bit
-            }
-            if a == f32::NEG_INFINITY {
+            weights.push(if b == f32::NEG_INFINITY {
+                None
+            } else if a == f32::NEG_INFINITY {
                 self.lse[i] = b;
-                for c in 0..d {
-                    self.output[(i, c)] = other.output[(i, c)];
-                }
-                continue;
-            }
-            let m = a.max(b);
-            let (wa, wb) = ((a - m).exp(), (b - m).exp());
-            let sum = wa + wb;
-            self.lse[i] = m + sum.ln();
-            let (wa, wb) = (wa / sum, wb / sum);
-            for c in 0..d {
+                Some((0.0, 1.0, false))
+            } else {
+                let m = a.max(b);
+                let (wa, wb) = ((a - m).exp(), (b - m).exp());
+                let sum = wa + wb;
+                self.lse[i] = m + sum.ln();
+                Some((wa / sum, wb / sum, true))
+            });
+        }
+        for c in 0..d {
+            for (i, w) in weights.iter().enumerate() {
+                let Some((wa, wb, mix)) = *w else {
+                    continue;
+                };
                 let (x, y) = (self.output[(i, c)], other.output[(i, c)]);
-                let merged = wa * x + wb * y;
-                // A weighted mean of two finite outputs is finite: rounding must not push
-                // it past f32::MAX (wa + wb may round above 1).
-                self.output[(i, c)] = if x.is_finite() && y.is_finite() {
-                    merged.clamp(-f32::MAX, f32::MAX)
+                self.output[(i, c)] = if !mix {
+                    y
+                } else if x.is_finite() && y.is_finite() {
+                    // A weighted mean of two finite outputs is finite: rounding must not
+                    // push it past f32::MAX (wa + wb may round above 1).
+                    (wa * x + wb * y).clamp(-f32::MAX, f32::MAX)
                 } else {
-                    merged
+                    wa * x + wb * y
                 };
             }
         }

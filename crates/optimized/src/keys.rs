@@ -310,6 +310,10 @@ impl<T: Element> KeySource<T> for Paged<'_, T> {
     }
 
     fn to_f32<'s>(&'s self, buf: &'s mut [f32]) -> MatRef<'s, f32> {
+        // A block within one run (pages that follow each other) is a view: f32 in place.
+        if let Some(m) = self.in_place() {
+            return f32_rows(m, 0..m.nrows(), buf);
+        }
         let w = self.width();
         for (first, run) in self.runs() {
             widen_rows(run, 0..run.nrows(), &mut buf[first * w..]);

@@ -77,8 +77,9 @@ pub struct PagedKvCache<T> {
 
 impl<T: Element> PagedKvCache<T> {
     /// An empty cache of `pages` pages of `page_size` tokens for `kv_heads` heads of keys
-    /// `d_k` wide and values `d_v` wide, allocated now (fallibly: a pool that cannot be
-    /// held is an [`Error::Allocation`]).
+    /// `d_k` wide and values `d_v` wide, reserved now (fallibly: a pool that cannot be
+    /// held is an [`Error::Allocation`]) from zeroed memory that the system maps as pages
+    /// are first written: the memory in use grows with the pages handed out.
     pub fn new(
         pages: usize,
         page_size: usize,

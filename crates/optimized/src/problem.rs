@@ -14,7 +14,7 @@ use attn_core::{
 };
 use faer::{Mat, MatRef, RowMut, TryReserveError};
 
-use crate::kernel::element::Element;
+use crate::kernel::element::{Element, zeroed_lazily};
 use crate::keys::{Dense, Paged};
 use crate::schedule::{TilePlan, heads_per_job};
 
@@ -625,9 +625,10 @@ pub(crate) fn element_count(dims: &[usize]) -> Option<usize> {
     dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
 }
 
-/// A zeroed buffer of `dims.product()` elements, or [`Error::Allocation`].
+/// A zeroed buffer of `dims.product()` elements, or [`Error::Allocation`]; its memory is
+/// mapped as it is first written ([`zeroed_lazily`]).
 pub(crate) fn zeroed<T: Element>(what: &'static str, dims: &[usize]) -> Result<Vec<T>> {
-    filled(what, element_count(dims), T::from_f32(0.0))
+    zeroed_lazily(what, element_count(dims))
 }
 
 /// A zeroed `rows × cols` matrix, or [`Error::Allocation`]: faer's own fallible

@@ -399,6 +399,52 @@ fn forks_share_full_pages_and_never_reach_each_other() {
     assert_eq!(cache.free_pages(), 10);
 }
 
+/// Forking a long sequence shares every full page and copies at most the partial one;
+/// sequences forked from one prompt hold its pages once, however many there are.
+#[test]
+fn forks_copy_at_most_one_page_and_share_a_prefix_once() {
+    let ps = 16;
+    for n in [32768usize, 32768 + 5] {
+        let pages = n.div_ceil(ps) + 1;
+        let mut cache = PagedKvCache::<f32>::new(pages, ps, 2, 8, 8).unwrap();
+        let parent = cache.add_sequence().unwrap();
+        append(&mut cache, parent, &tokens(n, 4)).unwrap();
+        let free = cache.free_pages();
+        let child = cache.fork(parent).unwrap();
+        let copied = free - cache.free_pages();
+        assert_eq!(copied, usize::from(n % ps != 0), "{n} tokens");
+        assert_eq!(cache.len(child).unwrap(), n);
+        let shared = n / ps;
+        assert_eq!(
+            cache.pages_of(child).unwrap()[..shared],
+            cache.pages_of(parent).unwrap()[..shared]
+        );
+    }
+    // 64 sequences on one 4096-token prompt, each then decoding 40 tokens of its own.
+    let (prompt, own, seqs): (usize, usize, usize) = (4096, 40, 64);
+    let (prompt_pages, own_pages) = (prompt / ps, own.div_ceil(ps));
+    let mut cache = PagedKvCache::<f32>::new(prompt_pages + seqs * own_pages, ps, 2, 8, 8).unwrap();
+    let root = cache.add_sequence().unwrap();
+    append(&mut cache, root, &tokens(prompt, 5)).unwrap();
+    let mut all = vec![root];
+    for _ in 1..seqs {
+        all.push(cache.fork(root).unwrap());
+    }
+    assert_eq!(cache.free_pages(), seqs * own_pages);
+    for (i, &s) in all.iter().enumerate() {
+        for t in 0..own {
+            append(&mut cache, s, &tokens(1, 1000 + (i * own + t) as u64)).unwrap();
+        }
+    }
+    // Every page in use: the prompt's once, and each sequence's own.
+    assert_eq!(cache.free_pages(), 0);
+    let in_use: std::collections::BTreeSet<u32> = all
+        .iter()
+        .flat_map(|&s| cache.pages_of(s).unwrap().to_vec())
+        .collect();
+    assert_eq!(in_use.len(), prompt_pages + seqs * own_pages);
+}
+
 #[test]
 fn running_out_of_pages_changes_nothing() {
     let mut cache = PagedKvCache::<f32>::new(3, 4, 2, 8, 8).unwrap();

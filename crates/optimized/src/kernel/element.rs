@@ -14,6 +14,31 @@ use attn_core::Dtype;
 
 use super::{Isa, multiversion};
 
+/// `n` zeros of `T` (`None`: too many to count) from the allocator's zeroed memory, or
+/// [`attn_core::Error::Allocation`] naming `what`. A large buffer comes from pages the
+/// system maps only when they are first written, so a page pool's memory grows with the
+/// pages it hands out instead of being written whole up front.
+pub(crate) fn zeroed_lazily<T: Element>(
+    what: &'static str,
+    n: Option<usize>,
+) -> attn_core::Result<Vec<T>> {
+    let fail = || attn_core::Error::allocation_of::<T>(what, n);
+    let n = n.ok_or_else(fail)?;
+    let layout = std::alloc::Layout::array::<T>(n).map_err(|_| fail())?;
+    if layout.size() == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the layout's size is not zero.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        return Err(fail());
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of `[T; n]` (capacity
+    // `n`), and all-zero bits are a valid `T` (+0.0 for each of the sealed f32, f16, bf16),
+    // so its `n` elements are initialised.
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
 pub(crate) mod sealed {
     /// Keeps [`super::Element`] closed to the three types the kernels know.
     pub trait Sealed {}
