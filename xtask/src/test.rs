@@ -26,7 +26,9 @@
 //!    `ATTN_TEST_NO_SKIP=1`: everything the suite needs is installed here, so a missing
 //!    torch is an import error and any skip a failure (a plain `pytest` without torch still
 //!    skips the torch tests). pytest's "no tests collected" (exit 5) is a failure too: a
-//!    suite that ran nothing has not passed.
+//!    suite that ran nothing has not passed. The suite's `torch.compile` tests need
+//!    inductor's C++ toolchain: a C++ compiler (`$CXX`, else `g++`) and the virtualenv's
+//!    `Python.h`; missing ones are apt-get installed (`g++`, `python3-dev`) as in `setup`.
 //! 4. `mpi`: the ring's MPI tests for real: builds `attn-ring`'s `ring_mpi` test binary
 //!    and runs it under `mpirun -np P` for P = 1, 2, 3 and 4 (`--oversubscribe`: more
 //!    ranks than cores; `--allow-run-as-root` as root; `--bind-to none`, so that a rank's
@@ -327,6 +329,7 @@ fn python_tests(ctx: &Context<'_>) -> Result<(), String> {
         &ctx.target.join("python-wheels"),
         &crate_dir.join("requirements-test.txt"),
     )?;
+    ensure_inductor_toolchain(&python)?;
     let bin = python
         .parent()
         .expect("the interpreter is in bin/")
@@ -354,6 +357,76 @@ fn python_tests(ctx: &Context<'_>) -> Result<(), String> {
             .args(&ctx.args.pytest_args),
     )?;
     pytest_outcome(code)
+}
+
+/// What `torch.compile`'s default backend (inductor) needs on the CPU, for the suite's
+/// compile tests (`crates/python/tests/test_torch_compile.py`): a C++ compiler (`$CXX`,
+/// else `g++`) and the headers of the virtualenv's Python (`Python.h` in its
+/// `sysconfig` include directory). When one is missing it is installed like the `setup`
+/// step's packages: `apt-get update`, `apt-get install -y g++` / `python3-dev` (as root,
+/// non-interactive); without apt-get or root, the step fails and names the command.
+fn ensure_inductor_toolchain(python: &Path) -> Result<(), String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let mut missing: Vec<&str> = Vec::new();
+    if !quiet_success(Command::new(&cxx).arg("--version")) {
+        missing.push("g++");
+    }
+    if !python_headers_present(python) {
+        missing.push("python3-dev");
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let by_hand = format!("apt-get install -y {}", missing.join(" "));
+    if !quiet_success(Command::new("apt-get").arg("--version")) {
+        return Err(format!(
+            "torch.compile (inductor) needs a C++ compiler and Python's headers; apt-get is not available here: install them by hand ({by_hand} on Debian)"
+        ));
+    }
+    if !crate::setup::is_root() {
+        return Err(format!(
+            "torch.compile (inductor) needs a C++ compiler and Python's headers; installing them needs root: run `{by_hand}` as root"
+        ));
+    }
+    println!("xtask test: for torch.compile's C++ backend: apt-get update; {by_hand}");
+    let mut install = vec!["install", "-y", "-q"];
+    install.extend(&missing);
+    for args in [vec!["update", "-q"], install] {
+        checked(
+            Command::new("apt-get")
+                .args(&args)
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .stdin(std::process::Stdio::null()),
+            &format!("apt-get {}", args.join(" ")),
+        )?;
+    }
+    if !quiet_success(Command::new(&cxx).arg("--version")) {
+        return Err(format!("{cxx} is still missing after apt-get install"));
+    }
+    if !python_headers_present(python) {
+        return Err(format!(
+            "Python.h of {} is still missing after apt-get install python3-dev (an interpreter not from Debian brings its own headers: reinstall it with them)",
+            python.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `cmd` runs and exits 0, its output discarded.
+fn quiet_success(cmd: &mut Command) -> bool {
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Whether `Python.h` is in the interpreter's include directory.
+fn python_headers_present(python: &Path) -> bool {
+    quiet_success(Command::new(python).args([
+        "-c",
+        "import os, sys, sysconfig; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')) else 1)",
+    ]))
 }
 
 /// pytest's exit status as a result: 5 ("no tests collected") fails too.

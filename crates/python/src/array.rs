@@ -114,7 +114,7 @@ pub(crate) struct Array<'py> {
 }
 
 /// `torch.Tensor`, once torch has been imported by someone (we never import it).
-fn torch_tensor_type<'py>(py: Python<'py>) -> PyResult<Option<&'py Bound<'py, PyType>>> {
+pub(crate) fn torch_tensor_type<'py>(py: Python<'py>) -> PyResult<Option<&'py Bound<'py, PyType>>> {
     static TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     static MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
     if let Some(t) = TENSOR.get(py) {

@@ -17,8 +17,9 @@
 //! - inputs read in place (`array.rs`): NumPy arrays through NumPy's C API, torch tensors
 //!   and any other CPU producer through DLPack (`dlpack.rs`, the consumer);
 //! - results allocated as NumPy arrays and handed to torch without a copy (`output.rs`);
-//! - `attn.torch` (Python) wraps the forward and backward passes in a
-//!   `torch.autograd.Function`.
+//! - `attn.torch` (Python) registers the forward and backward passes as `torch.library`
+//!   custom operators (`attn::sdpa_forward`, `attn::sdpa_backward`) with their autograd
+//!   formula; `attn.transformers` registers `attn_implementation="attn"`.
 //!
 //! The GIL is released while the engine computes; every error is a Python `ValueError` or
 //! `TypeError` carrying attn's message (operand and shapes), never a crash. The crate is

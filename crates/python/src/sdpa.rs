@@ -13,7 +13,9 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyTuple;
 
-use crate::array::{Array, Dtype, Float, Kind, is_torch_tensor, product, zeroed};
+use crate::array::{
+    Array, Dtype, Float, Kind, is_torch_tensor, product, torch_tensor_type, zeroed,
+};
 use crate::output::{SendPtr, Storage, check_returnable, finish};
 use crate::packed::Seqlens;
 use crate::plan::{Call, Plan, Strides};
@@ -75,6 +77,40 @@ pub(crate) fn flags(
     })
 }
 
+/// torch's scale semantics on engines that take a positive scale: `scale · q·k =
+/// |scale| · (−q)·k` exactly (a negation is exact), and a zero scale is the query times 0
+/// with scale 1 (every score `0 · q·k`). Returns the scale to compute with and the factor
+/// of the query (and of its gradient): −1, 0, or 1 when nothing changes. A non-finite
+/// scale goes on as given, for [`flags`] to refuse.
+pub(crate) fn engine_scale(scale: Option<f64>) -> (Option<f64>, i8) {
+    match scale {
+        Some(0.0) => (Some(1.0), 0), // -0.0 too: float patterns compare with ==
+        Some(s) if s < 0.0 && s.is_finite() => (Some(-s), -1),
+        _ => (scale, 1),
+    }
+}
+
+/// `obj · sign` for the sign of [`engine_scale`], as the operand's own arithmetic (a NumPy
+/// array or a torch tensor, of its dtype).
+fn times_sign<'py>(obj: &Bound<'py, PyAny>, sign: i8) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    match sign {
+        1 => Ok(obj.clone()),
+        -1 => obj.call_method0(intern!(py, "__neg__")),
+        _ => obj.call_method1(intern!(py, "__mul__"), (0,)),
+    }
+}
+
+/// The query to compute with for the sign of [`engine_scale`], after the checks the
+/// query itself must pass (kind, dtype, a contiguous last axis), which a fresh product
+/// would hide.
+fn engine_query<'py>(query: &Bound<'py, PyAny>, sign: i8) -> PyResult<Bound<'py, PyAny>> {
+    if sign != 1 {
+        Array::extract("query", query)?.require_contiguous_rows()?;
+    }
+    times_sign(query, sign)
+}
+
 /// `torch.is_grad_enabled()` (torch is imported: a tensor was passed).
 fn grad_enabled(py: Python<'_>) -> PyResult<bool> {
     static IS_GRAD_ENABLED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -87,25 +123,35 @@ fn grad_enabled(py: Python<'_>) -> PyResult<bool> {
         .is_truthy()
 }
 
-/// Whether a call must go through the autograd function: a torch operand requires grad
-/// while grad mode is on (such tensors cannot be exported through DLPack). The operands
-/// are `[query, key, value, attn_mask]`; on that route they must all be torch tensors, which
-/// is checked here with the plain path's error (the autograd function reads tensors only).
+/// Whether a call must go through `attn.torch`'s operator: a torch operand requires grad
+/// while grad mode is on (such tensors cannot be exported through DLPack), or is a meta
+/// tensor or a tensor subclass (a fake tensor: no data to read). The operands are
+/// `[query, key, value, attn_mask]`; on that route they must all be torch tensors, which is
+/// checked here with the plain path's error (the operator reads tensors only).
 fn needs_autograd(operands: [Option<&Bound<'_, PyAny>>; 4]) -> PyResult<bool> {
     let mut any = false;
+    let mut unreadable = false;
     for obj in operands.iter().flatten() {
-        if is_torch_tensor(obj)?
-            && obj
-                .getattr(intern!(obj.py(), "requires_grad"))?
-                .is_truthy()?
-        {
-            any = true;
+        if is_torch_tensor(obj)? {
+            let py = obj.py();
+            if obj.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
+                any = true;
+            }
+            // Meta tensors and tensor subclasses (fake tensors) have no data to read in
+            // place: the operator `attn::sdpa_forward` computes their shapes.
+            if obj.getattr(intern!(py, "is_meta"))?.is_truthy()?
+                || !obj
+                    .get_type()
+                    .is(torch_tensor_type(py)?.expect("a tensor was passed"))
+            {
+                unreadable = true;
+            }
         }
     }
     let Some(query) = operands[0] else {
         return Ok(false);
     };
-    if !any || !grad_enabled(query.py())? {
+    if !unreadable && (!any || !grad_enabled(query.py())?) {
         return Ok(false);
     }
     let names = ["query", "key", "value", "attn_mask"];
@@ -137,7 +183,8 @@ fn kind_of(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Kind> {
     }
 }
 
-/// Hands a differentiable call to `attn.torch` (Python), which calls back without grad.
+/// Hands a call to `attn.torch` (Python): its operator `attn::sdpa_forward` calls back
+/// without grad (or computes shapes only, for meta and fake tensors).
 #[allow(clippy::too_many_arguments)]
 fn via_autograd<'py>(
     query: &Bound<'py, PyAny>,
@@ -685,7 +732,9 @@ fn no_autograd_when_packed(packed: bool) -> PyResult<()> {
 ///   or value row never reaches the output (torch computes ``0 * NaN``).
 /// - A row that sees no key (fully masked, or ``S == 0``) is 0, never NaN.
 /// - No dropout: ``dropout_p`` other than 0.0 is a ValueError.
-/// - ``scale`` must be positive (torch accepts any float).
+/// - ``scale`` may be any finite float, as in torch (0: every score 0, uniform weights
+///   over the visible keys; negative: the scores reversed); NaN and infinities are
+///   ValueErrors.
 /// - The innermost axis of query, key and value must be contiguous (stride 1); other
 ///   strides, broadcast (stride 0) included, are read in place. Negative strides (NumPy
 ///   views such as ``x[::-1]``) and unaligned NumPy buffers are copied once.
@@ -712,11 +761,27 @@ pub(crate) fn scaled_dot_product_attention<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let (engine, sign) = engine_scale(scale);
+    if sign != 1 && !needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
+        return scaled_dot_product_attention(
+            &engine_query(query, sign)?,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            engine,
+            enable_gqa,
+            causal_alignment,
+            cu_seqlens_q,
+            cu_seqlens_k,
+        );
+    }
     let f = flags(
         dropout_p,
         is_causal,
         attn_mask.is_some(),
-        scale,
+        engine,
         enable_gqa,
         causal_alignment,
     )?;
@@ -760,11 +825,27 @@ pub(crate) fn attention_with_lse<'py>(
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
+    let (engine, sign) = engine_scale(scale);
+    if sign != 1 && !needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
+        return attention_with_lse(
+            &engine_query(query, sign)?,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            engine,
+            enable_gqa,
+            causal_alignment,
+            cu_seqlens_q,
+            cu_seqlens_k,
+        );
+    }
     let f = flags(
         dropout_p,
         is_causal,
         attn_mask.is_some(),
-        scale,
+        engine,
         enable_gqa,
         causal_alignment,
     )?;
@@ -1023,6 +1104,26 @@ pub(crate) fn attention_backward<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
+    let (engine, sign) = engine_scale(scale);
+    if sign != 1 {
+        let grads = attention_backward(
+            grad_out,
+            &engine_query(query, sign)?,
+            key,
+            value,
+            out,
+            lse,
+            attn_mask,
+            is_causal,
+            engine,
+            enable_gqa,
+            causal_alignment,
+            cu_seqlens_q,
+            cu_seqlens_k,
+        )?;
+        let dq = times_sign(&grads.get_item(0)?, sign)?;
+        return PyTuple::new(query.py(), [dq, grads.get_item(1)?, grads.get_item(2)?]);
+    }
     let py = query.py();
     let f = flags(
         0.0,

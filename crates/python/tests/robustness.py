@@ -477,7 +477,11 @@ def numpy_case(seed, index):
     if rng.random() < 0.3:
         opts["scale"] = SCALES[int(rng.integers(0, len(SCALES)))]
         sc = opts["scale"]
-        if sc is not None and not (sc > 0 and math.isfinite(sc) and np.float32(sc) > 0 and math.isfinite(np.float32(sc))):
+        # torch's rule, any finite scale, within attn's: a scale of 0 is exact; any other
+        # must keep its magnitude in f32 (neither 0 nor infinite there).
+        if sc is not None and not (
+            math.isfinite(sc) and (sc == 0 or (np.float32(abs(sc)) > 0 and math.isfinite(np.float32(abs(sc)))))
+        ):
             worse("error")
         whats.append(f"scale {sc}")
     if rng.random() < 0.05:

@@ -192,11 +192,27 @@ def test_a_broadcast_mask_with_odd_bytes_is_not_materialised():
     assert out.split() == ["MemoryError", "True"]
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 0.0, -1.0, 1e-300, 1e300])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 1e-300, -1e-300, 1e300, -1e300])
 def test_hostile_scales_are_value_errors(scale):
     q = np.ones((1, 2, 3, 4), np.float32)
     with pytest.raises(ValueError, match="is invalid"):
         attn.scaled_dot_product_attention(q, q, q, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.0, -1.0, -1e-45])
+def test_zero_and_negative_scales_are_torchs(scale):
+    """torch takes any float scale: 0 makes every score 0 (uniform weights over the visible
+    keys), a negative one reverses the scores; forward and backward, NumPy arrays."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4)))
+    out, lse = attn.attention_with_lse(q, k, v, scale=scale)
+    want, want_lse = ref.sdpa(q, k, v, None, scale=scale)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    g = rng.standard_normal(out.shape).astype(np.float32)
+    got = attn.attention_backward(g, q, k, v, out, lse, scale=scale)
+    for a, w in zip(got, ref.sdpa_backward(g, q, k, v, None, scale=scale)):
+        np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------

@@ -337,7 +337,7 @@ def test_keyword_only_arguments():
         (((2, 8, 4, 8), (2, 2, 5, 8), (2, 4, 5, 8)), {"enable_gqa": True}, "key has 2 heads but value has 4"),
         (((3, 2, 4, 8), (2, 2, 5, 8), (2, 2, 5, 8)), {}, "do not broadcast"),
         (((2, 4, 0), (2, 5, 0), (2, 5, 3)), {}, "0 features"),
-        (((2, 4, 8), (2, 5, 8), (2, 5, 8)), {"scale": -1.0}, "scale -1 is invalid"),
+        (((2, 4, 8), (2, 5, 8), (2, 5, 8)), {"scale": float("nan")}, "scale NaN is invalid"),
         (((2, 4, 8), (2, 5, 8), (2, 5, 8)), {"causal_alignment": "bottom"}, "causal_alignment='bottom'"),
         (((2, 4, 8), (2, 5, 8), (2, 5, 8)), {"causal_alignment": "bottom_right"}, "pass is_causal=True"),
     ],

@@ -11,9 +11,11 @@ Also here: ``attention_with_lse`` (the output and the log-sum-exp of each row),
 ``attention_backward`` (dQ, dK, dV), ``KVCache`` (decoding), ``PagedKVCache`` (serving: a
 pool of pages shared by sequences that come and go), ``flash_attn_with_kvcache``
 (flash-attn's call over paged or per-sequence caches, updated in place), ``isa()`` and
-``num_threads()``. ``attn.torch`` (when torch is installed) holds
-``scaled_dot_product_attention`` as a ``torch.autograd.Function``; the plain call routes
-tensors that require grad through it, so ``loss.backward()`` works.
+``num_threads()``. ``attn.torch`` (when torch is installed) registers attn as
+``torch.library`` operators (``torch.ops.attn.sdpa_forward``, ``sdpa_backward``: autograd,
+``torch.compile``, ``torch.export``, meta tensors) and holds ``routing()``; the plain call
+routes tensors that require grad through them, so ``loss.backward()`` works.
+``attn.transformers`` registers ``attn_implementation="attn"`` with transformers.
 
 Where attn differs from torch (each function's docstring says more):
 
@@ -22,7 +24,7 @@ Where attn differs from torch (each function's docstring says more):
 - a fully masked row is 0, not NaN;
 - the log-sum-exp is available (``attention_with_lse``);
 - no dropout: ``dropout_p`` must be 0.0;
-- ``scale`` must be positive;
+- ``scale`` may be any finite float, as in torch (NaN and infinities are errors);
 - the last axis of query, key and value must be contiguous;
 - results do not depend on the number of threads.
 """
@@ -53,9 +55,22 @@ __all__ = [
 
 
 def __getattr__(name):
-    # `attn.torch` is imported on first use, so that `import attn` never imports torch.
-    if name == "torch":
+    # `attn.torch` and `attn.transformers` are imported on first use, so that `import attn`
+    # never imports torch.
+    if name in ("torch", "transformers"):
         import importlib
 
         return importlib.import_module(".torch", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# With torch already imported, `attn.torch` is imported now: its operators and the
+# `torch.compile` substitutes for the functions above are then in place before any
+# compiled function calls attn. Without torch, nothing of torch is imported.
+import sys as _sys  # noqa: E402
+
+if _sys.modules.get("torch") is not None:
+    try:
+        from . import torch as _torch  # noqa: F401
+    except Exception:  # a torch too old for attn.torch: `import attn` works all the same,
+        pass  # and `attn.torch` raises the error when used
