@@ -1,8 +1,9 @@
 //! The paged cache's decoding target, 2 threads: one query per head against a long cache
 //! held in pages (32 query and 32 K/V heads, batch 1, n_k = 32768, d = 128, f16), against
 //! the same tokens in a contiguous [`KvCache`]. Pages of 16 tokens (the target's) and of
-//! 128, handed out in order (one sequence filling the cache) and interleaved with a second
-//! sequence's (two sequences decoding side by side: every other page is the other's).
+//! 128, as the cache hands them out to one sequence filling it, to two sequences growing
+//! side by side (a page of each in turn), and from a fragmented pool (every other page in
+//! use by others, which the sequence then gets, scattered: the worst case).
 //!
 //! Then the other two serving targets: a continuous batch (one chunk of 512 queries after
 //! 3,584 cached tokens plus 31 decoding steps at 4,096 keys, 32/8 heads, d = 128, f16, pages
@@ -58,35 +59,86 @@ fn step<T: Element>(call: Result<Attention<'_, T, Batch>>) {
         .expect("an attention call");
 }
 
-/// The same tokens in a contiguous cache and in paged caches: `(page size, interleaved,
+/// How the measured sequence's pages lie in the pool.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pages {
+    /// One sequence filling the cache.
+    Alone,
+    /// Two sequences growing a page of each in turn.
+    SideBySide,
+    /// Every other page of the pool held by other sequences: the sequence's pages are
+    /// scattered, each apart from the next.
+    Fragmented,
+}
+
+impl Pages {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Alone => "alone",
+            Self::SideBySide => "side_by_side",
+            Self::Fragmented => "fragmented",
+        }
+    }
+
+    fn says(self) -> &'static str {
+        match self {
+            Self::Alone => "one sequence filling the cache",
+            Self::SideBySide => "two sequences growing side by side",
+            Self::Fragmented => "scattered through a fragmented pool",
+        }
+    }
+}
+
+/// Fills every page of `cache` with a one-token sequence, then frees those on odd pages:
+/// what a sequence is handed next is every other page.
+fn fragment(cache: &mut PagedKvCache<f16>, (h, d): (usize, usize)) {
+    let token = values::<f16>(h * d, 5);
+    let one = tokens(&token, (h, d), 0, 1);
+    let mut seqs = Vec::new();
+    while cache.free_pages() > 0 {
+        let s = cache.add_sequence().expect("a sequence");
+        cache.append(s, one, one).expect("a page");
+        seqs.push(s);
+    }
+    for s in seqs {
+        if cache.pages_of(s).expect("a sequence")[0] % 2 == 1 {
+            cache.free(s).expect("a sequence");
+        }
+    }
+}
+
+/// The same tokens in a contiguous cache and in paged caches: `(page size, layout,
 /// cache, the sequence measured)`.
 struct Caches {
     contiguous: KvCache<f16>,
-    paged: Vec<(usize, bool, PagedKvCache<f16>, SeqId)>,
+    paged: Vec<(usize, Pages, PagedKvCache<f16>, SeqId)>,
     q: Vec<f16>,
 }
 
 impl Caches {
-    fn new(s: &Setup, configs: &[(usize, bool)]) -> Self {
+    fn new(s: &Setup, configs: &[(usize, Pages)]) -> Self {
         let (h, n, d) = (s.heads, s.n_k, s.d);
         let mut contiguous = KvCache::<f16>::new(1, h, n, d, d).expect("a cache");
         let mut paged: Vec<_> = configs
             .iter()
-            .map(|&(ps, interleaved)| {
-                let pages = n.div_ceil(ps) * if interleaved { 2 } else { 1 };
+            .map(|&(ps, layout)| {
+                let pages = n.div_ceil(ps) * if layout == Pages::Alone { 1 } else { 2 };
                 let mut cache = PagedKvCache::<f16>::new(pages, ps, h, d, d).expect("a cache");
+                if layout == Pages::Fragmented {
+                    fragment(&mut cache, (h, d));
+                }
                 let seq = cache.add_sequence().expect("a sequence");
-                (ps, interleaved, cache, seq)
+                (ps, layout, cache, seq)
             })
             .collect();
         let others: Vec<Option<SeqId>> = paged
             .iter_mut()
-            .map(|(_, interleaved, cache, _)| {
-                interleaved.then(|| cache.add_sequence().expect("a sequence"))
+            .map(|(_, layout, cache, _)| {
+                (*layout == Pages::SideBySide).then(|| cache.add_sequence().expect("a sequence"))
             })
             .collect();
-        // The prompt in chunks, appended to every cache alike; an interleaved cache takes
-        // a page of it at a time, each followed by a page for the other sequence.
+        // The prompt in chunks, appended to every cache alike; side by side, a page of it
+        // at a time, each followed by a page for the other sequence.
         let chunk = 1024.min(n);
         for (i, start) in (0..n).step_by(chunk).enumerate() {
             let t = chunk.min(n - start);
@@ -185,7 +237,15 @@ fn decode(c: &mut Criterion, pool: &rayon::ThreadPool, full: bool) {
             rounds: 1,
         }
     };
-    let caches = Caches::new(&s, &[(16, false), (16, true), (128, true)]);
+    let caches = Caches::new(
+        &s,
+        &[
+            (16, Pages::Alone),
+            (16, Pages::SideBySide),
+            (16, Pages::Fragmented),
+            (128, Pages::Fragmented),
+        ],
+    );
     let kv_bytes = 2 * s.heads * s.n_k * s.d * 2;
     {
         let (h, n, d) = (s.heads, s.n_k, s.d);
@@ -194,13 +254,8 @@ fn decode(c: &mut Criterion, pool: &rayon::ThreadPool, full: bool) {
         group.bench_function("contiguous", |b| {
             pool.install(|| b.iter(|| caches.step_contiguous(&s)))
         });
-        for (i, (ps, interleaved, _, _)) in caches.paged.iter().enumerate() {
-            let order = if *interleaved {
-                "interleaved"
-            } else {
-                "in_order"
-            };
-            group.bench_function(format!("pages_of_{ps}_{order}"), |b| {
+        for (i, (ps, layout, _, _)) in caches.paged.iter().enumerate() {
+            group.bench_function(format!("pages_of_{ps}_{}", layout.name()), |b| {
                 pool.install(|| b.iter(|| caches.step_paged(&s, i)))
             });
         }
@@ -222,19 +277,19 @@ fn decode(c: &mut Criterion, pool: &rayon::ThreadPool, full: bool) {
         }
     }
     println!(
-        "\npaged decode: interleaved ratios, median of {} rounds (n_q=1, h={}, n_k={}, d={}, f16, 2 threads)",
+        "\npaged decode: ratios interleaved round by round, median of {} rounds (n_q=1, h={}, n_k={}, d={}, f16, 2 threads)",
         s.rounds, s.heads, s.n_k, s.d
     );
-    for ((ps, interleaved, _, _), r) in caches.paged.iter().zip(&ratios) {
+    for ((ps, layout, _, _), r) in caches.paged.iter().zip(&ratios) {
         let (lo, hi) = common::range(r);
-        let target = if *ps == 16 { "  (target ≥ 0.95)" } else { "" };
-        let order = if *interleaved {
-            "interleaved with another sequence's"
+        let target = if *ps == 16 && *layout != Pages::Fragmented {
+            "  (target ≥ 0.95)"
         } else {
-            "in order"
+            ""
         };
         println!(
-            "  pages of {ps}, {order}: speed ÷ contiguous cache's = {:.3}  (range {lo:.2}–{hi:.2}){target}",
+            "  pages of {ps}, {}: speed ÷ contiguous cache's = {:.3}  (range {lo:.2}–{hi:.2}){target}",
+            layout.says(),
             median(r).unwrap_or(f64::NAN)
         );
     }

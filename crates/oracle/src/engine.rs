@@ -5,10 +5,12 @@
 use core::ops::Range;
 
 use attn_core::{
-    BoolMask, CuSeqlens, Error, Forward, ForwardRef, Options, Result, Tensor4, Tensor4Ref,
+    BoolMask, CuSeqlens, Error, Forward, ForwardRef, Options, PagedKv, Result, Tensor4, Tensor4Ref,
     validate_head,
 };
 use faer::{Mat, MatRef};
+
+use crate::cache::{CacheShape, PagedCache, ReferenceCache};
 
 /// The storage type of an engine's operands: attn-core's [`Dtype`](attn_core::Dtype).
 ///
@@ -189,13 +191,32 @@ pub enum Operands<'a> {
     /// of Q and `seqs.keys(s)` of K and V (the offsets, second), attending only within
     /// itself (causal alignment and windows per sequence).
     Packed([Tensor4Ref<'a, f32>; 3], CuSeqlens<'a>),
+    /// Packed queries against keys and values in pages (a paged KV cache): Q `[1, h_q,
+    /// total_q, d_k]`, sequence `s` on the rows `cu_q[s]..cu_q[s + 1]` (the offsets,
+    /// second), which are its *newest* positions among the `kv.lens()[s]` tokens its
+    /// block table row addresses in the pools (third; attn-core's
+    /// [`validate_paged`](attn_core::validate_paged) says what is valid). Forward only.
+    Paged(Tensor4Ref<'a, f32>, &'a [usize], PagedKv<'a, f32>),
+}
+
+/// Whether an engine may split a head's keys across tasks and merge their partial states
+/// (split-KV, flash-decoding) in a batched, packed or paged call: as it chooses, or never
+/// (attn-optimized's `SplitKv`). It changes only the rounding, so every bound holds either
+/// way; the bit-for-bit properties compare calls whose splits coincide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeySplit {
+    /// The engine's own choice (its default).
+    #[default]
+    Auto,
+    /// Each head's keys in one pass: one task per head and query tile.
+    Never,
 }
 
 /// One attention call as the oracle hands it to an engine: the operands, the options and,
 /// for one head, the plan to compute it by parts ([`MergePlan`]: partial states over key
 /// ranges, merged). Build it like the engines' own call values ([`Call::head`],
-/// [`Call::batched`], [`Call::packed`], [`Call::split`]); an [`Engine`] runs it forward
-/// and backward.
+/// [`Call::batched`], [`Call::packed`], [`Call::paged`], [`Call::split`],
+/// [`Call::with_split`]); an [`Engine`] runs it forward and backward.
 ///
 /// ```
 /// use attn_core::Options;
@@ -220,6 +241,9 @@ pub struct Call<'a> {
     /// For a head call: compute it by parts and merge them as the plan says, then finish
     /// to the output and LSE. `None`: in one pass.
     pub plan: Option<&'a MergePlan>,
+    /// For a batched, packed or paged call: whether the engine may split a head's keys
+    /// ([`KeySplit::Auto`] unless [`Call::with_split`] says otherwise).
+    pub split: KeySplit,
 }
 
 /// An output of [`Engine::forward`] or an upstream gradient: one head's matrix or a
@@ -266,6 +290,7 @@ impl<'a> Call<'a> {
             operands,
             options: *options,
             plan: None,
+            split: KeySplit::Auto,
         }
     }
 
@@ -300,6 +325,21 @@ impl<'a> Call<'a> {
         Self::new(Operands::Packed([q, k, v], *seqs), options)
     }
 
+    /// Packed queries against paged keys and values ([`Operands::Paged`]).
+    pub fn paged(
+        q: Tensor4Ref<'a, f32>,
+        cu_seqlens_q: &'a [usize],
+        kv: PagedKv<'a, f32>,
+        options: &Options<'a>,
+    ) -> Self {
+        Self::new(Operands::Paged(q, cu_seqlens_q, kv), options)
+    }
+
+    /// The same call with the key split `split` ([`KeySplit`]).
+    pub fn with_split(self, split: KeySplit) -> Self {
+        Self { split, ..self }
+    }
+
     /// The same call computed by parts as `plan` says (one head only).
     pub fn split(self, plan: &'a MergePlan) -> Self {
         Self {
@@ -314,8 +354,8 @@ impl<'a> Call<'a> {
         Some(e.forward(self)?.and_then(Output::into_head))
     }
 
-    /// [`Engine::forward`] of a batched or packed call: its output and LSE. `None` if the
-    /// engine does not run this call (a packed one without a packed mode).
+    /// [`Engine::forward`] of a batched, packed or paged call: its output and LSE. `None`
+    /// if the engine does not run this call (a packed or paged one without that mode).
     pub fn forward_batch(
         &self,
         e: &(impl Engine + ?Sized),
@@ -486,15 +526,47 @@ pub trait Engine: Sync {
         false
     }
 
+    /// Whether `call`, a paged call ([`Operands::Paged`]), gives the output and LSE bits of
+    /// the packed call over the same tokens: each sequence's keys and values gathered out
+    /// of its pages into a packed batch ([`Operands::Packed`]), with the same queries,
+    /// options and [`Call::split`]. True where the engine computes both with the same
+    /// tiles, key blocks and key splits (an engine may schedule a paged call's decoding
+    /// sequences otherwise, e.g. stack a grouped-query group's heads into one job). The
+    /// default, false, holds the paged call to the bound only.
+    fn paged_bits_match_packed(&self, call: &Call<'_>) -> bool {
+        let _ = call;
+        false
+    }
+
+    /// Whether a paged call with pages of `page_size` tokens and `options` gives the same
+    /// bits wherever each sequence's pages lie in the pool: true where the engine cuts no
+    /// sum at page boundaries. Then a sequence of a paged cache gives the bits of a fresh
+    /// cache holding only its tokens, whatever the operations on the others have done to
+    /// the pool. The default, false, holds it to the bound only (a sequence no operation
+    /// touched keeps its bits either way: its pages do not move).
+    fn paged_bits_ignore_placement(&self, page_size: usize, options: &Options<'_>) -> bool {
+        let _ = (page_size, options);
+        false
+    }
+
+    /// A new, empty paged KV cache of `shape` ([`PagedCache`]: sequences added, appended
+    /// to, forked, freed and attended), if the engine has one; `None` (the default) if it
+    /// has none, and the cache property is skipped.
+    fn paged_cache(&self, shape: CacheShape) -> Option<Result<Box<dyn PagedCache>>> {
+        let _ = shape;
+        None
+    }
+
     /// The forward pass of `call`: [`Output::Head`] for [`Operands::Head`] (the output
     /// `[n_q, d_v]` and the natural-log LSE of each row, `-inf` for a row with no visible
     /// key), [`Output::Batch`] for the others (`[batch, h_q, n_q, d_v]`, the LSE in
-    /// `[batch][h_q][n_q]` order; a packed call's `[1, h_q, total_q, d_v]`).
+    /// `[batch][h_q][n_q]` order; a packed or paged call's `[1, h_q, total_q, d_v]`).
     ///
     /// A head call with a [`Call::plan`] is computed by parts and merged as the plan says;
-    /// implement it with [`MergePlan::fold`] over the engine's own partial state. `None`
-    /// for a call the engine does not run (a plan or a packed batch; never a plain head
-    /// or batched call): the properties that need it are skipped.
+    /// implement it with [`MergePlan::fold`] over the engine's own partial state. A
+    /// batched, packed or paged call with [`KeySplit::Never`] computes each head's keys in
+    /// one pass. `None` for a call the engine does not run (a plan, a packed batch, paged
+    /// keys; never a plain head or batched call): the properties that need it are skipped.
     fn forward(&self, call: &Call<'_>) -> Option<Result<Output>>;
 
     /// The backward pass of `call`: the gradients of a loss with respect to Q, K and V,
@@ -619,6 +691,22 @@ impl Engine for ReferenceEngine {
         true
     }
 
+    /// It reads each sequence's rows out of its pages and computes it by the formula, as it
+    /// computes a packed batch's sequences.
+    fn paged_bits_match_packed(&self, _: &Call<'_>) -> bool {
+        true
+    }
+
+    fn paged_bits_ignore_placement(&self, _: usize, _: &Options<'_>) -> bool {
+        true
+    }
+
+    /// A literal cache: a pool of pages, each with its count of users, read by the
+    /// reference's paged call.
+    fn paged_cache(&self, shape: CacheShape) -> Option<Result<Box<dyn PagedCache>>> {
+        Some(ReferenceCache::new(shape).map(|c| Box::new(c) as Box<dyn PagedCache>))
+    }
+
     fn forward(&self, call: &Call<'_>) -> Option<Result<Output>> {
         use attn_reference::Attention;
         let options = &call.options;
@@ -633,6 +721,9 @@ impl Engine for ReferenceEngine {
                 .and_then(|c| c.forward())
                 .map(Output::Batch),
             (Operands::Packed([q, k, v], seqs), _) => Attention::packed(q, k, v, &seqs, options)
+                .and_then(|c| c.forward())
+                .map(Output::Batch),
+            (Operands::Paged(q, cu_q, kv), _) => Attention::paged(q, cu_q, kv, options)
                 .and_then(|c| c.forward())
                 .map(Output::Batch),
         })
@@ -654,6 +745,12 @@ impl Engine for ReferenceEngine {
             }
             (Operands::Packed([q, k, v], seqs), View::Batch(d_out), View::Batch(out)) => {
                 Attention::packed(q, k, v, &seqs, options)
+                    .and_then(|c| c.backward(ForwardRef::batch(out, lse)?, d_out))
+                    .map(Grads::Batch)
+            }
+            // The reference's own typed error: a paged call has no backward pass.
+            (Operands::Paged(q, cu_q, kv), View::Batch(d_out), View::Batch(out)) => {
+                Attention::paged(q, cu_q, kv, options)
                     .and_then(|c| c.backward(ForwardRef::batch(out, lse)?, d_out))
                     .map(Grads::Batch)
             }

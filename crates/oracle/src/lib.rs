@@ -67,12 +67,18 @@
 //! | `gqa_gradients_are_group_sums_of_mha` | grouped-query dK, dV ≡ the group sums of the multi-head gradients with K, V replicated, within the bounds |
 //! | `scaling_grad_out_scales_gradients_bit_for_bit` | `dO ↦ 2^k·dO` scales every gradient by `2^k` exactly |
 //! | `gradient_bits_do_not_depend_on_thread_count` | identical gradient bits with 1, 2 and 3 rayon threads, single-head and batched (groups up to 4 heads) |
+//! | `paged_attention_matches_reference_within_derived_bound` | packed queries (decoding, chunks, whole prefills, none) against keys and values in pages of 1 token, of odd sizes and larger than any sequence, scattered through a pool whose unused pages and rows are NaN, grouped-query groups of 1 to 32 heads, every option a paged call takes: within the bound of the reference's paged call, which reads the pages literally and equals its packed call over the same tokens bit for bit |
+//! | `paged_equals_packed_bit_for_bit_where_scheduled_alike` | the paged call and the engine's packed call over the same tokens, both key splits ([`KeySplit`]): bit for bit where [`Engine::paged_bits_match_packed`] says they are scheduled alike |
+//! | `malformed_paged_calls_are_the_reference_error` | element-wise masks, key padding, top-left alignment of a sequence's newest queries, more queries than tokens: the reference's typed error |
+//! | `paged_cache_fork_and_free_never_change_another_sequence` | random operations on a paged cache ([`Engine::paged_cache`], [`PagedCache`]: add, append chunks and tokens, fork, free, use a freed handle): pages accounted for, running out of pages a typed error that changes nothing, a sequence no operation touched keeps its bits, every sequence within the bound of the reference on its tokens and, where [`Engine::paged_bits_ignore_placement`], the bits of a fresh cache holding only them |
 //!
 //! The backward properties ([`Property::is_backward`]) run for an engine whose
 //! [`Engine::backward`] returns `Some` for a head call (the batched ones for a batched
 //! call); an engine without a backward pass keeps the default, which returns `None`, and
 //! those properties are skipped with a note, as the merge properties are for an engine
-//! whose [`Engine::forward`] returns `None` for a split plan.
+//! whose [`Engine::forward`] returns `None` for a split plan, the packed and paged ones
+//! for an engine without those calls, and the cache property for an engine without a
+//! paged cache ([`Engine::paged_cache`] returns `None`).
 //!
 //! Hostile inputs have their own module, [`hostile`]: generators of shapes up to `usize::MAX`
 //! (broadcast views), every stride sign, options and values at their extremes, and the checks
@@ -96,6 +102,10 @@
 //! cases draw modifiers too, at no extra count). With them, on a 2-core machine with other
 //! work running, test binaries built, the reference's whole suite took 46 s and
 //! attn-optimized's (three storage types, 108 tests) 60 s.
+//! The four paged properties run 256 cases each (128 for the cache's, whose every case is
+//! a dozen operations, each followed by a decoding step of every live sequence): about
+//! 7 s for the reference and 10 s for attn-optimized's three storage types together on
+//! the same machine, per kernel path.
 //! For a deep run set `PROPTEST_CASES`, which replaces the default counts (explicit
 //! counts, as in [`SuiteConfig::quick`], stay), e.g.
 //! `PROPTEST_CASES=100000 cargo test -p attn-optimized --release --test conformance`.
@@ -109,6 +119,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bound;
+mod cache;
 mod case;
 mod engine;
 pub mod hostile;
@@ -117,6 +128,7 @@ pub mod stats;
 mod suite;
 pub mod user_mods;
 
+pub use cache::{CacheShape, PagedCache};
 pub use case::{
     AdditiveRecipe, AlibiRecipe, BACKWARD_MODIFIERS, BatchCase, BatchInputs, Bias, BoolRecipe,
     BuiltMasks, HeadCase, HeadInputs, HeadSlot, KeyPattern, MaskRecipe, ModRecipe, OwnedTensor,
@@ -124,12 +136,13 @@ pub use case::{
     head_case, head_case_with, length, masks, modifiers, width,
 };
 pub use engine::{
-    BatchGradients, Call, Compute, Dtype, Engine, ErrorModel, Gradients, Grads, MergePlan,
-    Operands, Output, ReferenceEngine, Saved, View, edge_magnitude,
+    BatchGradients, Call, Compute, Dtype, Engine, ErrorModel, Gradients, Grads, KeySplit,
+    MergePlan, Operands, Output, ReferenceEngine, Saved, View, edge_magnitude,
 };
 pub use properties::{
-    BatchGradCase, Defect, GradCase, KeyHider, Mask4Case, Mask4Recipe, PackedCase, RowHider,
-    assert_property, check_engine, check_property, compare_head,
+    BatchGradCase, CacheCase, CacheOp, Defect, GradCase, KeyHider, Mask4Case, Mask4Recipe,
+    PackedCase, PagedCase, PagedDefect, PoolLayout, RowHider, assert_property, check_engine,
+    check_property, compare_head,
 };
 pub use suite::{Failure, Property, SuiteConfig};
 
@@ -178,6 +191,10 @@ macro_rules! engine_suite {
             a_sink_takes_its_share_and_fills_empty_rows => SinkTakesItsShare,
             a_user_softcap_is_the_builtin => UserSoftCapIsTheBuiltin,
             a_user_causal_mask_is_causal_top_left => UserCausalMaskIsTopLeft,
+            paged_attention_matches_reference_within_derived_bound => PagedEquivalence,
+            paged_equals_packed_bit_for_bit_where_scheduled_alike => PagedIsPacked,
+            malformed_paged_calls_are_the_reference_error => PagedMalformed,
+            paged_cache_fork_and_free_never_change_another_sequence => PagedCacheIsolation,
         );
     };
     (@tests $engine:expr; $($name:ident => $prop:ident,)*) => {

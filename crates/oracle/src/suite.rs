@@ -117,11 +117,34 @@ pub enum Property {
     ///     `Causal::TopLeft` (bit for bit where the engine says its tiles coincide, within
     ///     the bound otherwise), and no block it calls hidden is computed.
     UserCausalMaskIsTopLeft,
+    /// 18. A paged call (packed queries, each sequence's newest tokens, against keys and
+    ///     values in scattered pages of a pool whose unused pages and rows are NaN) ≡ the
+    ///     reference's paged call within the derived bound; the reference's paged call,
+    ///     which reads the same pages literally, ≡ its packed call over the same tokens,
+    ///     bit for bit.
+    PagedEquivalence,
+    /// 18. A paged call ≡ the engine's packed call over the same tokens, bit for bit, for
+    ///     each key split where the engine says the two are scheduled alike
+    ///     ([`Engine::paged_bits_match_packed`](crate::Engine::paged_bits_match_packed)).
+    PagedIsPacked,
+    /// 18. A paged call with an element-wise mask or key padding, aligned top-left while its
+    ///     queries are a sequence's newest tokens, or with more queries than tokens, is the
+    ///     reference's typed error.
+    PagedMalformed,
+    /// 18. In a paged cache ([`Engine::paged_cache`](crate::Engine::paged_cache)), after
+    ///     every operation of a random sequence (add, append a chunk or a token, fork, free,
+    ///     use a freed handle): the pages are accounted for, running out of pages is a typed
+    ///     error that changes nothing, a sequence no operation touched keeps its bits (fork
+    ///     and free never change another sequence's results), every sequence is within the
+    ///     bound of the reference on its tokens and, where the engine's bits ignore where
+    ///     pages lie ([`Engine::paged_bits_ignore_placement`](crate::Engine::paged_bits_ignore_placement)),
+    ///     those of a fresh cache holding only them.
+    PagedCacheIsolation,
 }
 
 impl Property {
     /// Every property, in the order of the issue.
-    pub const ALL: [Property; 36] = [
+    pub const ALL: [Property; 40] = [
         Property::RowsSumToOne,
         Property::MaskedWeightsAreZero,
         Property::HiddenKeysNeverLeak,
@@ -158,6 +181,10 @@ impl Property {
         Property::SinkTakesItsShare,
         Property::UserSoftCapIsTheBuiltin,
         Property::UserCausalMaskIsTopLeft,
+        Property::PagedEquivalence,
+        Property::PagedIsPacked,
+        Property::PagedMalformed,
+        Property::PagedCacheIsolation,
     ];
 
     /// The test name: what the property proves.
@@ -206,6 +233,12 @@ impl Property {
             Property::SinkTakesItsShare => "a_sink_takes_its_share_and_fills_empty_rows",
             Property::UserSoftCapIsTheBuiltin => "a_user_softcap_is_the_builtin",
             Property::UserCausalMaskIsTopLeft => "a_user_causal_mask_is_causal_top_left",
+            Property::PagedEquivalence => "paged_attention_matches_reference_within_derived_bound",
+            Property::PagedIsPacked => "paged_equals_packed_bit_for_bit_where_scheduled_alike",
+            Property::PagedMalformed => "malformed_paged_calls_are_the_reference_error",
+            Property::PagedCacheIsolation => {
+                "paged_cache_fork_and_free_never_change_another_sequence"
+            }
         }
     }
 
@@ -227,6 +260,11 @@ impl Property {
             | Property::BroadcastMaskIsShared
             | Property::PackedSequences => 64,
             Property::PerHeadMaskGradients | Property::PackedGradients => 24,
+            // Paged cases are capped in the reference's work (a few sequences and heads,
+            // long sequences decoding); a cache case decodes every live sequence after each
+            // of its operations, in its cache, in a fresh one and in the reference.
+            Property::PagedEquivalence | Property::PagedIsPacked | Property::PagedMalformed => 256,
+            Property::PagedCacheIsolation => 128,
             // Every other forward property draws modifiers too; these target
             // one identity each, two or four engine calls per case.
             Property::SoftCapBoundsScores

@@ -7,8 +7,8 @@ use attn_core::{
     validate_batch, validate_batch_backward, validate_head, validate_head_backward,
 };
 use attn_oracle::{
-    BatchGradients, Call, Compute, Dtype, Engine, ErrorModel, Failure, Gradients, Grads, Operands,
-    Output, Property, Saved, SuiteConfig, View,
+    BatchGradients, CacheShape, Call, Compute, Dtype, Engine, ErrorModel, Failure, Gradients,
+    Grads, Operands, Output, PagedCache, Property, ReferenceEngine, Saved, SuiteConfig, View,
 };
 use faer::{Mat, MatRef};
 
@@ -646,4 +646,275 @@ fn alibi_aligned_top_left_is_caught() {
             Property::RowShift,
         ],
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Paged attention: the reference's paged calls and cache, with a bug planted around them.
+
+/// A bug planted around the reference's paged call or cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PagedBug {
+    None,
+    /// The first sequence's last page is read from the next page of the pool (another
+    /// sequence's, or an unused one full of NaN).
+    WrongPage,
+    /// A decoding sequence's second query head is one ulp off: within every bound, but not
+    /// what the packed call computes.
+    UlpOffWhenDecoding,
+    /// Element-wise masks and key padding are dropped instead of refused.
+    IgnoresMasks,
+    /// The cache attends a sequence with the tokens of the sequence made before it (when
+    /// that one is live and long enough).
+    ReadsTheNeighbour,
+    /// Freeing a sequence kills its handle but returns none of its pages.
+    FreeLeaksPages,
+    /// An append that runs out of pages writes its first token before it fails.
+    PartialAppend,
+}
+
+/// The reference engine with a [`PagedBug`]; its bound is an f32 engine's, so that a bug of
+/// one ulp stays within it.
+struct PagedToy(PagedBug);
+
+impl Engine for PagedToy {
+    fn name(&self) -> String {
+        format!("paged-toy-{:?}", self.0)
+    }
+
+    fn error_model(&self) -> ErrorModel {
+        ErrorModel::f32_streaming(2.0, None)
+    }
+
+    fn paged_bits_match_packed(&self, _: &Call<'_>) -> bool {
+        true
+    }
+
+    fn paged_bits_ignore_placement(&self, _: usize, _: &Options<'_>) -> bool {
+        true
+    }
+
+    fn forward(&self, call: &Call<'_>) -> Option<Result<Output>> {
+        let Operands::Paged(q, cu_q, kv) = call.operands else {
+            return ReferenceEngine.forward(call);
+        };
+        let mut options = call.options;
+        if self.0 == PagedBug::IgnoresMasks {
+            options.bool_mask = None;
+            options.additive_mask = None;
+            options.bool_mask_4d = None;
+            options.additive_mask_4d = None;
+            options.key_padding = None;
+        }
+        // The block table, a row per sequence, maybe with the wrong page.
+        let width = (0..kv.batch())
+            .map(|s| kv.pages(s).len())
+            .max()
+            .unwrap_or(0);
+        let mut table = vec![0u32; kv.batch() * width];
+        for s in 0..kv.batch() {
+            table[s * width..][..kv.pages(s).len()].copy_from_slice(kv.pages(s));
+        }
+        let pool = kv.keys().dims()[0] as u32;
+        if self.0 == PagedBug::WrongPage && !kv.pages(0).is_empty() && pool > 1 {
+            let last = &mut table[kv.pages(0).len() - 1];
+            *last = (*last + 1) % pool;
+        }
+        let run = || {
+            let kv = attn_core::PagedKv::new(kv.keys(), kv.values(), &table, kv.lens())?;
+            let call = Call::paged(q, cu_q, kv, &options).with_split(call.split);
+            let (mut out, lse) = ReferenceEngine
+                .forward(&call)
+                .expect("it runs")?
+                .into_batch()?;
+            if self.0 == PagedBug::UlpOffWhenDecoding && out.dims()[1] > 1 {
+                for s in 0..kv.batch() {
+                    if cu_q[s + 1] - cu_q[s] == 1 && out.dims()[3] > 0 {
+                        let mut all = out.as_mut();
+                        let mut h1 = all.head_mut(0, 1)?;
+                        let x = h1[(cu_q[s], 0)];
+                        h1[(cu_q[s], 0)] = f32::from_bits(x.to_bits() ^ 1);
+                    }
+                }
+            }
+            Forward::batch(out, lse).map(Output::Batch)
+        };
+        Some(run())
+    }
+
+    fn paged_cache(&self, shape: CacheShape) -> Option<Result<Box<dyn PagedCache>>> {
+        let inner = ReferenceEngine.paged_cache(shape)?;
+        Some(inner.map(|inner| {
+            Box::new(BuggyCache {
+                bug: self.0,
+                inner,
+                dead: Vec::new(),
+            }) as Box<dyn PagedCache>
+        }))
+    }
+}
+
+/// The reference's cache with a [`PagedBug`] around it.
+struct BuggyCache {
+    bug: PagedBug,
+    inner: Box<dyn PagedCache>,
+    /// Handles freed without their pages ([`PagedBug::FreeLeaksPages`]).
+    dead: Vec<usize>,
+}
+
+impl BuggyCache {
+    fn live(&self, seq: usize) -> Result<usize> {
+        if self.dead.contains(&seq) {
+            Err(attn_core::Error::out_of_range("live sequence", seq, 0))
+        } else {
+            Ok(seq)
+        }
+    }
+}
+
+impl PagedCache for BuggyCache {
+    fn add_sequence(&mut self) -> Result<usize> {
+        self.inner.add_sequence()
+    }
+
+    fn append(&mut self, seq: usize, k: Tensor4Ref<'_, f32>, v: Tensor4Ref<'_, f32>) -> Result<()> {
+        let seq = self.live(seq)?;
+        let r = self.inner.append(seq, k, v);
+        if self.bug == PagedBug::PartialAppend && r.is_err() && k.dims()[2] > 1 {
+            // The first token alone fits more often than all of them.
+            let one = |t: Tensor4Ref<'_, f32>| -> Vec<f32> {
+                let [_, h, _, d] = t.dims();
+                (0..h)
+                    .flat_map(|hh| {
+                        let m = t.head(0, hh).expect("in range");
+                        (0..d).map(move |c| m[(0, c)])
+                    })
+                    .collect()
+            };
+            let (k1, v1) = (one(k), one(v));
+            let h = k.dims()[1];
+            let view = |x: &[f32], d: usize| -> Tensor4<f32> {
+                Tensor4::from_vec(x.to_vec(), [1, h, 1, d]).expect("fits")
+            };
+            let (k1, v1) = (view(&k1, k.dims()[3]), view(&v1, v.dims()[3]));
+            let _ = self.inner.append(seq, k1.as_ref(), v1.as_ref());
+        }
+        r
+    }
+
+    fn fork(&mut self, seq: usize) -> Result<usize> {
+        let seq = self.live(seq)?;
+        self.inner.fork(seq)
+    }
+
+    fn free(&mut self, seq: usize) -> Result<()> {
+        let seq = self.live(seq)?;
+        if self.bug == PagedBug::FreeLeaksPages {
+            self.inner.len(seq)?;
+            self.dead.push(seq);
+            return Ok(());
+        }
+        self.inner.free(seq)
+    }
+
+    fn len(&self, seq: usize) -> Result<usize> {
+        self.inner.len(self.live(seq)?)
+    }
+
+    fn pages_of(&self, seq: usize) -> Result<Vec<u32>> {
+        self.inner.pages_of(self.live(seq)?)
+    }
+
+    fn free_pages(&self) -> usize {
+        self.inner.free_pages()
+    }
+
+    fn attention(
+        &self,
+        seqs: &[usize],
+        q: Tensor4Ref<'_, f32>,
+        cu_seqlens_q: &[usize],
+        options: &Options<'_>,
+    ) -> Result<(Tensor4<f32>, Vec<f32>)> {
+        let mut seqs = seqs
+            .iter()
+            .map(|&s| self.live(s))
+            .collect::<Result<Vec<_>>>()?;
+        if self.bug == PagedBug::ReadsTheNeighbour {
+            for (i, s) in seqs.iter_mut().enumerate() {
+                let n_q = cu_seqlens_q[i + 1] - cu_seqlens_q[i];
+                let neighbour = s.checked_sub(1).filter(|&p| {
+                    self.live(p).is_ok() && self.inner.len(p).is_ok_and(|n| n >= n_q.max(1))
+                });
+                *s = neighbour.unwrap_or(*s);
+            }
+        }
+        self.inner.attention(&seqs, q, cu_seqlens_q, options)
+    }
+}
+
+const PAGED: [Property; 4] = [
+    Property::PagedEquivalence,
+    Property::PagedIsPacked,
+    Property::PagedMalformed,
+    Property::PagedCacheIsolation,
+];
+
+/// The paged properties against the paged toy with `bug`, 96 cases each: the failures.
+fn paged_failures(bug: PagedBug) -> Vec<Failure> {
+    PAGED
+        .iter()
+        .filter_map(|&p| {
+            attn_oracle::check_property(&PagedToy(bug), p, &SuiteConfig::quick(96)).err()
+        })
+        .collect()
+}
+
+fn paged_caught_by(bug: PagedBug, expected: &[Property]) {
+    let found = paged_failures(bug);
+    for f in &found {
+        eprintln!("--- {f}\n");
+    }
+    let names: Vec<Property> = found.iter().map(|f| f.property).collect();
+    eprintln!("{bug:?} is caught by {names:?}");
+    for p in expected {
+        assert!(
+            names.contains(p),
+            "{bug:?} should fail {p} but only fails {names:?}"
+        );
+    }
+}
+
+#[test]
+fn paged_toy_without_bugs_passes_the_paged_properties() {
+    let found = paged_failures(PagedBug::None);
+    assert!(
+        found.is_empty(),
+        "{}",
+        found
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// One test per planted paged bug: it must fail at least the properties listed.
+macro_rules! paged_caught {
+    ($($test:ident: $bug:ident => [$($property:ident),+];)*) => {
+        $(
+            #[test]
+            fn $test() {
+                paged_caught_by(PagedBug::$bug, &[$(Property::$property),+]);
+            }
+        )*
+    };
+}
+
+paged_caught! {
+    a_wrong_page_is_caught: WrongPage => [PagedEquivalence, PagedIsPacked];
+    a_decode_one_ulp_off_is_caught: UlpOffWhenDecoding => [PagedIsPacked];
+    ignored_masks_are_caught: IgnoresMasks => [PagedMalformed];
+    reading_the_neighbour_is_caught: ReadsTheNeighbour => [PagedCacheIsolation];
+    leaked_pages_are_caught: FreeLeaksPages => [PagedCacheIsolation];
+    a_partial_append_is_caught: PartialAppend => [PagedCacheIsolation];
 }

@@ -9,14 +9,14 @@
 use core::marker::PhantomData;
 use core::ops::Range;
 
-use attn_core::{Dtype, Forward, Result, Tensor4, Tensor4Ref, validate_head};
+use attn_core::{Dtype, Forward, Options, PagedKv, Result, Tensor4, Tensor4Ref, validate_head};
 use attn_optimized::{
-    Attention, Batch, Element, ForwardRef, GradientsMut, KEY_TILE, OneHead, Par, PartialState,
-    QUERY_TILE, SPLIT_KEYS, TilePlan,
+    Attention, Batch, Element, ForwardRef, GradientsMut, KEY_TILE, OneHead, PagedKvCache, Par,
+    PartialState, QUERY_TILE, SPLIT_KEYS, SeqId, SplitKv, TilePlan,
 };
 use attn_oracle::{
-    BatchGradients, Call, Compute, Engine, ErrorModel, Gradients, Grads, MergePlan, Operands,
-    Output, Saved, View,
+    BatchGradients, CacheShape, Call, Compute, Engine, ErrorModel, Gradients, Grads, KeySplit,
+    MergePlan, Operands, Output, PagedCache, Saved, View,
 };
 use faer::{Mat, MatRef};
 
@@ -198,14 +198,144 @@ impl<T: Element> OptimizedEngine<T> {
     }
 }
 
+/// The engine's key split for the oracle's.
+fn split_kv(split: KeySplit) -> SplitKv {
+    match split {
+        KeySplit::Auto => SplitKv::Auto,
+        KeySplit::Never => SplitKv::Never,
+    }
+}
+
 /// The engine's call over a batch or packed batch's operands in `U`.
 fn batch_call<'c, U: Element>(
     call: &Call<'c>,
     [q, k, v]: [Tensor4Ref<'c, U>; 3],
 ) -> Result<Attention<'c, U, Batch>> {
-    match call.operands {
+    let c = match call.operands {
         Operands::Packed(_, seqs) => Attention::packed(q, k, v, &seqs, &call.options),
         _ => Attention::batched(q, k, v, &call.options),
+    };
+    c.map(|c| c.split_kv(split_kv(call.split)))
+}
+
+/// The engine's paged call over operands in `U`, widened.
+fn paged_run<U: Element>(
+    call: &Call<'_>,
+    q: Tensor4Ref<'_, U>,
+    cu_q: &[usize],
+    kv: PagedKv<'_, U>,
+) -> Result<Output> {
+    let (o, lse) = Attention::paged(q, cu_q, kv, &call.options)?
+        .split_kv(split_kv(call.split))
+        .forward(Par::rayon(0))?
+        .into_parts();
+    Forward::batch(widen_tensor(o)?, lse).map(Output::Batch)
+}
+
+/// A paged call: f32 operands as they are (the pools, their NaN, the whole block table);
+/// otherwise the queries and pools in `T` (the same strides, NaN where the f32 pools hold
+/// NaN) with a block table rebuilt from each sequence's pages.
+fn paged_forward<T: Element>(
+    call: &Call<'_>,
+    q: Tensor4Ref<'_, f32>,
+    cu_q: &[usize],
+    kv: PagedKv<'_, f32>,
+) -> Result<Output> {
+    if T::DTYPE == Dtype::F32 {
+        return paged_run::<f32>(call, q, cu_q, kv);
+    }
+    let [qd, kd, vd] = [q, kv.keys(), kv.values()].map(narrow_tensor::<T>);
+    let (qd, kd, vd) = (qd?, kd?, vd?);
+    let widest = (0..kv.batch())
+        .map(|s| kv.pages(s).len())
+        .max()
+        .unwrap_or(0);
+    let mut table = vec![0u32; kv.batch() * widest];
+    for s in 0..kv.batch() {
+        let pages = kv.pages(s);
+        table[s * widest..s * widest + pages.len()].copy_from_slice(pages);
+    }
+    let pools = (view(&kd, kv.keys())?, view(&vd, kv.values())?);
+    let kv_t = PagedKv::new(pools.0, pools.1, &table, kv.lens())?;
+    paged_run::<T>(call, view(&qd, q)?, cu_q, kv_t)
+}
+
+/// `attn_optimized::PagedKvCache` as the oracle's [`PagedCache`]: the oracle's handles are
+/// indices into `ids`; operands narrowed to `T`, results widened.
+struct Cache<T> {
+    cache: PagedKvCache<T>,
+    ids: Vec<SeqId>,
+}
+
+impl<T> Cache<T> {
+    fn id(&self, seq: usize) -> Result<SeqId> {
+        self.ids
+            .get(seq)
+            .copied()
+            .ok_or(attn_core::Error::out_of_range(
+                "sequence handle",
+                seq,
+                self.ids.len(),
+            ))
+    }
+
+    fn handle(&mut self, id: SeqId) -> usize {
+        self.ids.push(id);
+        self.ids.len() - 1
+    }
+}
+
+impl<T: Element> PagedCache for Cache<T> {
+    fn add_sequence(&mut self) -> Result<usize> {
+        let id = self.cache.add_sequence()?;
+        Ok(self.handle(id))
+    }
+
+    fn append(&mut self, seq: usize, k: Tensor4Ref<'_, f32>, v: Tensor4Ref<'_, f32>) -> Result<()> {
+        let id = self.id(seq)?;
+        let (kd, vd) = (narrow_tensor::<T>(k)?, narrow_tensor::<T>(v)?);
+        self.cache.append(id, view(&kd, k)?, view(&vd, v)?)
+    }
+
+    fn fork(&mut self, seq: usize) -> Result<usize> {
+        let id = self.cache.fork(self.id(seq)?)?;
+        Ok(self.handle(id))
+    }
+
+    fn free(&mut self, seq: usize) -> Result<()> {
+        self.cache.free(self.id(seq)?)
+    }
+
+    fn len(&self, seq: usize) -> Result<usize> {
+        self.cache.len(self.id(seq)?)
+    }
+
+    fn pages_of(&self, seq: usize) -> Result<Vec<u32>> {
+        self.cache.pages_of(self.id(seq)?).map(<[u32]>::to_vec)
+    }
+
+    fn free_pages(&self) -> usize {
+        self.cache.free_pages()
+    }
+
+    fn attention(
+        &self,
+        seqs: &[usize],
+        q: Tensor4Ref<'_, f32>,
+        cu_seqlens_q: &[usize],
+        options: &Options<'_>,
+    ) -> Result<(Tensor4<f32>, Vec<f32>)> {
+        let ids = seqs
+            .iter()
+            .map(|&s| self.id(s))
+            .collect::<Result<Vec<_>>>()?;
+        let qd = narrow_tensor::<T>(q)?;
+        let batch = self.cache.batch(&ids)?;
+        let (o, lse) = batch
+            .attention(view(&qd, q)?, cu_seqlens_q, options)?
+            .forward(Par::rayon(0))?
+            .into_parts();
+        Ok((widen_tensor(o)?, lse))
     }
 }
 
@@ -259,7 +389,51 @@ impl<T: Element> Engine for OptimizedEngine<T> {
             Operands::Batched([q, k, v]) | Operands::Packed([q, k, v], _) => {
                 BatchIn::<T>::new(q, k, v).and_then(|x| batch_forward(call, x.views()?))
             }
+            Operands::Paged(q, cu_q, kv) => paged_forward::<T>(call, q, cu_q, kv),
         })
+    }
+
+    // The in-place row kernels take a run of rows (pages that follow each other in the
+    // pool) by groups of 8 keys and sum every key's products by the same tree, a run's
+    // last few keys too: where the pages lie (and so where runs are cut) changes no bit.
+    fn paged_bits_ignore_placement(&self, _page_size: usize, _options: &Options<'_>) -> bool {
+        true
+    }
+
+    // Besides the pages' places (a packed batch is one run), a decoding sequence's query
+    // heads of a grouped-query group are stacked into one job, which the packed call does
+    // not do: the jobs then differ in number, and with them the automatic key split. With
+    // the keys whole, a stack of a few heads (the rows of a row tile) computes each row as
+    // the packed call's own row tile does; a group of 16 heads or more (`GEMM_GROUP`) is
+    // multiplied as a GEMM tile, other products than the row kernels'.
+    fn paged_bits_match_packed(&self, call: &Call<'_>) -> bool {
+        let Operands::Paged(q, cu_q, kv) = call.operands else {
+            return false;
+        };
+        if !self.paged_bits_ignore_placement(kv.page_size(), &call.options) {
+            return false;
+        }
+        let group = q.dims()[1] / kv.kv_heads().max(1);
+        if group == 1 || !cu_q.windows(2).any(|w| w[1] - w[0] == 1) {
+            return true;
+        }
+        call.split == KeySplit::Never && group < 16
+    }
+
+    fn paged_cache(&self, shape: CacheShape) -> Option<Result<Box<dyn PagedCache>>> {
+        let c = PagedKvCache::<T>::new(
+            shape.pages,
+            shape.page_size,
+            shape.kv_heads,
+            shape.d_k,
+            shape.d_v,
+        );
+        Some(c.map(|cache| {
+            Box::new(Cache {
+                cache,
+                ids: Vec::new(),
+            }) as Box<dyn PagedCache>
+        }))
     }
 
     fn backward(&self, d_out: View<'_>, call: &Call<'_>, fwd: Saved<'_>) -> Option<Result<Grads>> {

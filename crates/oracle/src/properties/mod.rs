@@ -18,19 +18,24 @@
 //!   property's cases draw modifiers too);
 //! - `packed`: packed batches of sequences of different lengths
 //!   ([`Engine::forward`] and [`Engine::backward`] of packed calls),
-//!   skipped for engines without them.
+//!   skipped for engines without them;
+//! - `paged`: packed queries against keys and values in pages ([`Engine::forward`] of
+//!   paged calls) and paged caches ([`Engine::paged_cache`]), skipped for engines without
+//!   them.
 
 mod backward;
 mod common;
 mod forward;
 mod modifiers;
 mod packed;
+mod paged;
 mod per_head;
 mod robustness;
 
 pub use backward::{BatchGradCase, GradCase, KeyHider};
 pub use common::{RowHider, compare_head};
 pub use packed::PackedCase;
+pub use paged::{CacheCase, CacheOp, PagedCase, PagedDefect, PoolLayout};
 pub use per_head::{Mask4Case, Mask4Recipe};
 pub use robustness::Defect;
 
@@ -56,6 +61,15 @@ pub fn check_property(
         Property::PackedSequences | Property::PackedGradients
     ) {
         return check_packed(engine, property, config);
+    }
+    if matches!(
+        property,
+        Property::PagedEquivalence
+            | Property::PagedIsPacked
+            | Property::PagedMalformed
+            | Property::PagedCacheIsolation
+    ) {
+        return check_paged(engine, property, config);
     }
     if property.is_backward() {
         return check_backward(engine, property, config);
@@ -380,6 +394,61 @@ fn check_packed(
             packed::packed_case(129),
             packed::packed_sequences,
         )
+    }
+}
+
+/// The paged properties: skipped (with a note) for an engine without paged calls, or,
+/// for the cache property, without a paged cache.
+fn check_paged(
+    engine: &dyn Engine,
+    property: Property,
+    config: &SuiteConfig,
+) -> Result<(), Failure> {
+    let cache = property == Property::PagedCacheIsolation;
+    let supported = if cache {
+        paged::supports_paged_cache(engine)
+    } else {
+        paged::supports_paged(engine)
+    };
+    if !supported {
+        eprintln!(
+            "attn-oracle: engine `{}` has no {}; `{}` skipped",
+            engine.name(),
+            if cache { "paged cache" } else { "paged calls" },
+            property.name()
+        );
+        return Ok(());
+    }
+    let tiles = engine.tile_lengths();
+    match property {
+        Property::PagedEquivalence => run(
+            engine,
+            property,
+            config,
+            paged::paged_case(&tiles),
+            paged::paged_equivalence,
+        ),
+        Property::PagedIsPacked => run(
+            engine,
+            property,
+            config,
+            paged::paged_case(&tiles),
+            paged::paged_is_packed,
+        ),
+        Property::PagedMalformed => run(
+            engine,
+            property,
+            config,
+            paged::malformed_case(&tiles),
+            paged::malformed,
+        ),
+        _ => run(
+            engine,
+            property,
+            config,
+            paged::cache_case(),
+            paged::cache_isolation,
+        ),
     }
 }
 

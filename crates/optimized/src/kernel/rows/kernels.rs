@@ -216,16 +216,25 @@ macro_rules! row_kernels {
                 }
                 j += KEYS_AT_ONCE;
             }
-            for r in 0..nr {
-                let qv = load_q(r);
-                for key in j..n {
-                    let row = rows.row(key);
-                    let mut a = $zero();
-                    for (c, &qc) in qv.iter().enumerate() {
-                        // SAFETY: row key < n has N·NV readable elements at unit stride.
-                        a = $mul_add(qc, unsafe { $load(row.add($lanes * c)) }, a);
+            // The last keys (fewer than eight) summed by the same tree as a group's, the
+            // missing ones as zeros: a key's score does not depend on where a run cut the
+            // keys into groups (pages of any size, a window's first key anywhere).
+            if j < n {
+                for r in 0..nr {
+                    let qv = load_q(r);
+                    let mut acc = [$zero(); KEYS_AT_ONCE];
+                    for (key, a) in acc.iter_mut().enumerate().take(n - j) {
+                        let row = rows.row(j + key);
+                        for (c, &qc) in qv.iter().enumerate() {
+                            // SAFETY: row j + key < n has N·NV readable elements at unit
+                            // stride.
+                            *a = $mul_add(qc, unsafe { $load(row.add($lanes * c)) }, *a);
+                        }
                     }
-                    out[r * stride + key] = $sum(a);
+                    let mut sums = [0.0f32; KEYS_AT_ONCE];
+                    // SAFETY: `sums` holds the 8 floats of a __m256.
+                    unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), $sums_of_8(acc)) };
+                    out[r * stride + j..r * stride + n].copy_from_slice(&sums[..n - j]);
                 }
             }
         }
