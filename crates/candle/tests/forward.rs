@@ -360,7 +360,7 @@ fn unsupported_inputs_are_errors_that_name_them() {
     assert!(e.contains("not a positive multiple of"), "{e}");
     let e = err(&x, &x, &x, &opts.clone().with_key_length(5));
     assert!(e.contains("5"), "{e}");
-    let e = err(&x, &x, &x, &opts.clone().with_scale(-1.0));
+    let e = err(&x, &x, &x, &opts.clone().with_scale(f32::INFINITY));
     assert!(e.contains("scale"), "{e}");
     // Masks: the dtype, per-head shapes, the shape of the scores.
     let bad = Tensor::zeros((4, 4), DType::U32, &CPU).unwrap();

@@ -58,9 +58,9 @@ pub enum Error {
     /// `d_k = 0`: a score needs at least one feature.
     #[error("Q and K have 0 columns (d_k must be at least 1)")]
     EmptyKeyWidth,
-    /// The softmax scale is not a positive number whose product with `log2(e)` is a finite
-    /// f32 (at most about 2.36e38).
-    #[error("scale {0} is invalid (it must be positive, with scale·log2(e) a finite f32)")]
+    /// The softmax scale is not a number whose product with `log2(e)` is a finite f32 (NaN,
+    /// infinite, or beyond about 2.36e38 in magnitude).
+    #[error("scale {0} is invalid (scale·log2(e) must be a finite f32)")]
     InvalidScale(f32),
     /// Grouped-query attention needs `h_q` to be a multiple of `h_kv`.
     #[error("Q has {h_q} heads but K/V have {h_kv} ({h_q} is not a positive multiple of {h_kv})")]

@@ -374,19 +374,23 @@ impl<'a> Options<'a> {
             || self.additive_mask_4d.is_some()
     }
 
-    /// The scale to use for key width `d_k`, or [`Error::InvalidScale`]. A scale is valid
-    /// when it is positive and `scale · log2(e)` is a finite f32 (at most about 2.36e38):
-    /// engines may compute in the base-2 domain, and the contract is the same for all.
+    /// The scale to use for key width `d_k`, or [`Error::InvalidScale`]. Any scale torch
+    /// takes is valid — zero (every score 0: uniform weights over the visible keys) and
+    /// negative ones too — as long as `scale · log2(e)` is a finite f32 (at most about
+    /// 2.36e38 in magnitude): engines may compute in the base-2 domain, and the contract is
+    /// the same for all.
     ///
     /// ```
     /// use attn_core::Options;
     /// assert!(Options::default().with_scale(1e38).scale_for(8).is_ok());
+    /// assert!(Options::default().with_scale(-0.5).scale_for(8).is_ok());
+    /// assert!(Options::default().with_scale(0.0).scale_for(8).is_ok());
     /// assert!(Options::default().with_scale(f32::MAX).scale_for(8).is_err());
-    /// assert!(Options::default().with_scale(0.0).scale_for(8).is_err());
+    /// assert!(Options::default().with_scale(f32::NAN).scale_for(8).is_err());
     /// ```
     pub fn scale_for(&self, d_k: usize) -> Result<f32> {
         match self.scale {
-            Some(s) if s > 0.0 && (s * core::f32::consts::LOG2_E).is_finite() => Ok(s),
+            Some(s) if (s * core::f32::consts::LOG2_E).is_finite() => Ok(s),
             Some(s) => Err(Error::InvalidScale(s)),
             None => Ok((1.0 / (d_k.max(1) as f64).sqrt()) as f32),
         }

@@ -167,6 +167,23 @@ impl<T: Element> PagedKvCache<T> {
         })
     }
 
+    /// Bytes of keys and values the pool holds room for (all its pages; memory is mapped
+    /// as pages are first written). A latent cache stores one buffer per token.
+    ///
+    /// ```
+    /// use attn_optimized::PagedKvCache;
+    /// let (kv, latent) = (
+    ///     PagedKvCache::<f32>::new(4, 16, 1, 576, 512)?,
+    ///     PagedKvCache::<f32>::latent(4, 16, 1, 576, 512)?,
+    /// );
+    /// assert_eq!(kv.pool_bytes(), 4 * 16 * (576 + 512) * 4);
+    /// assert_eq!(latent.pool_bytes(), 4 * 16 * 576 * 4);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn pool_bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * size_of::<T>()
+    }
+
     /// Tokens a page.
     pub fn page_size(&self) -> usize {
         self.page_size

@@ -565,4 +565,10 @@ fn a_latent_cache_reads_its_values_as_a_prefix_of_its_keys() {
     latent_is_packed::<f32>();
     latent_is_packed::<bf16>();
     assert!(PagedKvCache::<f32>::latent(4, 16, 1, 64, 80).is_err());
+    // DeepSeek's shapes: each token once, 576 columns instead of 576 + 512.
+    let (latent, apart) = (
+        PagedKvCache::<bf16>::latent(64, 64, 1, 576, 512).unwrap(),
+        PagedKvCache::<bf16>::new(64, 64, 1, 576, 512).unwrap(),
+    );
+    assert!(latent.pool_bytes() as f64 <= 0.55 * apart.pool_bytes() as f64);
 }

@@ -1501,7 +1501,7 @@ fn attend_step<T: Element>(
         && !scale_is_valid(s)
     {
         rules.push(Rejection {
-            rule: "the scale must be finite and positive, and scale·log2 e finite",
+            rule: "scale·log2 e must be finite",
             names: &["scale"],
             variant: Some("InvalidScale"),
         });

@@ -77,40 +77,6 @@ pub(crate) fn flags(
     })
 }
 
-/// torch's scale semantics on engines that take a positive scale: `scale · q·k =
-/// |scale| · (−q)·k` exactly (a negation is exact), and a zero scale is the query times 0
-/// with scale 1 (every score `0 · q·k`). Returns the scale to compute with and the factor
-/// of the query (and of its gradient): −1, 0, or 1 when nothing changes. A non-finite
-/// scale goes on as given, for [`flags`] to refuse.
-pub(crate) fn engine_scale(scale: Option<f64>) -> (Option<f64>, i8) {
-    match scale {
-        Some(0.0) => (Some(1.0), 0), // -0.0 too: float patterns compare with ==
-        Some(s) if s < 0.0 && s.is_finite() => (Some(-s), -1),
-        _ => (scale, 1),
-    }
-}
-
-/// `obj · sign` for the sign of [`engine_scale`], as the operand's own arithmetic (a NumPy
-/// array or a torch tensor, of its dtype).
-fn times_sign<'py>(obj: &Bound<'py, PyAny>, sign: i8) -> PyResult<Bound<'py, PyAny>> {
-    let py = obj.py();
-    match sign {
-        1 => Ok(obj.clone()),
-        -1 => obj.call_method0(intern!(py, "__neg__")),
-        _ => obj.call_method1(intern!(py, "__mul__"), (0,)),
-    }
-}
-
-/// The query to compute with for the sign of [`engine_scale`], after the checks the
-/// query itself must pass (kind, dtype, a contiguous last axis), which a fresh product
-/// would hide.
-fn engine_query<'py>(query: &Bound<'py, PyAny>, sign: i8) -> PyResult<Bound<'py, PyAny>> {
-    if sign != 1 {
-        Array::extract("query", query)?.require_contiguous_rows()?;
-    }
-    times_sign(query, sign)
-}
-
 /// `torch.is_grad_enabled()` (torch is imported: a tensor was passed).
 fn grad_enabled(py: Python<'_>) -> PyResult<bool> {
     static IS_GRAD_ENABLED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -761,27 +727,11 @@ pub(crate) fn scaled_dot_product_attention<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (engine, sign) = engine_scale(scale);
-    if sign != 1 && !needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
-        return scaled_dot_product_attention(
-            &engine_query(query, sign)?,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            engine,
-            enable_gqa,
-            causal_alignment,
-            cu_seqlens_q,
-            cu_seqlens_k,
-        );
-    }
     let f = flags(
         dropout_p,
         is_causal,
         attn_mask.is_some(),
-        engine,
+        scale,
         enable_gqa,
         causal_alignment,
     )?;
@@ -825,27 +775,11 @@ pub(crate) fn attention_with_lse<'py>(
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
-    let (engine, sign) = engine_scale(scale);
-    if sign != 1 && !needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
-        return attention_with_lse(
-            &engine_query(query, sign)?,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            engine,
-            enable_gqa,
-            causal_alignment,
-            cu_seqlens_q,
-            cu_seqlens_k,
-        );
-    }
     let f = flags(
         dropout_p,
         is_causal,
         attn_mask.is_some(),
-        engine,
+        scale,
         enable_gqa,
         causal_alignment,
     )?;
@@ -1104,26 +1038,6 @@ pub(crate) fn attention_backward<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let (engine, sign) = engine_scale(scale);
-    if sign != 1 {
-        let grads = attention_backward(
-            grad_out,
-            &engine_query(query, sign)?,
-            key,
-            value,
-            out,
-            lse,
-            attn_mask,
-            is_causal,
-            engine,
-            enable_gqa,
-            causal_alignment,
-            cu_seqlens_q,
-            cu_seqlens_k,
-        )?;
-        let dq = times_sign(&grads.get_item(0)?, sign)?;
-        return PyTuple::new(query.py(), [dq, grads.get_item(1)?, grads.get_item(2)?]);
-    }
     let py = query.py();
     let f = flags(
         0.0,

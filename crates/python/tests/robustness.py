@@ -477,11 +477,11 @@ def numpy_case(seed, index):
     if rng.random() < 0.3:
         opts["scale"] = SCALES[int(rng.integers(0, len(SCALES)))]
         sc = opts["scale"]
-        # torch's rule, any finite scale, within attn's: a scale of 0 is exact; any other
-        # must keep its magnitude in f32 (neither 0 nor infinite there).
-        if sc is not None and not (
-            math.isfinite(sc) and (sc == 0 or (np.float32(abs(sc)) > 0 and math.isfinite(np.float32(abs(sc)))))
-        ):
+        # torch's rule, any finite scale, within attn's: scale·log2(e) a finite f32 (a
+        # scale below f32's range rounds to 0, which is valid).
+        with np.errstate(over="ignore"):
+            in_f32 = np.float32(sc if sc is not None and math.isfinite(sc) else np.inf) * np.float32(math.log2(math.e))
+        if sc is not None and not (math.isfinite(sc) and math.isfinite(in_f32)):
             worse("error")
         whats.append(f"scale {sc}")
     if rng.random() < 0.05:

@@ -192,7 +192,7 @@ def test_a_broadcast_mask_with_odd_bytes_is_not_materialised():
     assert out.split() == ["MemoryError", "True"]
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 1e-300, -1e-300, 1e300, -1e300])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 1e300, -1e300])
 def test_hostile_scales_are_value_errors(scale):
     q = np.ones((1, 2, 3, 4), np.float32)
     with pytest.raises(ValueError, match="is invalid"):

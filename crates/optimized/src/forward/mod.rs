@@ -510,7 +510,7 @@ impl Scratch {
         flags.fill(false);
         // Beyond `limit` a finite entry times scale·log2(e) overflows; with the usual scales
         // (below 1) `limit` is +inf and no row needs looking at.
-        let limit = f32::MAX / head.scale_log2;
+        let limit = f32::MAX / head.scale_log2.abs();
         if limit.is_finite() {
             for (flag, i) in flags.iter_mut().zip(rows) {
                 *flag = head.q.row(i).iter().any(|x| x.to_f32().abs() > limit);

@@ -285,7 +285,7 @@ pub(super) fn option_rejections(
         && !scale_is_valid(s)
     {
         out.push(Rejection {
-            rule: "the scale must be finite and positive, and scale·log2 e finite",
+            rule: "scale·log2 e must be finite",
             names: &["scale"],
             variant: Some("InvalidScale"),
         });

@@ -40,7 +40,7 @@
 //! - a NaN bias, or a non-finite Q, K or V entry, at a visible position reaches only the
 //!   rows that see it ([`RowClass::Touched`]);
 //! - a scale whose `scale·log2 e` overflows f32 is `Error::InvalidScale`
-//!   ([`scale_is_valid`]), like a non-finite or non-positive one;
+//!   ([`scale_is_valid`]), like a non-finite one (zero and negative scales are valid);
 //! - a buffer whose size overflows or cannot be allocated is `Error::Allocation`, naming it.
 //!
 //! # Comparing with the reference

@@ -24,16 +24,18 @@ impl KeyLen {
     }
 }
 
-/// Whether the amended contract accepts `scale`: finite, positive, and `scale·log2 e`
-/// finite in f32 (the streaming engines fold `log2 e` into the scale).
+/// Whether the amended contract accepts `scale`: any value (zero and negative ones too, as
+/// torch) whose `scale·log2 e` is finite in f32 (the streaming engines fold `log2 e` into
+/// the scale).
 ///
 /// ```
 /// use attn_oracle::hostile::scale_is_valid;
-/// assert!(scale_is_valid(2.0e38) && scale_is_valid(1e-40));
-/// assert!(!scale_is_valid(f32::MAX) && !scale_is_valid(0.0) && !scale_is_valid(f32::NAN));
+/// assert!(scale_is_valid(2.0e38) && scale_is_valid(1e-40) && scale_is_valid(0.0));
+/// assert!(scale_is_valid(-1.0) && !scale_is_valid(f32::MIN));
+/// assert!(!scale_is_valid(f32::MAX) && !scale_is_valid(f32::NAN));
 /// ```
 pub fn scale_is_valid(scale: f32) -> bool {
-    scale.is_finite() && scale > 0.0 && (scale * core::f32::consts::LOG2_E).is_finite()
+    (scale * core::f32::consts::LOG2_E).is_finite()
 }
 
 /// Explicit scales at the extremes, valid and invalid; none lies within a relative `1e-3`

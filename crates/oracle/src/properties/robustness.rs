@@ -136,7 +136,7 @@ pub enum Defect {
     ValueRows,
     /// `d_k = 0`.
     ZeroKeyWidth,
-    /// A non-finite or non-positive scale.
+    /// A scale whose `scale·log2 e` is not a finite f32.
     Scale(f32),
     /// The additive mask has one row too many.
     AdditiveShape,
@@ -162,8 +162,8 @@ pub(crate) fn malformed_case() -> BoxedStrategy<(Defect, usize, usize, usize, us
             Defect::KeyWidth,
             Defect::ValueRows,
             Defect::ZeroKeyWidth,
-            Defect::Scale(0.0),
-            Defect::Scale(-1.0),
+            Defect::Scale(f32::MAX),
+            Defect::Scale(f32::MIN),
             Defect::Scale(f32::NAN),
             Defect::Scale(f32::INFINITY),
             Defect::AdditiveShape,
