@@ -561,9 +561,9 @@ fn failures(bug: Bug) -> Vec<Failure> {
         .collect()
 }
 
-fn caught_by(bug: Bug, expected: &[Property]) {
-    let found = failures(bug);
-    for f in &found {
+/// Asserts that the planted `bug`'s failures `found` include every property `expected`.
+fn caught(bug: &dyn std::fmt::Debug, found: &[Failure], expected: &[Property]) {
+    for f in found {
         eprintln!("--- {f}\n");
     }
     let names: Vec<Property> = found.iter().map(|f| f.property).collect();
@@ -576,9 +576,8 @@ fn caught_by(bug: Bug, expected: &[Property]) {
     }
 }
 
-#[test]
-fn toy_engine_without_bugs_passes_every_property() {
-    let found = failures(Bug::None);
+/// Asserts that an engine without a planted bug fails nothing.
+fn none_failed(found: &[Failure]) {
     assert!(
         found.is_empty(),
         "{}",
@@ -588,6 +587,15 @@ fn toy_engine_without_bugs_passes_every_property() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+}
+
+fn caught_by(bug: Bug, expected: &[Property]) {
+    caught(&bug, &failures(bug), expected);
+}
+
+#[test]
+fn toy_engine_without_bugs_passes_every_property() {
+    none_failed(&failures(Bug::None));
 }
 
 /// One test per planted bug: it must fail at least the properties listed.
@@ -870,32 +878,12 @@ fn paged_failures(bug: PagedBug) -> Vec<Failure> {
 }
 
 fn paged_caught_by(bug: PagedBug, expected: &[Property]) {
-    let found = paged_failures(bug);
-    for f in &found {
-        eprintln!("--- {f}\n");
-    }
-    let names: Vec<Property> = found.iter().map(|f| f.property).collect();
-    eprintln!("{bug:?} is caught by {names:?}");
-    for p in expected {
-        assert!(
-            names.contains(p),
-            "{bug:?} should fail {p} but only fails {names:?}"
-        );
-    }
+    caught(&bug, &paged_failures(bug), expected);
 }
 
 #[test]
 fn paged_toy_without_bugs_passes_the_paged_properties() {
-    let found = paged_failures(PagedBug::None);
-    assert!(
-        found.is_empty(),
-        "{}",
-        found
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    none_failed(&paged_failures(PagedBug::None));
 }
 
 /// One test per planted paged bug: it must fail at least the properties listed.
