@@ -276,22 +276,18 @@ impl<T: Element> PagedKvCache<T> {
         seq.pages
             .try_reserve(need)
             .map_err(|_| Error::allocation_of::<u32>("a sequence's pages", Some(need)))?;
-        // Nothing can fail from here on.
-        let mut last = seq.pages.last().copied();
+        // Nothing can fail from here on (`need` pages are free, room for them reserved).
+        let mut pages = core::mem::take(&mut seq.pages);
         for _ in 0..need {
-            let Some(p) = self.take_page(last) else { break };
-            last = Some(p);
-            if let Some(seq) = self.seqs[id.0].as_mut() {
-                seq.pages.push(p);
-            }
+            pages.extend(self.take_page(pages.last().copied()));
         }
-        let seq = self.seqs[id.0]
-            .as_mut()
-            .ok_or(Error::out_of_range("live sequence", id.0, 0))?;
-        seq.len = new_len;
+        self.seqs[id.0] = Some(Sequence {
+            pages,
+            len: new_len,
+        });
         // A page another sequence shares is full (forks copy the partial page), so the
         // rows written here are this sequence's own.
-        let pages = &seq.pages;
+        let pages = self.seqs[id.0].as_ref().map_or(&[][..], |s| &s.pages[..]);
         let pools = [(Some(k), &mut self.k, self.d_k), (v, &mut self.v, self.d_v)];
         for (src, pool, d) in pools.into_iter().filter_map(|(s, p, d)| Some((s?, p, d))) {
             for h in 0..self.kv_heads {

@@ -246,13 +246,7 @@ impl<'a, T> Batched<'a, T> {
         // The output's row handles must fit in one allocation.
         check_row_handles(element_count(&[shape.batch, shape.h_q, n_q]))?;
         let group = shape.h_q / shape.h_kv.max(1);
-        // Stacked heads share one mask and one set of modifiers: not when those differ
-        // between them.
-        let stack = if options.varies_over_heads() {
-            1
-        } else {
-            heads_per_job(n_q, group)
-        };
+        let stack = stacked_heads(options, n_q, group);
         Ok(Self {
             problem: Problem::new(stack * n_q, n_k, d_k, d_v, scale, options.precision),
             q,
@@ -464,11 +458,7 @@ impl<'a, T> PagedBatch<'a, T> {
         check_row_handles(element_count(&[shape.h_q, n_q]))?;
         let max_q = cu_q.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let group = shape.h_q / shape.h_kv.max(1);
-        let stack = if options.varies_over_heads() {
-            1
-        } else {
-            heads_per_job(1, group)
-        };
+        let stack = stacked_heads(options, 1, group);
         // The plan has room for a stack of heads: its tiles are the longest sequence's
         // whenever that has more rows (a tile holds at most QUERY_TILE rows either way).
         let decodes = cu_q.windows(2).any(|w| w[1] - w[0] == 1);
@@ -592,6 +582,17 @@ impl<'a, T> PagedBatch<'a, T> {
             });
         }
         Ok(jobs)
+    }
+}
+
+/// Query heads per job for `n_q` queries a head and `group` query heads a K/V head
+/// ([`heads_per_job`]). Stacked heads share one mask and one set of modifiers: one head a
+/// job when those differ between them.
+fn stacked_heads(options: &Options<'_>, n_q: usize, group: usize) -> usize {
+    if options.varies_over_heads() {
+        1
+    } else {
+        heads_per_job(n_q, group)
     }
 }
 

@@ -9,38 +9,10 @@ use pyo3::types::PyTuple;
 
 use crate::array::{Array, Dtype, Float, float_name, is_torch_tensor};
 use crate::output::{Storage, check_returnable, finish};
-use crate::to_py_err;
+use crate::{ByDtype, to_py_err};
 
 /// The cache in its storage type.
-#[derive(Debug)]
-enum Inner {
-    F32(KvCache<f32>),
-    F16(KvCache<f16>),
-    BF16(KvCache<bf16>),
-}
-
-/// Calls `$body` with `$c` bound to the typed cache and `$t` to its element type.
-macro_rules! typed {
-    ($inner:expr, $c:ident, $t:ident, $body:expr) => {
-        match $inner {
-            Inner::F32($c) => {
-                #[allow(unused)]
-                type $t = f32;
-                $body
-            }
-            Inner::F16($c) => {
-                #[allow(unused)]
-                type $t = f16;
-                $body
-            }
-            Inner::BF16($c) => {
-                #[allow(unused)]
-                type $t = bf16;
-                $body
-            }
-        }
-    };
-}
+type Inner = ByDtype<KvCache<f32>, KvCache<f16>, KvCache<bf16>>;
 
 /// The dtype a user names: ``"float32"``, ``numpy.float16``, ``torch.bfloat16``, … (float32
 /// when none is named), for the cache class `class`.

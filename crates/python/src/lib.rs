@@ -27,6 +27,39 @@
 //! --workspace` need no Python; its tests are the pytest suite in `tests/`, run by
 //! `cargo xtask test`.
 
+/// A value in one of the three storage types (a cache of f32, f16 or bf16 elements), for
+/// [`typed!`].
+#[derive(Debug)]
+pub(crate) enum ByDtype<A, B, C> {
+    F32(A),
+    F16(B),
+    BF16(C),
+}
+
+/// Calls `$body` with `$c` bound to the typed value of a [`ByDtype`] and `$t` to its
+/// element type.
+macro_rules! typed {
+    ($inner:expr, $c:ident, $t:ident, $body:expr) => {
+        match $inner {
+            $crate::ByDtype::F32($c) => {
+                #[allow(unused)]
+                type $t = f32;
+                $body
+            }
+            $crate::ByDtype::F16($c) => {
+                #[allow(unused)]
+                type $t = half::f16;
+                $body
+            }
+            $crate::ByDtype::BF16($c) => {
+                #[allow(unused)]
+                type $t = half::bf16;
+                $body
+            }
+        }
+    };
+}
+
 mod array;
 mod cache;
 mod dlpack;

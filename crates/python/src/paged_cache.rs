@@ -13,38 +13,10 @@ use crate::output::{Storage, check_returnable};
 use crate::packed::{offsets, operand};
 use crate::paged::{Form, PagedOptions, Queries, returned, run, window_of};
 use crate::sdpa::forward_strides;
-use crate::to_py_err;
+use crate::{ByDtype, to_py_err};
 
 /// The cache in its storage type.
-#[derive(Debug)]
-enum Inner {
-    F32(PagedKvCache<f32>),
-    F16(PagedKvCache<f16>),
-    BF16(PagedKvCache<bf16>),
-}
-
-/// Calls `$body` with `$c` bound to the typed cache and `$t` to its element type.
-macro_rules! typed {
-    ($inner:expr, $c:ident, $t:ident, $body:expr) => {
-        match $inner {
-            Inner::F32($c) => {
-                #[allow(unused)]
-                type $t = f32;
-                $body
-            }
-            Inner::F16($c) => {
-                #[allow(unused)]
-                type $t = f16;
-                $body
-            }
-            Inner::BF16($c) => {
-                #[allow(unused)]
-                type $t = bf16;
-                $body
-            }
-        }
-    };
-}
+type Inner = ByDtype<PagedKvCache<f32>, PagedKvCache<f16>, PagedKvCache<bf16>>;
 
 /// A paged key/value cache for serving many sequences, backed by attn.
 ///

@@ -596,20 +596,8 @@ impl Scratch {
         keys: Range<usize>,
     ) -> PartialState {
         let (n, d_v) = (rows.len(), self.shape.d_v);
-        let mut out = if self.row_tile {
-            Mat::from_fn(n, d_v, |i, c| self.normalised(i, c))
-        } else {
-            // Column by column, along the GEMM accumulator's storage and the state's.
-            let br = self.plan.br;
-            let mut out = Mat::zeros(n, d_v);
-            for c in 0..d_v {
-                let acc = &self.acc[c * br..c * br + n];
-                for (i, (&a, &l)) in acc.iter().zip(&self.l[..n]).enumerate() {
-                    out[(i, c)] = normalise(a, l);
-                }
-            }
-            out
-        };
+        // Filled column by column (faer's order), along the GEMM accumulator's storage.
+        let mut out = Mat::from_fn(n, d_v, |i, c| self.normalised(i, c));
         // A partial state leaves the sink out: it is merged once, after every chunk.
         let mut lse = vec![0.0; n];
         self.lse_rows(None, &mut lse);
