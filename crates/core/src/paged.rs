@@ -213,10 +213,10 @@ impl<'a, T> PagedKv<'a, T> {
 /// assert!(validate_paged(q, &[0, 1, 3], &kv, &top_left).is_err());
 /// # Ok::<(), attn_core::Error>(())
 /// ```
-pub fn validate_paged<T>(
+pub fn validate_paged<T, U>(
     q: Tensor4Ref<'_, T>,
     cu_seqlens_q: &[usize],
-    kv: &PagedKv<'_, T>,
+    kv: &PagedKv<'_, U>,
     options: &Options<'_>,
 ) -> Result<(BatchShape, f32)> {
     let [b, h_q, total_q, d_k] = q.dims();

@@ -4,13 +4,17 @@
 //! (decoding) stream a source's rows in place, run by run, when it can lend them
 //! ([`KeySource::run_at`]), and a source that cannot is computed with the GEMM tiles. The
 //! sources are [`Dense`], a faer view, and [`Paged`], one head of a sequence in the pages
-//! of a block table ([`PagedKv`]); quantized blocks are a source to come, answering the
-//! same questions, so the loops above need not change (they are generic over the source
-//! and monomorphised: the dense case compiles to what indexing the view did).
+//! of a block table ([`PagedKv`]), and [`Quantized`], one head of a sequence in quantized
+//! pages ([`QuantizedKv`]), whose codes the row kernels read in place
+//! ([`KeySource::quantized`]) and whose blocks are dequantized for the GEMM tiles. The loops
+//! are generic over the source and monomorphised: the dense case compiles to what
+//! indexing the view did.
 
 use core::ops::Range;
 
-use attn_core::{Dtype, PagedKv, Tensor4Ref};
+use std::sync::OnceLock;
+
+use attn_core::{Dtype, KvCodes, PagedKv, QuantizedKv, Tensor4Ref};
 use faer::MatRef;
 use half::bf16;
 
@@ -77,6 +81,18 @@ pub(crate) trait KeySource<T: Element>: Copy + Send + Sync {
     /// Whether `other` is this very source (the same rows in the same memory): query heads
     /// that share it can share what is packed from it.
     fn same_rows(&self, other: &Self) -> bool;
+
+    /// The codes and scales of a quantized source, which the row kernels read in place
+    /// (`None` for sources of elements).
+    fn quantized(&self) -> Option<Quantized<'_>> {
+        None
+    }
+
+    /// Whether every row is finite whatever the bits (quantized rows: a code and a scale
+    /// are finite), so that no scan need look.
+    fn always_finite(&self) -> bool {
+        false
+    }
 }
 
 /// How [`KeySource::to_pairs`] lays out the pairs.
@@ -226,6 +242,29 @@ impl<'a, T> Paged<'a, T> {
         self.pool.dims()[2]
     }
 
+    fn rows(&self) -> usize {
+        self.len
+    }
+
+    fn cols(&self) -> usize {
+        self.pool.dims()[3]
+    }
+
+    fn sub(&self, rows: Range<usize>) -> Self {
+        Self {
+            start: self.start + rows.start,
+            len: rows.len(),
+            ..*self
+        }
+    }
+
+    fn same(&self, other: &Self) -> bool {
+        let first = |p: &Self| p.pool.head(0, 0).map_or(core::ptr::null(), |m| m.as_ptr());
+        core::ptr::eq(self.pages, other.pages)
+            && core::ptr::eq(first(self), first(other))
+            && (self.head, self.start, self.len) == (other.head, other.start, other.len)
+    }
+
     /// The page holding row `j` (of this source) and the row's offset in it.
     fn page_of(&self, j: usize) -> Option<(MatRef<'a, T>, usize)> {
         if j >= self.len {
@@ -240,7 +279,7 @@ impl<'a, T> Paged<'a, T> {
 
     /// Rows `j ..` to the end of row `j`'s page (or of the source), and on through the
     /// pages after it that follow it in the pool.
-    fn run(&self, j: usize) -> Option<MatRef<'a, T>> {
+    pub(crate) fn run(&self, j: usize) -> Option<MatRef<'a, T>> {
         if j >= self.len {
             return None;
         }
@@ -261,7 +300,7 @@ impl<'a, T> Paged<'a, T> {
     }
 
     /// Every run of the source, `(first row, rows)`, in order.
-    fn runs(&self) -> impl Iterator<Item = (usize, MatRef<'a, T>)> + '_ {
+    pub(crate) fn runs(&self) -> impl Iterator<Item = (usize, MatRef<'a, T>)> + '_ {
         let mut j = 0;
         core::iter::from_fn(move || {
             let run = self.run(j)?;
@@ -283,21 +322,17 @@ impl<T: Element> KeySource<T> for Paged<'_, T> {
 
     #[inline]
     fn len(&self) -> usize {
-        self.len
+        self.rows()
     }
 
     #[inline]
     fn width(&self) -> usize {
-        self.pool.dims()[3]
+        self.cols()
     }
 
     #[inline]
     fn block(&self, rows: Range<usize>) -> Self {
-        Self {
-            start: self.start + rows.start,
-            len: rows.len(),
-            ..*self
-        }
+        self.sub(rows)
     }
 
     fn in_place(&self) -> Option<MatRef<'_, T>> {
@@ -378,17 +413,155 @@ impl<T: Element> KeySource<T> for Paged<'_, T> {
     }
 
     fn same_rows(&self, other: &Self) -> bool {
-        core::ptr::eq(self.pages, other.pages)
-            && core::ptr::eq(
-                self.pool
-                    .head(0, 0)
-                    .map_or(core::ptr::null(), |m| m.as_ptr()),
-                other
-                    .pool
-                    .head(0, 0)
-                    .map_or(core::ptr::null(), |m| m.as_ptr()),
-            )
-            && (self.head, self.start, self.len) == (other.head, other.start, other.len)
+        self.same(other)
+    }
+}
+
+/// A quantized source: rows of one head of one sequence in quantized pages
+/// ([`QuantizedKv`]), `scale · value(code) · factor` each entry. The row kernels read the
+/// codes in place ([`KeySource::quantized`]) and apply the scales to the scores and the
+/// weights; the GEMM tiles get blocks dequantized into their f32 buffers ([`KeySource::to_f32`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Quantized<'a> {
+    /// The code bytes, page by page.
+    pub codes: Paged<'a, u8>,
+    /// One scale a row, in pages alike.
+    scales: Paged<'a, f32>,
+    /// The head's per-channel factors (keys of a format with them).
+    pub factors: Option<&'a [f32]>,
+    /// What the codes mean.
+    pub kind: KvCodes,
+}
+
+impl<'a> Quantized<'a> {
+    /// The keys (`keys`) or values of head `head` of sequence `s` of `kv`.
+    pub(crate) fn new(kv: &QuantizedKv<'a>, keys: bool, s: usize, head: usize) -> Self {
+        let (codes, scales) = (kv.codes(), kv.scales());
+        let (c, sc) = match keys {
+            true => (codes.keys(), scales.keys()),
+            false => (codes.values(), scales.values()),
+        };
+        Self {
+            codes: Paged::new(&codes, c, s, head),
+            scales: Paged::new(&scales, sc, s, head),
+            factors: if keys { kv.key_factors(head) } else { None },
+            kind: kv.format().codes,
+        }
+    }
+
+    /// The scales of rows `first ..` into `out` (as many as it holds, within the rows).
+    pub(crate) fn scales_into(&self, first: usize, out: &mut [f32]) {
+        let mut j = first;
+        let end = (first + out.len()).min(self.scales.rows());
+        while j < end {
+            let Some(run) = self.scales.run(j) else {
+                break;
+            };
+            let n = run.nrows().min(end - j);
+            for (i, o) in out[j - first..j - first + n].iter_mut().enumerate() {
+                *o = run[(i, 0)];
+            }
+            j += n;
+        }
+    }
+
+    fn scale(&self, j: usize) -> f32 {
+        self.scales.page_of(j).map_or(f32::NAN, |(m, i)| m[(i, 0)])
+    }
+}
+
+/// The values of the 256 codes of `kind`, computed once.
+fn code_values(kind: KvCodes) -> &'static [f32; 256] {
+    static INT8: OnceLock<[f32; 256]> = OnceLock::new();
+    static FP8: OnceLock<[f32; 256]> = OnceLock::new();
+    let table = match kind {
+        KvCodes::Fp8E4m3 => &FP8,
+        _ => &INT8,
+    };
+    table.get_or_init(|| core::array::from_fn(|b| kind.value(b as u8)))
+}
+
+impl<T: Element> KeySource<T> for Quantized<'_> {
+    const GATHERS: bool = true;
+
+    #[inline]
+    fn len(&self) -> usize {
+        self.codes.rows()
+    }
+
+    #[inline]
+    fn width(&self) -> usize {
+        self.codes.cols()
+    }
+
+    #[inline]
+    fn block(&self, rows: Range<usize>) -> Self {
+        Self {
+            codes: self.codes.sub(rows.clone()),
+            scales: self.scales.sub(rows),
+            ..*self
+        }
+    }
+
+    fn in_place(&self) -> Option<MatRef<'_, T>> {
+        None
+    }
+
+    fn run_at(&self, _: usize) -> Option<MatRef<'_, T>> {
+        None
+    }
+
+    fn to_f32<'s>(&'s self, buf: &'s mut [f32]) -> MatRef<'s, f32> {
+        let (n, w) = (self.codes.rows(), self.codes.cols());
+        let values = code_values(self.kind);
+        for (first, run) in self.codes.runs() {
+            for i in 0..run.nrows() {
+                let scale = self.scale(first + i);
+                let row = &mut buf[(first + i) * w..(first + i + 1) * w];
+                for (c, x) in row.iter_mut().enumerate() {
+                    let f = self.factors.map_or(1.0, |f| f[c]);
+                    *x = scale * values[usize::from(run[(i, c)])] * f;
+                }
+            }
+        }
+        MatRef::from_row_major_slice(&buf[..n * w], n, w)
+    }
+
+    fn to_pairs(&self, _: PairOrder, _: &mut [u32]) -> Option<PackReport> {
+        None
+    }
+
+    fn to_split_pairs(
+        &self,
+        _: PairOrder,
+        _: &mut [u32],
+        _: &mut [u32],
+        _: &mut SplitStage,
+    ) -> Option<PackReport> {
+        None
+    }
+
+    fn at(&self, j: usize, c: usize) -> f32 {
+        let f = self.factors.map_or(1.0, |f| f[c]);
+        self.codes.page_of(j).map_or(f32::NAN, |(m, i)| {
+            self.scale(j) * code_values(self.kind)[usize::from(m[(i, c)])] * f
+        })
+    }
+
+    fn row_finite(&self, j: usize) -> bool {
+        j < self.codes.rows()
+    }
+
+    fn same_rows(&self, other: &Self) -> bool {
+        self.codes.same(&other.codes)
+    }
+
+    fn quantized(&self) -> Option<Quantized<'_>> {
+        Some(*self)
+    }
+
+    fn always_finite(&self) -> bool {
+        true
     }
 }
 

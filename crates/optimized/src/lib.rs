@@ -55,9 +55,9 @@ mod schedule;
 
 pub use attn_core::{
     Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Error, Forward, ForwardRef,
-    Gradients, GradientsMut, KeyPadding, Layout, Mask4Ref, MaskMod, Options, PagedKv, PartialState,
-    Precision, Result, ScoreMod, ScoreTile, SlidingWindow, SoftCap, Tensor4, Tensor4Mut,
-    Tensor4Ref,
+    Gradients, GradientsMut, KeyPadding, KvCodes, KvQuantization, Layout, Mask4Ref, MaskMod,
+    Options, PagedKv, PartialState, Precision, QuantizedKv, Result, ScoreMod, ScoreTile,
+    SlidingWindow, SoftCap, Tensor4, Tensor4Mut, Tensor4Ref,
 };
 pub use call::{Attention, Batch, Heads, OneHead};
 

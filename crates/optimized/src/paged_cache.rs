@@ -11,7 +11,10 @@
 //! holds and returns to the pool with its last user. The engines read the pages in
 //! place through [`PagedKv`] ([`crate::Attention::paged`]).
 
-use attn_core::{Error, Options, PagedKv, Result, Tensor4Ref};
+use attn_core::{
+    Error, KvQuantization, Options, PagedKv, QuantizedKv, Result, Tensor4Ref, key_channel_factors,
+    quantize_row,
+};
 
 use crate::call::{Attention, Batch};
 use crate::kernel::element::Element;
@@ -21,6 +24,20 @@ use crate::problem::zeroed;
 /// A sequence of a [`PagedKvCache`]: a handle, valid until the sequence is freed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SeqId(usize);
+
+/// The pools of a quantized cache, laid out as the element pools are: codes
+/// `[kv_heads, pages, page_size, d]`, scales `[kv_heads, pages, page_size]`.
+#[derive(Debug, Clone)]
+struct Codes {
+    format: KvQuantization,
+    k: Vec<u8>,
+    v: Vec<u8>,
+    k_scales: Vec<f32>,
+    v_scales: Vec<f32>,
+    /// Per-channel key factors `[kv_heads, d_k]` (ones until the first keys set them).
+    factors: Vec<f32>,
+    calibrated: bool,
+}
 
 /// One sequence's pages and length.
 #[derive(Debug, Clone, Default)]
@@ -67,6 +84,8 @@ pub struct PagedKvCache<T> {
     /// Empty in a latent cache, whose values are the first `d_v` columns of its keys.
     v: Vec<T>,
     latent: bool,
+    /// The pools of a quantized cache (whose `k` and `v` are then empty).
+    codes: Option<Codes>,
     /// Users of each page (0: free).
     users: Vec<u32>,
     /// Pages with no user.
@@ -131,6 +150,71 @@ impl<T: Element> PagedKvCache<T> {
         Self::with_pools(pages, page_size, kv_heads, (d_k, d_v), true)
     }
 
+    /// An empty cache like [`PagedKvCache::new`] that stores keys and values quantized
+    /// ([`KvQuantization`]): each appended row of a head as one-byte codes and an f32 scale
+    /// (and keys divided by per-channel factors first, if the format has them: each
+    /// channel's largest magnitude in the first keys appended, per head). Appending a
+    /// non-finite entry is an error (no code holds it). Attention reads the codes in place
+    /// ([`Attention::quantized`]): decoding streams about half the bytes of an f16 cache.
+    ///
+    /// ```
+    /// use attn_optimized::{KvCodes, KvQuantization, Layout, Options, PagedKvCache, Par, Tensor4Ref};
+    /// let int8 = KvQuantization::new(KvCodes::Int8).with_key_channels();
+    /// let mut cache = PagedKvCache::<f32>::quantized(64, 16, 2, 16, 16, int8)?;
+    /// let s = cache.add_sequence()?;
+    /// let kv: Vec<f32> = (0..2 * 40 * 16).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+    /// let kv = Tensor4Ref::from_layout(&kv, [1, 2, 40, 16], Layout::Bshd)?;
+    /// cache.append(s, kv, kv)?;
+    /// let q = vec![0.1f32; 4 * 16]; // one decode step, 4 query heads
+    /// let q = Tensor4Ref::from_layout(&q, [1, 4, 1, 16], Layout::Bshd)?;
+    /// let batch = cache.batch(&[s])?;
+    /// let out = batch.attention(q, &[0, 1], &Options::default())?.forward(Par::rayon(0))?;
+    /// assert_eq!(out.output().dims(), [1, 4, 1, 16]);
+    /// // Codes and scales: about a quarter of the f32 pool.
+    /// assert_eq!(cache.pool_bytes(), 64 * 16 * 2 * (2 * 16 + 2 * 4) + 2 * 16 * 4);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn quantized(
+        pages: usize,
+        page_size: usize,
+        kv_heads: usize,
+        d_k: usize,
+        d_v: usize,
+        format: KvQuantization,
+    ) -> Result<Self> {
+        let mut cache = Self::with_pools(pages, page_size, kv_heads, (0, 0), false)?;
+        (cache.d_k, cache.d_v) = (d_k, d_v);
+        let rows = [kv_heads, pages, page_size];
+        let factors = if format.key_channels {
+            attn_core::filled("paged cache key factors", kv_heads.checked_mul(d_k), 1.0f32)?
+        } else {
+            Vec::new()
+        };
+        cache.codes = Some(Codes {
+            format,
+            k: zeroed("paged cache key codes", &[kv_heads, pages, page_size, d_k])?,
+            v: zeroed(
+                "paged cache value codes",
+                &[kv_heads, pages, page_size, d_v],
+            )?,
+            k_scales: zeroed("paged cache key scales", &rows)?,
+            v_scales: zeroed("paged cache value scales", &rows)?,
+            factors,
+            calibrated: false,
+        });
+        cache.mapped = attn_core::filled(
+            "paged cache pages",
+            Some(pages.div_ceil(cache.stretch())),
+            false,
+        )?;
+        Ok(cache)
+    }
+
+    /// How the cache stores keys and values: `None` as `T`, else quantized.
+    pub fn quantization(&self) -> Option<KvQuantization> {
+        self.codes.as_ref().map(|c| c.format)
+    }
+
     fn with_pools(
         pages: usize,
         page_size: usize,
@@ -155,7 +239,7 @@ impl<T: Element> PagedKvCache<T> {
         let v_pages = if latent { 0 } else { pages };
         let v = zeroed("paged cache values", &[kv_heads, v_pages, page_size, d_v])?;
         let users = attn_core::filled("paged cache pages", Some(pages), 0u32)?;
-        let stretch = map_stretch::<T>(page_size, d_k);
+        let stretch = map_stretch(page_size * d_k * size_of::<T>());
         let mapped = attn_core::filled("paged cache pages", Some(pages.div_ceil(stretch)), false)?;
         Ok(Self {
             pages,
@@ -166,6 +250,7 @@ impl<T: Element> PagedKvCache<T> {
             k,
             v,
             latent,
+            codes: None,
             users,
             free: pages,
             mapped,
@@ -187,7 +272,20 @@ impl<T: Element> PagedKvCache<T> {
     /// # Ok::<(), attn_optimized::Error>(())
     /// ```
     pub fn pool_bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * size_of::<T>()
+        let codes = self.codes.as_ref().map_or(0, |c| {
+            c.k.len() + c.v.len() + (c.k_scales.len() + c.v_scales.len() + c.factors.len()) * 4
+        });
+        (self.k.len() + self.v.len()) * size_of::<T>() + codes
+    }
+
+    /// Pages in [`MAP_BYTES`] of one head's key pool.
+    fn stretch(&self) -> usize {
+        let unit = if self.codes.is_some() {
+            1
+        } else {
+            size_of::<T>()
+        };
+        map_stretch(self.page_size * self.d_k * unit)
     }
 
     /// Tokens a page.
@@ -288,6 +386,10 @@ impl<T: Element> PagedKvCache<T> {
         // A page another sequence shares is full (forks copy the partial page), so the
         // rows written here are this sequence's own.
         let pages = self.seqs[id.0].as_ref().map_or(&[][..], |s| &s.pages[..]);
+        if let Some(codes) = &mut self.codes {
+            let shape = (self.kv_heads, self.pages, ps, len);
+            return codes.write(shape, pages, k, v);
+        }
         let pools = [(Some(k), &mut self.k, self.d_k), (v, &mut self.v, self.d_v)];
         for (src, pool, d) in pools.into_iter().filter_map(|(s, p, d)| Some((s?, p, d))) {
             for h in 0..self.kv_heads {
@@ -305,9 +407,31 @@ impl<T: Element> PagedKvCache<T> {
         Ok(())
     }
 
-    /// Checks new rows against the cache (`v` is `None` for a latent cache's rows).
+    /// Checks new rows against the cache (`v` is `None` for a latent cache's rows): their
+    /// shapes, and for a quantized cache that every entry is finite.
     fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Option<Tensor4Ref<'_, T>>) -> Result<()> {
-        check_new_tokens(k, v, [1, self.kv_heads, self.d_k, self.d_v])
+        check_new_tokens(k, v, [1, self.kv_heads, self.d_k, self.d_v])?;
+        if self.codes.is_some() {
+            for rows in core::iter::once(k).chain(v) {
+                for h in 0..self.kv_heads {
+                    let m = rows.head(0, h)?;
+                    for i in 0..m.nrows() {
+                        for c in 0..m.ncols() {
+                            let x = m[(i, c)].to_f32();
+                            if !x.is_finite() {
+                                return Err(Error::invalid_value(
+                                    "row appended to a quantized cache",
+                                    c,
+                                    x,
+                                    "finite: a quantized cache has no code for inf or NaN",
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A new sequence holding what `id` holds: it shares `id`'s full pages and gets its
@@ -326,18 +450,14 @@ impl<T: Element> PagedKvCache<T> {
         let copy = if partial { self.take_page(None) } else { None };
         if let (Some(last), Some(copy)) = (pages.last_mut(), copy) {
             let (from, to) = (*last as usize, copy as usize);
-            let v = if self.latent {
-                None
-            } else {
-                Some((&mut self.v, self.d_v))
-            };
-            for (pool, d) in core::iter::once((&mut self.k, self.d_k)).chain(v) {
-                let page = self.page_size * d;
-                for h in 0..self.kv_heads {
-                    let head = h * self.pages;
-                    let from = (head + from) * page;
-                    pool.copy_within(from..from + page, (head + to) * page);
-                }
+            let (heads, pool_pages, ps) = (self.kv_heads, self.pages, self.page_size);
+            copy_page(&mut self.k, (heads, pool_pages, ps * self.d_k), (from, to));
+            copy_page(&mut self.v, (heads, pool_pages, ps * self.d_v), (from, to));
+            if let Some(codes) = &mut self.codes {
+                copy_page(&mut codes.k, (heads, pool_pages, ps * self.d_k), (from, to));
+                copy_page(&mut codes.v, (heads, pool_pages, ps * self.d_v), (from, to));
+                copy_page(&mut codes.k_scales, (heads, pool_pages, ps), (from, to));
+                copy_page(&mut codes.v_scales, (heads, pool_pages, ps), (from, to));
             }
             *last = copy;
         }
@@ -390,7 +510,7 @@ impl<T: Element> PagedKvCache<T> {
         // A new run: in memory already mapped if it has a free page (so that many short
         // sequences do not map the whole pool), else anywhere. One pass over the pages per
         // try, only when a run cannot go on.
-        let stretch = map_stretch::<T>(self.page_size, self.d_k);
+        let stretch = self.stretch();
         let new_run = |mapped_only: bool| {
             let (mut best, mut start) = ((0, 0), 0);
             for (p, &users) in self.users.iter().enumerate() {
@@ -418,21 +538,32 @@ impl<T: Element> PagedKvCache<T> {
     /// would be mapped one after the other's, alternating in physical memory, which
     /// decoding reads at about 0.7 of a contiguous cache's rate instead of 1.0 (Zen 4).
     fn map(&mut self, page: usize) {
-        let stretch = map_stretch::<T>(self.page_size, self.d_k);
+        let stretch = self.stretch();
         let chunk = page / stretch;
         if self.mapped.get(chunk) != Some(&false) {
             return;
         }
         self.mapped[chunk] = true;
         let pages = chunk * stretch..((chunk + 1) * stretch).min(self.pages);
-        for (pool, d) in [(&mut self.k, self.d_k), (&mut self.v, self.d_v)] {
-            let page_len = self.page_size * d;
-            for h in 0..self.kv_heads {
-                let at = (h * self.pages + pages.start) * page_len;
-                if let Some(rows) = pool.get_mut(at..at + pages.len() * page_len) {
-                    rows.fill(T::from_f32(0.0));
-                }
-            }
+        let (heads, all, ps) = (self.kv_heads, self.pages, self.page_size);
+        let zero = T::from_f32(0.0);
+        zero_pages(
+            &mut self.k,
+            zero,
+            (heads, all, ps * self.d_k),
+            pages.clone(),
+        );
+        zero_pages(
+            &mut self.v,
+            zero,
+            (heads, all, ps * self.d_v),
+            pages.clone(),
+        );
+        if let Some(c) = &mut self.codes {
+            zero_pages(&mut c.k, 0, (heads, all, ps * self.d_k), pages.clone());
+            zero_pages(&mut c.v, 0, (heads, all, ps * self.d_v), pages.clone());
+            zero_pages(&mut c.k_scales, 0.0, (heads, all, ps), pages.clone());
+            zero_pages(&mut c.v_scales, 0.0, (heads, all, ps), pages);
         }
     }
 
@@ -464,11 +595,13 @@ impl<T: Element> PagedKvCache<T> {
     /// The pools as `[pages, kv_heads, page_size, d]` views of their
     /// `[kv_heads, pages, page_size, d]` storage.
     fn pools(&self) -> Result<(Tensor4Ref<'_, T>, Tensor4Ref<'_, T>)> {
-        let (pages, ps) = (self.pages, self.page_size);
-        let view = |data, (d, row): (usize, usize)| {
-            let dims = [pages, self.kv_heads, ps, d];
-            Tensor4Ref::new(data, dims, [ps * row, pages * ps * row, row])
-        };
+        if self.codes.is_some() {
+            return Err(Error::unsupported(
+                "pages of a quantized cache",
+                "they hold codes and scales, not elements: PagedBatch::quantized_kv",
+            ));
+        }
+        let view = |data, dims| self.view(data, dims);
         let k = view(&self.k, (self.d_k, self.d_k))?;
         // A latent cache's values: the keys' rows, their first `d_v` columns.
         let v = match self.latent {
@@ -476,6 +609,98 @@ impl<T: Element> PagedKvCache<T> {
             false => view(&self.v, (self.d_v, self.d_v))?,
         };
         Ok((k, v))
+    }
+
+    /// A pool `data` as a `[pages, kv_heads, page_size, d]` view of rows `row` apart.
+    fn view<'s, U>(&self, data: &'s [U], (d, row): (usize, usize)) -> Result<Tensor4Ref<'s, U>> {
+        let (pages, ps) = (self.pages, self.page_size);
+        let dims = [pages, self.kv_heads, ps, d];
+        Tensor4Ref::new(data, dims, [ps * row, pages * ps * row, row])
+    }
+}
+
+impl Codes {
+    /// Writes `t` new tokens of one sequence, the first at `len`, into its `pages`: each
+    /// row of each head quantized ([`quantize_row`]) to its codes and scale, keys divided
+    /// by the factors, which the first keys the cache sees set. The rows were checked
+    /// (shapes, finite entries), so no row fails.
+    fn write<T: Element>(
+        &mut self,
+        (heads, pool_pages, ps, len): (usize, usize, usize, usize),
+        pages: &[u32],
+        k: Tensor4Ref<'_, T>,
+        v: Option<Tensor4Ref<'_, T>>,
+    ) -> Result<()> {
+        let [_, _, t, d_k] = k.dims();
+        if self.format.key_channels && !self.calibrated && t > 0 {
+            for h in 0..heads {
+                let rows = k.head(0, h)?;
+                let wide = faer::Mat::from_fn(t, d_k, |i, c| rows[(i, c)].to_f32());
+                let f = key_channel_factors(wide.as_ref());
+                self.factors[h * d_k..(h + 1) * d_k].copy_from_slice(&f);
+            }
+            self.calibrated = true;
+        }
+        let codes = self.format.codes;
+        let pools = [
+            (Some(k), &mut self.k, &mut self.k_scales, true),
+            (v, &mut self.v, &mut self.v_scales, false),
+        ];
+        for (src, pool, scales, keys) in pools
+            .into_iter()
+            .filter_map(|(s, p, sc, keys)| Some((s?, p, sc, keys)))
+        {
+            let d = src.dims()[3];
+            let mut row = vec![0.0f32; d];
+            for h in 0..heads {
+                let rows = src.head(0, h)?;
+                let factors = keys
+                    .then(|| &self.factors[h * d..(h + 1) * d])
+                    .filter(|_| self.format.key_channels);
+                for i in 0..t {
+                    let tok = len + i;
+                    let slot = (h * pool_pages + pages[tok / ps] as usize) * ps + tok % ps;
+                    for (c, x) in row.iter_mut().enumerate() {
+                        *x = rows[(i, c)].to_f32();
+                    }
+                    let out = &mut pool[slot * d..(slot + 1) * d];
+                    scales[slot] = quantize_row(codes, &row, factors, out)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies page `from` of every head's pool (of elements, codes or scales; `page_len`
+/// entries a page) to page `to`.
+fn copy_page<U: Copy>(
+    pool: &mut [U],
+    (heads, pages, page_len): (usize, usize, usize),
+    (from, to): (usize, usize),
+) {
+    if pool.is_empty() {
+        return;
+    }
+    for h in 0..heads {
+        let head = h * pages;
+        let from = (head + from) * page_len;
+        pool.copy_within(from..from + page_len, (head + to) * page_len);
+    }
+}
+
+/// Writes `zero` over pages `range` of every head's pool (`page_len` entries a page).
+fn zero_pages<U: Copy>(
+    pool: &mut [U],
+    zero: U,
+    (heads, pages, page_len): (usize, usize, usize),
+    range: core::ops::Range<usize>,
+) {
+    for h in 0..heads {
+        let at = (h * pages + range.start) * page_len;
+        if let Some(rows) = pool.get_mut(at..at + range.len() * page_len) {
+            rows.fill(zero);
+        }
     }
 }
 
@@ -488,10 +713,39 @@ pub struct PagedBatch<'c, T> {
 }
 
 impl<'c, T: Element> PagedBatch<'c, T> {
-    /// The batch's pages as the view the engines read.
+    /// The batch's pages as the view the engines read (an error for a quantized cache:
+    /// [`PagedBatch::quantized_kv`]).
     pub fn kv(&self) -> Result<PagedKv<'_, T>> {
         let (k, v) = self.cache.pools()?;
         PagedKv::new(k, v, &self.table, &self.lens)
+    }
+
+    /// The batch's quantized pages as the view the engines read (an error for a cache of
+    /// elements: [`PagedBatch::kv`]).
+    pub fn quantized_kv(&self) -> Result<QuantizedKv<'_>> {
+        let cache = self.cache;
+        let Some(c) = &cache.codes else {
+            return Err(Error::unsupported(
+                "quantized pages",
+                "this cache stores its elements: PagedBatch::kv",
+            ));
+        };
+        let codes = PagedKv::new(
+            cache.view(&c.k, (cache.d_k, cache.d_k))?,
+            cache.view(&c.v, (cache.d_v, cache.d_v))?,
+            &self.table,
+            &self.lens,
+        )?;
+        let (ks, vs) = (
+            cache.view(&c.k_scales, (1, 1))?,
+            cache.view(&c.v_scales, (1, 1))?,
+        );
+        let scales = PagedKv::new(ks, vs, &self.table, &self.lens)?;
+        let factors = c
+            .format
+            .key_channels
+            .then(|| faer::MatRef::from_row_major_slice(&c.factors, cache.kv_heads, cache.d_k));
+        QuantizedKv::new(codes, scales, factors, c.format)
     }
 
     /// The call of `q` (`[1, h_q, total_q, d_k]`, sequence `s` of the batch on its rows
@@ -503,7 +757,10 @@ impl<'c, T: Element> PagedBatch<'c, T> {
         cu_seqlens_q: &'a [usize],
         options: &Options<'a>,
     ) -> Result<Attention<'a, T, Batch>> {
-        Attention::paged(q, cu_seqlens_q, self.kv()?, options)
+        match self.cache.codes {
+            Some(_) => Attention::quantized(q, cu_seqlens_q, self.quantized_kv()?, options),
+            None => Attention::paged(q, cu_seqlens_q, self.kv()?, options),
+        }
     }
 }
 
@@ -511,7 +768,7 @@ impl<'c, T: Element> PagedBatch<'c, T> {
 /// pages in use by such stretches.
 const MAP_BYTES: usize = 2 << 20;
 
-/// Pages of `page_size` rows `d_k` wide in [`MAP_BYTES`] (at least one).
-fn map_stretch<T>(page_size: usize, d_k: usize) -> usize {
-    (MAP_BYTES / (page_size * d_k * size_of::<T>()).max(1)).max(1)
+/// Pages of `page_bytes` (of one head's key pool) in [`MAP_BYTES`] (at least one).
+fn map_stretch(page_bytes: usize) -> usize {
+    (MAP_BYTES / page_bytes.max(1)).max(1)
 }

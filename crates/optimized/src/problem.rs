@@ -10,12 +10,12 @@ use core::ops::Range;
 pub(crate) use attn_core::filled;
 use attn_core::{
     BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, PagedKv, Precision,
-    Result, Tensor4Ref, validate_packed, validate_paged,
+    QuantizedKv, Result, Tensor4Ref, validate_packed, validate_paged,
 };
 use faer::{Mat, MatRef, RowMut, TryReserveError};
 
-use crate::kernel::element::{Element, zeroed_lazily};
-use crate::keys::{Dense, Paged};
+use crate::kernel::element::{Element, ZeroBits, zeroed_lazily};
+use crate::keys::{Dense, KeySource, Paged, Quantized};
 use crate::schedule::{TilePlan, heads_per_job};
 
 /// What every job of one call shares.
@@ -432,10 +432,10 @@ impl<'a, T> Packed<'a, T> {
 /// call's are sub-views; the tile plan is the longest sequence's, so the bits do not depend
 /// on the thread count (nor on the page size: a block is the same keys in any pages).
 #[derive(Debug)]
-pub(crate) struct PagedBatch<'a, T> {
+pub(crate) struct PagedBatch<'a, T, P = PagedKv<'a, T>> {
     pub problem: Problem,
     q: Tensor4Ref<'a, T>,
-    kv: PagedKv<'a, T>,
+    kv: P,
     cu_q: &'a [usize],
     options: Options<'a>,
     /// `[1, h_q, total_q, d_v]`.
@@ -445,15 +445,66 @@ pub(crate) struct PagedBatch<'a, T> {
     stack: usize,
 }
 
-impl<'a, T> PagedBatch<'a, T> {
+/// The pages a paged call reads: of elements ([`PagedKv`]) or quantized ([`QuantizedKv`]).
+pub(crate) trait Pages<'a, T: Element>: Copy {
+    /// One head of one sequence in them.
+    type Source: KeySource<T> + 'a;
+    /// What the pages hold: `T`, or code bytes.
+    type Stored: 'a;
+
+    /// The block table and lengths (of the codes, for quantized pages).
+    fn table(&self) -> PagedKv<'a, Self::Stored>;
+
+    /// The keys (`keys`) or values of head `head` of sequence `s`.
+    fn source(&self, keys: bool, s: usize, head: usize) -> Self::Source;
+
+    /// The products' precision for the options' choice: quantized blocks are dequantized
+    /// to f32, which the f32 products take.
+    fn precision(&self, chosen: Precision) -> Precision {
+        chosen
+    }
+}
+
+impl<'a, T: Element> Pages<'a, T> for PagedKv<'a, T> {
+    type Source = Paged<'a, T>;
+    type Stored = T;
+
+    fn table(&self) -> PagedKv<'a, T> {
+        *self
+    }
+
+    fn source(&self, keys: bool, s: usize, head: usize) -> Paged<'a, T> {
+        let pool = if keys { self.keys() } else { self.values() };
+        Paged::new(self, pool, s, head)
+    }
+}
+
+impl<'a, T: Element> Pages<'a, T> for QuantizedKv<'a> {
+    type Source = Quantized<'a>;
+    type Stored = u8;
+
+    fn table(&self) -> PagedKv<'a, u8> {
+        self.codes()
+    }
+
+    fn source(&self, keys: bool, s: usize, head: usize) -> Quantized<'a> {
+        Quantized::new(self, keys, s, head)
+    }
+
+    fn precision(&self, _: Precision) -> Precision {
+        Precision::F32
+    }
+}
+
+impl<'a, T: Element, P: Pages<'a, T>> PagedBatch<'a, T, P> {
     /// Validates the queries, their offsets and the options against the pages.
     pub fn new(
         q: Tensor4Ref<'a, T>,
         cu_q: &'a [usize],
-        kv: PagedKv<'a, T>,
+        kv: P,
         options: &Options<'a>,
     ) -> Result<Self> {
-        let (shape, scale) = validate_paged(q, cu_q, &kv, options)?;
+        let (shape, scale) = validate_paged(q, cu_q, &kv.table(), options)?;
         let HeadShape { n_q, n_k, d_k, d_v } = shape.head;
         check_row_handles(element_count(&[shape.h_q, n_q]))?;
         let max_q = cu_q.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
@@ -464,7 +515,7 @@ impl<'a, T> PagedBatch<'a, T> {
         let decodes = cu_q.windows(2).any(|w| w[1] - w[0] == 1);
         let rows = if decodes { max_q.max(stack) } else { max_q };
         Ok(Self {
-            problem: Problem::new(rows, n_k, d_k, d_v, scale, options.precision),
+            problem: Problem::new(rows, n_k, d_k, d_v, scale, kv.precision(options.precision)),
             q,
             kv,
             cu_q,
@@ -480,7 +531,7 @@ impl<'a, T> PagedBatch<'a, T> {
     /// other sequence's one head a job; sequences without queries have none.
     fn job_list(&self) -> Result<Vec<(Range<usize>, usize)>> {
         let [_, h_q, _, _] = self.out_dims;
-        let batch = self.kv.batch();
+        let batch = self.kv.table().batch();
         let n = h_q.checked_mul(batch);
         let mut jobs = Vec::new();
         jobs.try_reserve_exact(n.unwrap_or(usize::MAX))
@@ -536,7 +587,7 @@ impl<'a, T> PagedBatch<'a, T> {
         &self,
         out: &'s mut [RowMut<'o, O>],
         lse: &'s mut [f32],
-    ) -> Result<Vec<HeadJob<'s, 'o, T, O, Paged<'a, T>>>>
+    ) -> Result<Vec<HeadJob<'s, 'o, T, O, P::Source>>>
     where
         'a: 's,
     {
@@ -549,7 +600,7 @@ impl<'a, T> PagedBatch<'a, T> {
         let (mut out, mut lse) = (out, if lse.is_empty() { None } else { Some(lse) });
         for (heads, s) in list {
             let (h, kv) = (heads.start, heads.start / self.group.max(1));
-            let (rows, n_k) = (self.cu_q[s]..self.cu_q[s + 1], self.kv.lens()[s]);
+            let (rows, n_k) = (self.cu_q[s]..self.cu_q[s + 1], self.kv.table().lens()[s]);
             let n_q = rows.len();
             let (rows_out, rows_lse) = take_rows(&mut out, &mut lse, n_q * heads.len());
             let q = if heads.len() > 1 {
@@ -566,8 +617,8 @@ impl<'a, T> PagedBatch<'a, T> {
             mods.query_offset = offset;
             let inputs = HeadInputs {
                 q,
-                k: Paged::new(&self.kv, self.kv.keys(), s, kv),
-                v: Paged::new(&self.kv, self.kv.values(), s, kv),
+                k: self.kv.source(true, s, kv),
+                v: self.kv.source(false, s, kv),
                 key_base: 0,
                 mask,
                 mods,
@@ -628,7 +679,7 @@ pub(crate) fn element_count(dims: &[usize]) -> Option<usize> {
 
 /// A zeroed buffer of `dims.product()` elements, or [`Error::Allocation`]; its memory is
 /// mapped as it is first written ([`zeroed_lazily`]).
-pub(crate) fn zeroed<T: Element>(what: &'static str, dims: &[usize]) -> Result<Vec<T>> {
+pub(crate) fn zeroed<T: ZeroBits>(what: &'static str, dims: &[usize]) -> Result<Vec<T>> {
     zeroed_lazily(what, element_count(dims))
 }
 

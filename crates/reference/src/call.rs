@@ -7,8 +7,9 @@ use core::marker::PhantomData;
 
 pub use attn_core::{Batch, OneHead};
 use attn_core::{
-    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, Gradients, Options, PagedKv, Result,
-    Tensor4, Tensor4Ref, validate_batch, validate_head, validate_packed, validate_paged,
+    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, Gradients, Options, PagedKv,
+    QuantizedKv, Result, Tensor4, Tensor4Ref, validate_batch, validate_head, validate_packed,
+    validate_paged,
 };
 use faer::{ColRef, Mat, MatRef};
 
@@ -16,7 +17,7 @@ use crate::backward;
 use crate::backward::{MaterializedBackward, batched_gradients, head_gradients};
 use crate::element::Element;
 use crate::head::{Materialized, batched_forward, batched_materialized, head_materialized, narrow};
-use crate::packed::{packed_forward, packed_gradients, paged_forward};
+use crate::packed::{packed_forward, packed_gradients, paged_forward, quantized_forward};
 
 /// The operands of a call.
 #[derive(Debug, Clone, Copy)]
@@ -41,6 +42,11 @@ enum Operands<'a, T> {
         q: Tensor4Ref<'a, T>,
         cu_q: &'a [usize],
         kv: PagedKv<'a, T>,
+    },
+    Quantized {
+        q: Tensor4Ref<'a, T>,
+        cu_q: &'a [usize],
+        kv: QuantizedKv<'a>,
     },
 }
 
@@ -286,6 +292,41 @@ impl<'a, T: Element + Default> Attention<'a, T, Batch> {
         Ok(Self::new(Operands::Paged { q, cu_q, kv }, options))
     }
 
+    /// [`Attention::paged`] against quantized pages (a quantized paged KV cache): each
+    /// key and value entry dequantized literally, `scale · value(code) · factor` in f64
+    /// ([`QuantizedKv::key`]), then the formula.
+    ///
+    /// ```
+    /// use attn_reference::{
+    ///     Attention, KvCodes, KvQuantization, Layout, Options, PagedKv, QuantizedKv, Tensor4Ref,
+    /// };
+    /// let codes = [1u8, 2, 3, 4]; // one page of 2 tokens, one head, d = 2
+    /// let scales = [0.5f32, 0.25];
+    /// let c = Tensor4Ref::from_layout(&codes, [1, 1, 2, 2], Layout::Bhsd)?;
+    /// let s = Tensor4Ref::from_layout(&scales, [1, 1, 2, 1], Layout::Bhsd)?;
+    /// let (table, lens) = ([0], [2]);
+    /// let kv = QuantizedKv::new(
+    ///     PagedKv::new(c, c, &table, &lens)?,
+    ///     PagedKv::new(s, s, &table, &lens)?,
+    ///     None,
+    ///     KvQuantization::new(KvCodes::Int8),
+    /// )?;
+    /// let q = [1.0f32, 0.0];
+    /// let q = Tensor4Ref::from_layout(&q, [1, 1, 1, 2], Layout::Bhsd)?;
+    /// let fwd = Attention::quantized(q, &[0, 1], kv, &Options::default())?.forward()?;
+    /// assert_eq!(fwd.output().dims(), [1, 1, 1, 2]);
+    /// # Ok::<(), attn_reference::Error>(())
+    /// ```
+    pub fn quantized(
+        q: Tensor4Ref<'a, T>,
+        cu_q: &'a [usize],
+        kv: QuantizedKv<'a>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        validate_paged(q, cu_q, &kv.codes(), options)?;
+        Ok(Self::new(Operands::Quantized { q, cu_q, kv }, options))
+    }
+
     /// The output (`[batch, h_q, n_q, d_v]`, f64 rounded to `T` once) and the LSE of
     /// every row, `[batch][h_q][n_q]` flattened.
     pub fn forward(&self) -> Result<Forward<Tensor4<T>>> {
@@ -293,6 +334,7 @@ impl<'a, T: Element + Default> Attention<'a, T, Batch> {
             Operands::Batched { q, k, v } => batched_forward(q, k, v, &self.options)?,
             Operands::Packed { q, k, v, seqs } => packed_forward(q, k, v, &seqs, &self.options)?,
             Operands::Paged { q, cu_q, kv } => paged_forward(q, cu_q, &kv, &self.options)?,
+            Operands::Quantized { q, cu_q, kv } => quantized_forward(q, cu_q, &kv, &self.options)?,
             Operands::Head { .. } => return Err(other_kind()),
         };
         Forward::batch(out, lse)
@@ -347,7 +389,7 @@ impl<'a, T: Element + Default> Attention<'a, T, Batch> {
                 packed_gradients(d_out, q, k, v, fwd.output, rows, &seqs, &self.options)
             }
             Operands::Head { .. } => Err(other_kind()),
-            Operands::Paged { .. } => Err(Error::unsupported(
+            Operands::Paged { .. } | Operands::Quantized { .. } => Err(Error::unsupported(
                 "the backward pass of a paged call",
                 "train with Attention::batched over the whole sequences",
             )),

@@ -25,8 +25,9 @@ pub mod worked;
 
 pub use attn_core::{
     Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Error, Forward, ForwardRef,
-    Gradients, KeyPadding, Layout, Mask4Ref, MaskMod, Options, PagedKv, PartialState, Result,
-    SCORE_LIMIT, ScoreMod, SlidingWindow, SoftCap, Tensor4, Tensor4Mut, Tensor4Ref,
+    Gradients, KeyPadding, KvCodes, KvQuantization, Layout, Mask4Ref, MaskMod, Options, PagedKv,
+    PartialState, QuantizedKv, Result, SCORE_LIMIT, ScoreMod, SlidingWindow, SoftCap, Tensor4,
+    Tensor4Mut, Tensor4Ref,
 };
 pub use backward::MaterializedBackward;
 use backward::head_gradients;

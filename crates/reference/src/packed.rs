@@ -3,8 +3,8 @@
 //! each sequence's rows are read out of its pages, token by token, first.
 
 use attn_core::{
-    BatchGradients, CuSeqlens, HeadMask, Options, PagedKv, Result, Tensor4, Tensor4Ref,
-    validate_packed, validate_packed_backward, validate_paged,
+    BatchGradients, CuSeqlens, HeadMask, Options, PagedKv, QuantizedKv, Result, Tensor4,
+    Tensor4Ref, validate_packed, validate_packed_backward, validate_paged,
 };
 use faer::Mat;
 
@@ -65,13 +65,9 @@ pub(crate) fn paged_forward<T: Element + Default>(
     kv: &PagedKv<'_, T>,
     options: &Options<'_>,
 ) -> Result<(Tensor4<T>, Vec<f32>)> {
-    let (shape, _) = validate_paged(q, cu_q, kv, options)?;
-    let scale = options.scale_for_f64(shape.head.d_k)?;
-    let (h_q, total_q, d_v) = (shape.h_q, shape.head.n_q, shape.head.d_v);
-    let mut out = Tensor4::<T>::try_zeros([1, h_q, total_q, d_v])?;
-    let mut lse = vec![f32::NEG_INFINITY; h_q * total_q];
     // A sequence's rows of one head of a pool, page by page, in f64.
-    let rows_of = |pool: Tensor4Ref<'_, T>, s: usize, head: usize, n: usize, width: usize| {
+    let rows_of = |keys: bool, s: usize, head: usize, n: usize, width: usize| {
+        let pool = if keys { kv.keys() } else { kv.values() };
         let mut m = Mat::<f64>::zeros(n, width);
         for (first, run) in kv.segments(pool, s, head, 0..n) {
             for i in 0..run.nrows() {
@@ -82,6 +78,40 @@ pub(crate) fn paged_forward<T: Element + Default>(
         }
         m
     };
+    pages_forward(q, cu_q, kv, options, rows_of)
+}
+
+/// [`paged_forward`] against quantized pages: each entry dequantized literally
+/// ([`QuantizedKv::key`], [`QuantizedKv::value`]: `scale · value(code) · factor` in f64).
+pub(crate) fn quantized_forward<T: Element + Default>(
+    q: Tensor4Ref<'_, T>,
+    cu_q: &[usize],
+    kv: &QuantizedKv<'_>,
+    options: &Options<'_>,
+) -> Result<(Tensor4<T>, Vec<f32>)> {
+    let rows_of = |keys: bool, s: usize, head: usize, n: usize, width: usize| {
+        Mat::<f64>::from_fn(n, width, |t, c| match keys {
+            true => kv.key(s, head, t, c),
+            false => kv.value(s, head, t, c),
+        })
+    };
+    pages_forward(q, cu_q, &kv.codes(), options, rows_of)
+}
+
+/// The paged forward over pages `kv` (of any element), a sequence's K (`true`) or V rows of
+/// one head read by `rows_of(keys, s, head, n, width)`.
+fn pages_forward<T: Element + Default, U>(
+    q: Tensor4Ref<'_, T>,
+    cu_q: &[usize],
+    kv: &PagedKv<'_, U>,
+    options: &Options<'_>,
+    rows_of: impl Fn(bool, usize, usize, usize, usize) -> Mat<f64>,
+) -> Result<(Tensor4<T>, Vec<f32>)> {
+    let (shape, _) = validate_paged(q, cu_q, kv, options)?;
+    let scale = options.scale_for_f64(shape.head.d_k)?;
+    let (h_q, total_q, d_v) = (shape.h_q, shape.head.n_q, shape.head.d_v);
+    let mut out = Tensor4::<T>::try_zeros([1, h_q, total_q, d_v])?;
+    let mut lse = vec![f32::NEG_INFINITY; h_q * total_q];
     for s in 0..kv.batch() {
         let (rows, n_k) = (cu_q[s]..cu_q[s + 1], kv.lens()[s]);
         let n_q = rows.len();
@@ -92,8 +122,8 @@ pub(crate) fn paged_forward<T: Element + Default>(
         let seq_mask = HeadMask::new(options, n_q, n_k, None);
         for h in 0..h_q {
             let kv_head = shape.kv_head(h);
-            let kh = rows_of(kv.keys(), s, kv_head, n_k, kv.d_k());
-            let vh = rows_of(kv.values(), s, kv_head, n_k, d_v);
+            let kh = rows_of(true, s, kv_head, n_k, kv.d_k());
+            let vh = rows_of(false, s, kv_head, n_k, d_v);
             let qh = q.head(0, h)?.subrows(rows.start, n_q);
             let mask = seq_mask.at(s, h).with_query_offset(offset);
             let mut mods = options.head_modifiers(s, h, h_q, n_q, n_k);

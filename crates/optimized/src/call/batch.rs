@@ -1,8 +1,8 @@
 //! [`Attention`] over many heads: `[batch, heads, seq, dim]` views in, `Tensor4` out.
 
 use attn_core::{
-    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, GradientsMut, Options, PagedKv, Result,
-    Tensor4, Tensor4Mut, Tensor4Ref,
+    BatchGradients, CuSeqlens, Error, Forward, ForwardRef, GradientsMut, Options, PagedKv,
+    QuantizedKv, Result, Tensor4, Tensor4Mut, Tensor4Ref,
 };
 use faer::{Par, RowMut};
 
@@ -37,6 +37,8 @@ enum Operands<'a, T> {
     Cached(Batched<'a, T>),
     /// Packed queries against the pages of a paged KV cache.
     Paged(PagedBatch<'a, T>),
+    /// Packed queries against quantized pages.
+    Quantized(PagedBatch<'a, T, QuantizedKv<'a>>),
 }
 
 impl<'a, T: Element> Attention<'a, T, Batch> {
@@ -153,6 +155,46 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         ))
     }
 
+    /// [`Attention::paged`] against quantized pages ([`QuantizedKv`]: one-byte codes, a
+    /// scale per token and head, per-channel key factors if the format has them): the row
+    /// kernels of decoding read the codes in place and apply the scales to the scores and
+    /// the weights; the GEMM tiles of longer query runs get each block dequantized into
+    /// their f32 buffers. Never a dequantized copy of the cache.
+    ///
+    /// ```
+    /// use attn_optimized::{Attention, KvCodes, KvQuantization, Layout, Options, PagedKv, Par};
+    /// use attn_optimized::{QuantizedKv, Tensor4Ref};
+    /// let (page, d) = (16, 16);
+    /// let codes: Vec<u8> = (0..2 * page * d).map(|i| (i % 200) as u8).collect();
+    /// let scales = vec![0.01f32; 2 * page];
+    /// let c = Tensor4Ref::from_layout(&codes, [2, 1, page, d], Layout::Bshd)?;
+    /// let s = Tensor4Ref::from_layout(&scales, [2, 1, page, 1], Layout::Bshd)?;
+    /// let (table, lens) = ([1, 0], [20]); // one sequence of 20 tokens in pages 1, 0
+    /// let kv = QuantizedKv::new(
+    ///     PagedKv::new(c, c, &table, &lens)?,
+    ///     PagedKv::new(s, s, &table, &lens)?,
+    ///     None,
+    ///     KvQuantization::new(KvCodes::Int8),
+    /// )?;
+    /// let q = vec![0.5f32; d];
+    /// let q = Tensor4Ref::from_layout(&q, [1, 1, 1, d], Layout::Bshd)?;
+    /// let out = Attention::quantized(q, &[0, 1], kv, &Options::default())?.forward(Par::Seq)?;
+    /// assert_eq!(out.output().dims(), [1, 1, 1, d]);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn quantized(
+        q: Tensor4Ref<'a, T>,
+        cu_seqlens_q: &'a [usize],
+        kv: QuantizedKv<'a>,
+        options: &Options<'a>,
+    ) -> Result<Self> {
+        let call = PagedBatch::new(q, cu_seqlens_q, kv, options)?;
+        Ok(Self::from_operands(
+            BatchOperands(Operands::Quantized(call)),
+            options,
+        ))
+    }
+
     /// A KV cache's call ([`crate::KvCache::attention`]), validated by the cache.
     pub(crate) fn cached(call: Batched<'a, T>, options: &Options<'a>) -> Self {
         Self::from_operands(BatchOperands(Operands::Cached(call)), options)
@@ -164,6 +206,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
             Operands::Batched { call, .. } | Operands::Cached(call) => call.out_dims(),
             Operands::Packed { call, .. } => call.out_dims(),
             Operands::Paged(call) => call.out_dims(),
+            Operands::Quantized(call) => call.out_dims(),
         }
     }
 
@@ -242,6 +285,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
             }
             Operands::Packed { call, .. } => forward::packed(call, out, lse, self.split, par),
             Operands::Paged(call) => forward::paged(call, out, lse, self.split, par),
+            Operands::Quantized(call) => forward::paged(call, out, lse, self.split, par),
         }
     }
 
@@ -363,10 +407,12 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
             Operands::Batched { q, k, v, .. } | Operands::Packed { q, k, v, .. } => {
                 Ok((*q, *k, *v))
             }
-            Operands::Cached(_) | Operands::Paged(_) => Err(Error::unsupported(
-                "the backward pass of a KV cache's call",
-                "train with Attention::batched over the whole sequences",
-            )),
+            Operands::Cached(_) | Operands::Paged(_) | Operands::Quantized(_) => {
+                Err(Error::unsupported(
+                    "the backward pass of a KV cache's call",
+                    "train with Attention::batched over the whole sequences",
+                ))
+            }
         }
     }
 }

@@ -33,7 +33,7 @@ use crate::kernel::online_softmax::{log_sum_exp, normalise_rows, scale_rows};
 use crate::kernel::{Products, amx, pair_dot};
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
-use crate::problem::{Batched, HeadInputs, HeadJob, Packed, PagedBatch, Problem, filled};
+use crate::problem::{Batched, HeadInputs, HeadJob, Packed, PagedBatch, Pages, Problem, filled};
 use crate::schedule::{DECODE_ROWS, Order, SplitKv, TilePlan, for_each_index, splits};
 
 /// One head into `out : [n_q, d_v]` (and its LSE), with the problem's shape already checked.
@@ -90,8 +90,8 @@ pub(crate) fn packed<T: Element, O: Element>(
 
 /// A paged call into `out : [1, h_q, total_q, d_v]` (any layout) and, if given,
 /// `lse : [h_q][total_q]`; the output's dims already checked.
-pub(crate) fn paged<T: Element, O: Element>(
-    paged: &PagedBatch<'_, T>,
+pub(crate) fn paged<'a, T: Element, O: Element, P: Pages<'a, T>>(
+    paged: &PagedBatch<'a, T, P>,
     out: Tensor4Mut<'_, O>,
     lse: Option<&mut [f32]>,
     split: SplitKv,

@@ -18,8 +18,10 @@ use crate::kernel::element::{Element, row_slices};
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::softmax_row;
-use crate::kernel::rows::{RUN_PREFETCH_BYTES, RowKernels, accumulate, prefetch, scores};
-use crate::keys::KeySource;
+use crate::kernel::rows::{
+    RUN_PREFETCH_BYTES, RowKernels, accumulate, code_unit, prefetch, scores,
+};
+use crate::keys::{KeySource, Quantized};
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_row, without_non_finite_rows,
     zero_weight_meets_non_finite,
@@ -64,6 +66,17 @@ impl Scratch {
             }
         }
         let rescaled = self.mark_rescaled(head, rows.clone());
+        let best = row_kernels();
+        // Quantized K and V: the kernels read their codes in place when they can.
+        let coded = best.filter(|s| reads_codes(s, &head.k) && reads_codes(s, &head.v));
+        if let Some(factors) = coded.and(head.k.quantized()).and_then(|k| k.factors) {
+            // q · (f ∘ k) = (q ∘ f) · k: the keys' channel factors go to the queries.
+            for q in self.q.chunks_exact_mut(d_k).take(nr) {
+                for (x, f) in q.iter_mut().zip(factors) {
+                    *x *= f;
+                }
+            }
+        }
         // Sized once per scratch: a plan for GEMM tiles reads f32 in place and has none.
         for (wide, d) in [(&mut self.k_wide, d_k), (&mut self.v_wide, d_v)] {
             if wide.len() < bc * d {
@@ -73,7 +86,6 @@ impl Scratch {
         self.acc_rows.fill(0.0);
         self.m[..nr].fill(f32::NEG_INFINITY);
         self.l[..nr].fill(0.0);
-        let best = row_kernels();
         for (cols, coverage) in key_blocks(head, rows.clone(), keys, KEY_TILE) {
             let (nc, local) = (cols.len(), cols.start - head.key_base);
             let (kb, vb) = (
@@ -88,7 +100,10 @@ impl Scratch {
             // K pass, then V pass: each is one long sequential stream, which the prefetchers
             // follow at full bandwidth (interleaving K and V rows does not).
             let q_row = |i: usize| &self.q[i * d_k..(i + 1) * d_k];
-            if let Some(kernels) = in_place {
+            if let (Some(kernels), Some(kq)) = (coded, kb.quantized()) {
+                let next_v = vb.quantized().and_then(|v| v.codes.run(0));
+                self.scores_of_codes(kernels, kq, next_v, (nr, nc, d_k));
+            } else if let Some(kernels) = in_place {
                 let mut k_runs = runs(&kb).peekable();
                 let mut ahead = runs(&kb).skip(look_ahead(&kb));
                 while let Some((first, run)) = k_runs.next() {
@@ -132,12 +147,19 @@ impl Scratch {
             // the values are then read without the non-finite rows, whose terms the rows
             // that see them add alone, so the other rows get the bits they would anyway.
             let careful = masked
+                && !vb.always_finite()
                 && match vb.in_place() {
                     Some(v) => zero_weight_meets_non_finite(v, zero_weight),
                     None => zero_weight_meets_non_finite(vb.to_f32(&mut self.v_wide), zero_weight),
                 };
             let next_k = head.k.run_at(local + nc);
             match in_place {
+                _ if coded.is_some() => {
+                    let next = head.k.quantized().and_then(|k| k.codes.run(local + nc));
+                    if let (Some(kernels), Some(vq)) = (coded, vb.quantized()) {
+                        self.accumulate_codes(kernels, vq, next, (nr, nc, d_v));
+                    }
+                }
                 Some(kernels) if !careful => {
                     // Each run rescales the accumulators by what the softmax asked of the
                     // block (the first) or by nothing (1, exactly).
@@ -206,6 +228,77 @@ impl Scratch {
         }
     }
 
+    /// The K pass over a quantized block `kq`: `s_r[j] = scale_j · (q_r ∘ f) · value(code_j)`
+    /// (the queries already carry the channel factors), the codes read in place run by run,
+    /// prefetching on into `next_v`. The block's scales go through `k_wide` (nothing is
+    /// widened on this path).
+    fn scores_of_codes(
+        &mut self,
+        kernels: RowKernels,
+        kq: Quantized<'_>,
+        next_v: Option<MatRef<'_, u8>>,
+        (nr, nc, d_k): (usize, usize, usize),
+    ) {
+        let bc = self.plan.bc;
+        let mut runs = kq.codes.runs().peekable();
+        let mut ahead = kq.codes.runs().skip(look_ahead_rows(kq.codes.run(0)));
+        while let Some((first, run)) = runs.next() {
+            if let Some((_, far)) = ahead.next() {
+                prefetch(far);
+            }
+            let next = runs.peek().map(|&(_, r)| r).or(next_v);
+            let next = next.unwrap_or(run.subrows(0, 0));
+            let s = (&mut self.s[first..], bc);
+            kernels.scores_of_codes(kq.kind, &self.q[..nr * d_k], run, next, s);
+        }
+        let scales = &mut self.k_wide[..nc];
+        kq.scales_into(0, scales);
+        let unit = code_unit(kq.kind);
+        for s in self.s.chunks_exact_mut(bc).take(nr) {
+            for (x, &scale) in s[..nc].iter_mut().zip(&*scales) {
+                *x *= scale * unit;
+            }
+        }
+    }
+
+    /// The V pass over a quantized block `vq`: `acc_r = alpha_r·acc_r + Σ_j (p_r[j] ·
+    /// scale_j) · value(code_j)`, the weights times the rows' scales in `v_wide`, the codes
+    /// read in place run by run, prefetching on into `next`.
+    fn accumulate_codes(
+        &mut self,
+        kernels: RowKernels,
+        vq: Quantized<'_>,
+        next: Option<MatRef<'_, u8>>,
+        (nr, nc, d_v): (usize, usize, usize),
+    ) {
+        let bc = self.plan.bc;
+        let (scales, weights) = (&mut self.k_wide[..nc], &mut self.v_wide[..nr * bc]);
+        vq.scales_into(0, scales);
+        let unit = code_unit(vq.kind);
+        for (w, p) in weights.chunks_exact_mut(bc).zip(self.s.chunks_exact(bc)) {
+            for ((w, &p), &scale) in w[..nc].iter_mut().zip(&p[..nc]).zip(&*scales) {
+                *w = p * (scale * unit);
+            }
+        }
+        let ones = [1.0f32; DECODE_ROWS];
+        let mut runs = vq.codes.runs().peekable();
+        let mut ahead = vq.codes.runs().skip(look_ahead_rows(vq.codes.run(0)));
+        while let Some((first, run)) = runs.next() {
+            if let Some((_, far)) = ahead.next() {
+                prefetch(far);
+            }
+            let next = runs.peek().map(|&(_, r)| r).or(next);
+            let next = next.unwrap_or(run.subrows(0, 0));
+            let alpha = if first == 0 {
+                &self.alpha[..nr]
+            } else {
+                &ones[..nr]
+            };
+            let accs = (&mut self.acc_rows[..nr * d_v], alpha);
+            kernels.accumulate_codes(vq.kind, accs, (&weights[first..], bc), run, next);
+        }
+    }
+
     /// `acc_r = alpha_r·acc_r + Σ_j p_r[j]·v[j]` over the block's values `values` (in place
     /// when this CPU's kernels read them, prefetching `next`; else copied rows).
     fn accumulate_block<U: Element>(
@@ -250,10 +343,23 @@ fn runs<'s, T: Element, K: KeySource<T>>(
 /// [`RUN_PREFETCH_BYTES`] ahead, at least two (the kernels' own prefetches cover the next);
 /// none for a source whose first run is the whole block.
 fn look_ahead<T: Element, K: KeySource<T>>(src: &K) -> usize {
-    src.run_at(0).map_or(usize::MAX, |run| {
-        let bytes = run.nrows() * run.ncols() * core::mem::size_of::<T>();
+    look_ahead_rows(src.run_at(0))
+}
+
+/// [`look_ahead`] of a source whose first run is `first`.
+fn look_ahead_rows<U>(first: Option<MatRef<'_, U>>) -> usize {
+    first.map_or(usize::MAX, |run| {
+        let bytes = run.nrows() * run.ncols() * core::mem::size_of::<U>();
         RUN_PREFETCH_BYTES.div_ceil(bytes.max(1)).max(2)
     })
+}
+
+/// Whether `kernels` read the codes of a quantized source in place (`false` for other
+/// sources).
+fn reads_codes<T: Element, K: KeySource<T>>(kernels: &RowKernels, src: &K) -> bool {
+    src.quantized()
+        .and_then(|q| q.codes.run(0))
+        .is_some_and(|r| kernels.reads(r))
 }
 
 /// The rows of `src` as f32 slices for the portable kernels: in place for dense f32 rows

@@ -18,7 +18,7 @@ use super::{Isa, multiversion};
 /// [`attn_core::Error::Allocation`] naming `what`. A large buffer comes from pages the
 /// system maps only when they are first written, so a page pool's memory grows with the
 /// pages it hands out instead of being written whole up front.
-pub(crate) fn zeroed_lazily<T: Element>(
+pub(crate) fn zeroed_lazily<T: ZeroBits>(
     what: &'static str,
     n: Option<usize>,
 ) -> attn_core::Result<Vec<T>> {
@@ -34,10 +34,18 @@ pub(crate) fn zeroed_lazily<T: Element>(
         return Err(fail());
     }
     // SAFETY: `ptr` comes from the global allocator with the layout of `[T; n]` (capacity
-    // `n`), and all-zero bits are a valid `T` (+0.0 for each of the sealed f32, f16, bf16),
-    // so its `n` elements are initialised.
+    // `n`), and all-zero bits are a valid `T` (`ZeroBits`: +0.0 for each of the sealed f32,
+    // f16, bf16; 0 for a code byte), so its `n` elements are initialised.
     Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
+
+/// Types whose all-zero bits are a value (zero), which [`zeroed_lazily`] may hand out: the
+/// elements, and the code bytes of quantized pages.
+pub(crate) trait ZeroBits: Copy {}
+
+impl<T: Element> ZeroBits for T {}
+
+impl ZeroBits for u8 {}
 
 pub(crate) mod sealed {
     /// Keeps [`super::Element`] closed to the three types the kernels know.

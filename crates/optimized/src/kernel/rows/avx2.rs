@@ -9,8 +9,7 @@ use super::kernels::{
     PREFETCH_BYTES, PassArgs, Rows, ScoreArgs, fits, prefetch_row, row_kernels, supports,
 };
 use super::{KEYS_AT_ONCE, MAX_ROWS};
-use crate::kernel::element::Element;
-use attn_core::Dtype;
+use super::{RowElement, RowKind};
 
 /// Eight elements at `p`, as f32.
 ///
@@ -18,18 +17,32 @@ use attn_core::Dtype;
 /// Eight elements of `T` must be readable at `p`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load8<T: Element>(p: *const T) -> __m256 {
+unsafe fn load8<T: RowElement>(p: *const T) -> __m256 {
     // SAFETY: the caller guarantees 8 readable elements; the loads are unaligned, and the
     // storage kind says how the bits are laid out.
     unsafe {
-        match T::DTYPE {
-            Dtype::F32 => _mm256_loadu_ps(p.cast()),
-            Dtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-            Dtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+        match T::KIND {
+            RowKind::F32 => _mm256_loadu_ps(p.cast()),
+            RowKind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            RowKind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
                 _mm_loadu_si128(p.cast()),
             ))),
+            RowKind::Int8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))),
+            RowKind::Fp8 => {
+                _mm256_cvtph_ps(fp8_as_f16(_mm_cvtepu8_epi16(_mm_loadl_epi64(p.cast()))))
+            }
         }
     }
+}
+
+/// Eight fp8 e4m3 codes (one a 16-bit lane) as the f16 numbers `2⁻⁸` of their values
+/// (the AVX-512 kernels' `fp8_as_f16`, 128 bits wide).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fp8_as_f16(x: __m128i) -> __m128i {
+    let sign = _mm_slli_epi16::<8>(_mm_and_si128(x, _mm_set1_epi16(0x80)));
+    let rest = _mm_slli_epi16::<7>(_mm_and_si128(x, _mm_set1_epi16(0x7F)));
+    _mm_or_si128(sign, rest)
 }
 
 /// The sum of the eight lanes.

@@ -8,8 +8,7 @@ use super::kernels::{
     PREFETCH_BYTES, PassArgs, Rows, ScoreArgs, fits, prefetch_row, row_kernels, supports,
 };
 use super::{KEYS_AT_ONCE, MAX_ROWS};
-use crate::kernel::element::Element;
-use attn_core::Dtype;
+use super::{RowElement, RowKind};
 
 /// Sixteen elements at `p`, as f32.
 ///
@@ -17,18 +16,33 @@ use attn_core::Dtype;
 /// Sixteen elements of `T` must be readable at `p`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn load16<T: Element>(p: *const T) -> __m512 {
+unsafe fn load16<T: RowElement>(p: *const T) -> __m512 {
     // SAFETY: the caller guarantees 16 readable elements; the loads are unaligned, and the
     // storage kind says how the bits are laid out.
     unsafe {
-        match T::DTYPE {
-            Dtype::F32 => _mm512_loadu_ps(p.cast()),
-            Dtype::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
-            Dtype::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+        match T::KIND {
+            RowKind::F32 => _mm512_loadu_ps(p.cast()),
+            RowKind::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            RowKind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
                 _mm256_loadu_si256(p.cast()),
             ))),
+            RowKind::Int8 => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))),
+            RowKind::Fp8 => {
+                _mm512_cvtph_ps(fp8_as_f16(_mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()))))
+            }
         }
     }
+}
+
+/// Sixteen fp8 e4m3 codes (one a 16-bit lane) as the f16 numbers `2⁻⁸` of their values:
+/// the sign to bit 15, exponent and mantissa one bit below where e4m3 has them (f16's
+/// exponent bias is 8 more than e4m3's; subnormals map to subnormals alike).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn fp8_as_f16(x: __m256i) -> __m256i {
+    let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(x, _mm256_set1_epi16(0x80)));
+    let rest = _mm256_slli_epi16::<7>(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)));
+    _mm256_or_si256(sign, rest)
 }
 
 /// The horizontal sums of eight vectors, as one vector of eight: a shuffle tree of 25

@@ -126,7 +126,7 @@ macro_rules! row_kernels {
         /// # Panics
         /// If `k` is not [`supports`]ed or the lengths disagree (the callers check both).
         #[target_feature(enable = $features)]
-        pub(super) fn scores<T: Element>(
+        pub(super) fn scores<T: RowElement>(
             (qs, nr): (&[f32], usize),
             k: MatRef<'_, T>,
             next: MatRef<'_, T>,
@@ -168,7 +168,7 @@ macro_rules! row_kernels {
         /// for the whole call when there is one).
         #[inline]
         #[target_feature(enable = $features)]
-        fn scores_q_in_registers<T: Element, const NV: usize>(
+        fn scores_q_in_registers<T: RowElement, const NV: usize>(
             ((qs, nr), k, next, (out, stride)): ScoreArgs<'_, '_, T>,
         ) {
             let n = k.nrows();
@@ -242,7 +242,7 @@ macro_rules! row_kernels {
         /// [`scores`] for any width (Q read from L1 for each vector).
         #[inline]
         #[target_feature(enable = $features)]
-        fn scores_any_width<T: Element>(
+        fn scores_any_width<T: RowElement>(
             q: &[f32],
             k: MatRef<'_, T>,
             next: MatRef<'_, T>,
@@ -263,7 +263,7 @@ macro_rules! row_kernels {
         /// `q.len()` (a multiple of the lanes) elements must be readable at `row`.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn dot<T: Element>(q: &[f32], row: *const T) -> $vector {
+        unsafe fn dot<T: RowElement>(q: &[f32], row: *const T) -> $vector {
             let mut acc = $zero();
             for (c, qc) in q.chunks_exact($lanes).enumerate() {
                 // SAFETY: columns N·c .. N·c + N of the row are readable (caller), qc has N.
@@ -282,7 +282,7 @@ macro_rules! row_kernels {
         /// # Panics
         /// If `v` is not [`supports`]ed or the lengths disagree (the callers check both).
         #[target_feature(enable = $features)]
-        pub(super) fn accumulate<T: Element>(
+        pub(super) fn accumulate<T: RowElement>(
             (accs, alphas): (&mut [f32], &[f32]),
             (ps, stride): (&[f32], usize),
             v: MatRef<'_, T>,
@@ -334,7 +334,7 @@ macro_rules! row_kernels {
         /// accumulator rows; returns `W`.
         #[inline]
         #[target_feature(enable = $features)]
-        fn accumulate_pass<T: Element, const R: usize, const W: usize>(
+        fn accumulate_pass<T: RowElement, const R: usize, const W: usize>(
             accs: &mut [f32],
             PassArgs {
                 alphas,

@@ -12,11 +12,79 @@
 //! [`accumulate`]) read rows that the caller copied (or widened) into f32 first, for CPUs
 //! and layouts the in-place ones do not take.
 
+use attn_core::{Dtype, KvCodes};
 use faer::MatRef;
 use pulp::{Simd, WithSimd};
 
 use super::Isa;
 use super::element::Element;
+
+/// How the in-place kernels widen what they read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RowKind {
+    F32,
+    F16,
+    Bf16,
+    /// Signed bytes ([`KvCodes::Int8`]).
+    Int8,
+    /// fp8 e4m3 bytes ([`KvCodes::Fp8E4m3`]), read as `2⁻⁸` of their values.
+    Fp8,
+}
+
+/// What the in-place row kernels read: the element types, and the codes of quantized pages.
+pub(crate) trait RowElement: Copy + 'static {
+    const KIND: RowKind;
+}
+
+impl<T: Element> RowElement for T {
+    const KIND: RowKind = match T::DTYPE {
+        Dtype::F32 => RowKind::F32,
+        Dtype::F16 => RowKind::F16,
+        Dtype::Bf16 => RowKind::Bf16,
+    };
+}
+
+/// A byte of an int8 page, for the kernels (the same bits as the `u8` stored).
+#[derive(Debug, Clone, Copy)]
+#[repr(transparent)]
+pub(crate) struct Int8Code(#[allow(dead_code)] u8);
+
+/// A byte of an fp8 e4m3 page, for the kernels.
+#[derive(Debug, Clone, Copy)]
+#[repr(transparent)]
+pub(crate) struct Fp8Code(#[allow(dead_code)] u8);
+
+impl RowElement for Int8Code {
+    const KIND: RowKind = RowKind::Int8;
+}
+
+impl RowElement for Fp8Code {
+    const KIND: RowKind = RowKind::Fp8;
+}
+
+/// What the kernels' widened codes must be multiplied by to be the codes' values: fp8
+/// codes are read `2⁻⁸` of their value ([`RowKind::Fp8`]).
+pub(crate) fn code_unit(codes: KvCodes) -> f32 {
+    match codes {
+        KvCodes::Fp8E4m3 => 256.0,
+        _ => 1.0,
+    }
+}
+
+/// The bytes of a quantized page as the codes `C` the kernels read.
+fn as_codes<C: RowElement>(m: MatRef<'_, u8>) -> MatRef<'_, C> {
+    // SAFETY: `C` is a `repr(transparent)` wrapper of `u8` (same size, alignment and valid
+    // bits), and the view keeps its dims and strides, so it reads exactly the same bytes.
+    unsafe {
+        MatRef::from_raw_parts(
+            m.as_ptr().cast::<C>(),
+            m.nrows(),
+            m.ncols(),
+            m.row_stride(),
+            m.col_stride(),
+        )
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -135,7 +203,7 @@ impl RowKernels {
     ///
     /// # Panics
     /// Unless the CPU has the instructions, [`RowKernels::reads`]`(k)`, and the lengths agree.
-    pub(crate) fn scores<T: Element>(
+    pub(crate) fn scores<T: RowElement>(
         self,
         qs: &[f32],
         k: MatRef<'_, T>,
@@ -163,7 +231,7 @@ impl RowKernels {
     ///
     /// # Panics
     /// Unless the CPU has the instructions, [`RowKernels::reads`]`(v)`, and the lengths agree.
-    pub(crate) fn accumulate<T: Element>(
+    pub(crate) fn accumulate<T: RowElement>(
         self,
         accs: (&mut [f32], &[f32]),
         ps: (&[f32], usize),
@@ -180,6 +248,44 @@ impl RowKernels {
             Self::Avx2 => unsafe { avx2::accumulate(accs, ps, v, next) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("no in-place row kernels exist off x86-64"),
+        }
+    }
+
+    /// [`RowKernels::scores`] of quantized rows: `out[r·stride + j] = q_r · value(k[j]) /`
+    /// [`code_unit`] for the code bytes `k` of `codes` (their scales are the caller's).
+    ///
+    /// # Panics
+    /// As [`RowKernels::scores`].
+    pub(crate) fn scores_of_codes(
+        self,
+        codes: KvCodes,
+        qs: &[f32],
+        k: MatRef<'_, u8>,
+        next: MatRef<'_, u8>,
+        out: (&mut [f32], usize),
+    ) {
+        match codes {
+            KvCodes::Fp8E4m3 => self.scores::<Fp8Code>(qs, as_codes(k), as_codes(next), out),
+            _ => self.scores::<Int8Code>(qs, as_codes(k), as_codes(next), out),
+        }
+    }
+
+    /// [`RowKernels::accumulate`] of quantized value rows: `Σ_j p_r[j] · value(v[j]) /`
+    /// [`code_unit`] (the weights carry the rows' scales).
+    ///
+    /// # Panics
+    /// As [`RowKernels::accumulate`].
+    pub(crate) fn accumulate_codes(
+        self,
+        codes: KvCodes,
+        accs: (&mut [f32], &[f32]),
+        ps: (&[f32], usize),
+        v: MatRef<'_, u8>,
+        next: MatRef<'_, u8>,
+    ) {
+        match codes {
+            KvCodes::Fp8E4m3 => self.accumulate::<Fp8Code>(accs, ps, as_codes(v), as_codes(next)),
+            _ => self.accumulate::<Int8Code>(accs, ps, as_codes(v), as_codes(next)),
         }
     }
 }

@@ -1,0 +1,441 @@
+//! Quantized cache pages: keys and values stored as 8-bit codes with a scale per token
+//! and head, read through the same block tables as [`PagedKv`].
+//!
+//! Decoding reads the whole cache once per token, so its speed is the cache's bytes over
+//! the memory's bandwidth: codes of one byte halve the bytes of an f16 cache. A row `x` of
+//! one token and head (`d` values) is stored as `d` codes and one f32 scale `s`, and reads
+//! back as `x̂_c = s · value(code_c) · f_c`: [`KvCodes`] says what a code's value is (a
+//! signed integer, or an fp8 e4m3 number) and `f_c` is 1, or for keys with per-channel
+//! factors ([`KvQuantization::key_channels`]) a factor per channel of each head, fixed
+//! when the cache first sees keys. Keys have outlier channels (a few channels twenty times
+//! the others): a per-token scale spends its codes on them and rounds the rest coarsely;
+//! dividing each channel by its factor first evens them out. The definitions here
+//! ([`KvCodes::encode`], [`quantize_row`], [`QuantizedKv::key`]) are what every engine and
+//! cache computes; the reference reads them literally.
+
+use faer::MatRef;
+use float8::F8E4M3;
+
+use crate::{Error, PagedKv, Result, Tensor4Ref};
+
+/// What a cache's one-byte codes mean.
+///
+/// ```
+/// use attn_core::KvCodes;
+/// assert_eq!(KvCodes::Int8.value(KvCodes::Int8.encode(-3.4)), -3.0);
+/// assert_eq!(KvCodes::Fp8E4m3.value(KvCodes::Fp8E4m3.encode(448.0)), 448.0);
+/// assert_eq!(KvCodes::Fp8E4m3.value(KvCodes::Fp8E4m3.encode(0.30)), 0.3125); // 3 mantissa bits
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KvCodes {
+    /// A signed integer in `-127 ..= 127` (two's complement bits), rounded to nearest.
+    Int8,
+    /// An fp8 e4m3 number (OCP's `E4M3FN`: 4 exponent bits, 3 mantissa bits, finite up to
+    /// ±448), rounded to nearest even; a row's largest magnitude maps to 448.
+    Fp8E4m3,
+}
+
+impl KvCodes {
+    /// The largest magnitude a code holds: a row's largest entry is scaled to it.
+    pub const fn max_code(self) -> f32 {
+        match self {
+            KvCodes::Int8 => 127.0,
+            KvCodes::Fp8E4m3 => 448.0,
+        }
+    }
+
+    /// The code of `x` (a value already divided by its row's scale, so `|x| ≤`
+    /// [`max_code`](KvCodes::max_code)): rounded to nearest, saturated at the largest code.
+    pub fn encode(self, x: f32) -> u8 {
+        match self {
+            KvCodes::Int8 => (x.round_ties_even().clamp(-127.0, 127.0) as i8).to_ne_bytes()[0],
+            KvCodes::Fp8E4m3 => F8E4M3::from_f32(x.clamp(-448.0, 448.0)).to_bits(),
+        }
+    }
+
+    /// The value of a code (exact in f32).
+    pub fn value(self, code: u8) -> f32 {
+        match self {
+            KvCodes::Int8 => f32::from(code as i8),
+            KvCodes::Fp8E4m3 => F8E4M3::from_bits(code).to_f32(),
+        }
+    }
+
+    /// The rounding of a code relative to the row's largest magnitude `a` (the bound the
+    /// oracle and `docs/accuracy.md` use): a dequantized entry `x̂` of a row whose entries
+    /// are at most `a` (after the channel factors) is within `abs · a + rel · |x|` of `x`.
+    /// Int8 rounds to a grid of `a / 127`: `abs = 0.5 / 127`, `rel = 0`. fp8 keeps 3
+    /// mantissa bits: `rel = 2⁻⁴`, and its subnormals (below `2⁻⁶` of 448) a grid of
+    /// `2⁻⁹ / 448 · a`, half of it absolute.
+    pub fn rounding(self) -> (f64, f64) {
+        match self {
+            KvCodes::Int8 => (0.5 / 127.0, 0.0),
+            KvCodes::Fp8E4m3 => (0.5 * 2f64.powi(-9) / 448.0, 2f64.powi(-4)),
+        }
+    }
+
+    /// Short name for reports (`"int8"`, `"fp8"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvCodes::Int8 => "int8",
+            KvCodes::Fp8E4m3 => "fp8",
+        }
+    }
+}
+
+/// How a quantized cache stores its keys and values: the codes, and whether keys are
+/// divided by a factor per channel before their per-token scale.
+///
+/// ```
+/// use attn_core::{KvCodes, KvQuantization};
+/// let q = KvQuantization::new(KvCodes::Int8).with_key_channels();
+/// assert!(q.key_channels && q.codes == KvCodes::Int8);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvQuantization {
+    /// What the codes mean.
+    pub codes: KvCodes,
+    /// Keys divided by a factor per (head, channel) before the per-token scale: the
+    /// largest magnitude of each channel in the first keys the cache stores (keys'
+    /// outliers live in channels). Values never have them.
+    pub key_channels: bool,
+}
+
+impl KvQuantization {
+    /// Codes `codes` with a scale per token and head.
+    pub const fn new(codes: KvCodes) -> Self {
+        Self {
+            codes,
+            key_channels: false,
+        }
+    }
+
+    /// With per-channel key factors ([`KvQuantization::key_channels`]).
+    pub const fn with_key_channels(self) -> Self {
+        Self {
+            key_channels: true,
+            ..self
+        }
+    }
+}
+
+/// Quantizes one row `x` (entry `c` first divided by `factors[c]` when given) into `codes`
+/// and returns its scale: `s = max_c |x_c / f_c| / max_code` (the smallest positive f32
+/// when that underflows; 0 for a row of zeros), `codes[c] = encode(x_c / f_c / s)`.
+/// A non-finite entry is an [`Error::InvalidValue`] (no code holds it) and writes nothing.
+///
+/// ```
+/// use attn_core::{KvCodes, quantize_row};
+/// let mut codes = [0u8; 3];
+/// let s = quantize_row(KvCodes::Int8, &[1.0, -2.54, 0.0], None, &mut codes)?;
+/// assert_eq!(s, 2.54 / 127.0);
+/// assert_eq!(codes.map(|c| KvCodes::Int8.value(c)), [50.0, -127.0, 0.0]);
+/// assert!(quantize_row(KvCodes::Int8, &[f32::NAN], None, &mut codes[..1]).is_err());
+/// # Ok::<(), attn_core::Error>(())
+/// ```
+pub fn quantize_row(
+    codes: KvCodes,
+    x: &[f32],
+    factors: Option<&[f32]>,
+    out: &mut [u8],
+) -> Result<f32> {
+    let factor = |c: usize| factors.map_or(1.0, |f| f[c]);
+    let mut amax = 0.0f32;
+    for (c, &v) in x.iter().enumerate() {
+        if !v.is_finite() {
+            return Err(Error::invalid_value(
+                "quantized cache row",
+                c,
+                v,
+                "finite: a quantized cache has no code for inf or NaN",
+            ));
+        }
+        amax = amax.max((v / factor(c)).abs());
+    }
+    if amax == 0.0 {
+        out[..x.len()].fill(0);
+        return Ok(0.0);
+    }
+    let scale = (amax / codes.max_code()).max(f32::from_bits(1));
+    for (c, (&v, o)) in x.iter().zip(out.iter_mut()).enumerate() {
+        // In f64: a subnormal scale's quotient must not overflow f32.
+        *o = codes.encode((f64::from(v / factor(c)) / f64::from(scale)) as f32);
+    }
+    Ok(scale)
+}
+
+/// Per-channel key factors of one head from its first keys `rows` (`n × d`): each
+/// channel's largest magnitude, raised to at least `1/64` of the largest channel's (a
+/// channel that was near zero at first must not blow up later tokens), 1 for keys of zeros.
+///
+/// ```
+/// use attn_core::key_channel_factors;
+/// let rows = faer::mat![[1.0f32, -40.0, 0.0], [-2.0, 10.0, 0.0]];
+/// assert_eq!(key_channel_factors(rows.as_ref()), vec![2.0, 40.0, 40.0 / 64.0]);
+/// ```
+pub fn key_channel_factors(rows: MatRef<'_, f32>) -> Vec<f32> {
+    let amax: Vec<f32> = (0..rows.ncols())
+        .map(|c| {
+            (0..rows.nrows())
+                .map(|i| rows[(i, c)].abs())
+                .filter(|x| x.is_finite())
+                .fold(0.0, f32::max)
+        })
+        .collect();
+    let top = amax.iter().copied().fold(0.0, f32::max);
+    if top == 0.0 {
+        return vec![1.0; rows.ncols()];
+    }
+    amax.iter().map(|&a| a.max(top / 64.0)).collect()
+}
+
+/// A batch of sequences whose keys and values lie in quantized pages: the codes as a
+/// [`PagedKv`] of bytes (`[pages, h_kv, page_size, d]`, their block table and lengths),
+/// the scales as one of f32 (`[pages, h_kv, page_size, 1]`, the same table), and for keys
+/// with per-channel factors those, `[h_kv, d_k]`.
+///
+/// ```
+/// use attn_core::{KvCodes, KvQuantization, Layout, PagedKv, QuantizedKv, Tensor4Ref};
+/// // One page of 2 tokens, one head, d = 2: codes, then a scale per token.
+/// let codes = [10u8, 20, 30, 40];
+/// let scales = [0.5f32, 0.25];
+/// let c = Tensor4Ref::from_layout(&codes, [1, 1, 2, 2], Layout::Bhsd)?;
+/// let s = Tensor4Ref::from_layout(&scales, [1, 1, 2, 1], Layout::Bhsd)?;
+/// let (table, lens) = ([0], [2]);
+/// let kv = QuantizedKv::new(
+///     PagedKv::new(c, c, &table, &lens)?,
+///     PagedKv::new(s, s, &table, &lens)?,
+///     None,
+///     KvQuantization::new(KvCodes::Int8),
+/// )?;
+/// assert_eq!((kv.key(0, 0, 1, 0), kv.value(0, 0, 0, 1)), (30.0 * 0.25, 20.0 * 0.5));
+/// # Ok::<(), attn_core::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct QuantizedKv<'a> {
+    codes: PagedKv<'a, u8>,
+    scales: PagedKv<'a, f32>,
+    key_factors: Option<MatRef<'a, f32>>,
+    format: KvQuantization,
+}
+
+impl<'a> QuantizedKv<'a> {
+    /// Checks the view: the scales one per row of the codes' pages (same pages, heads,
+    /// page size, block table and lengths, one column), finite and not negative where the
+    /// lengths reach; the key factors `[h_kv, d_k]`, finite and positive, given exactly
+    /// when `format.key_channels`.
+    pub fn new(
+        codes: PagedKv<'a, u8>,
+        scales: PagedKv<'a, f32>,
+        key_factors: Option<MatRef<'a, f32>>,
+        format: KvQuantization,
+    ) -> Result<Self> {
+        let ([pages, h_kv, ps, _], s_dims) = (codes.keys().dims(), scales.keys().dims());
+        for (pool, dims) in [
+            ("key scales", s_dims),
+            ("value scales", scales.values().dims()),
+        ] {
+            for (axis, found, expected) in [
+                ("pages", dims[0], pages),
+                ("heads", dims[1], h_kv),
+                ("page rows", dims[2], ps),
+                ("columns", dims[3], 1),
+            ] {
+                crate::check_dim(
+                    pool,
+                    axis,
+                    found,
+                    "the code pages",
+                    expected,
+                    "a scale a row",
+                )?;
+            }
+        }
+        let same_table = scales.lens() == codes.lens()
+            && (0..codes.batch()).all(|s| scales.pages(s) == codes.pages(s));
+        if !same_table {
+            return Err(Error::layout(
+                "scales",
+                "the scales are read through the codes' block table and lengths",
+            ));
+        }
+        for pool in [scales.keys(), scales.values()] {
+            for s in 0..scales.batch() {
+                for h in 0..h_kv {
+                    for (_, run) in scales.segments(pool, s, h, 0..scales.lens()[s]) {
+                        for i in 0..run.nrows() {
+                            let x = run[(i, 0)];
+                            if !(x.is_finite() && x >= 0.0) {
+                                return Err(Error::invalid_value(
+                                    "scale of a quantized row",
+                                    i,
+                                    x,
+                                    "finite and not negative",
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        match (key_factors, format.key_channels) {
+            (Some(f), true) => {
+                crate::check_dim(
+                    "key factors",
+                    "rows",
+                    f.nrows(),
+                    "heads",
+                    h_kv,
+                    "one a head",
+                )?;
+                let d_k = codes.d_k();
+                crate::check_dim(
+                    "key factors",
+                    "columns",
+                    f.ncols(),
+                    "d_k",
+                    d_k,
+                    "one a channel",
+                )?;
+                for h in 0..h_kv {
+                    for c in 0..d_k {
+                        let x = f[(h, c)];
+                        if !(x.is_finite() && x > 0.0) {
+                            return Err(Error::invalid_value(
+                                "key channel factor",
+                                h * d_k + c,
+                                x,
+                                "finite and positive",
+                            ));
+                        }
+                    }
+                }
+            }
+            (None, false) => {}
+            (Some(_), false) => {
+                return Err(Error::unsupported(
+                    "key factors",
+                    "the format has no per-channel key factors (KvQuantization::with_key_channels)",
+                ));
+            }
+            (None, true) => {
+                return Err(Error::unsupported(
+                    "key factors",
+                    "the format divides keys by per-channel factors: give them, [h_kv, d_k]",
+                ));
+            }
+        }
+        Ok(Self {
+            codes,
+            scales,
+            key_factors,
+            format,
+        })
+    }
+
+    /// The codes' pages (block table and lengths included).
+    pub fn codes(&self) -> PagedKv<'a, u8> {
+        self.codes
+    }
+
+    /// The scales' pages.
+    pub fn scales(&self) -> PagedKv<'a, f32> {
+        self.scales
+    }
+
+    /// The key factors of head `h` (`None` without per-channel factors).
+    pub fn key_factors(&self, h: usize) -> Option<&'a [f32]> {
+        let f = self.key_factors?;
+        f.row(h).try_as_row_major().map(|r| r.as_slice())
+    }
+
+    /// The format.
+    pub fn format(&self) -> KvQuantization {
+        self.format
+    }
+
+    /// Entry `c` of key `t` of head `h` of sequence `s`, dequantized in f64:
+    /// `scale · value(code) · factor` (the literal definition; `NaN` outside the view).
+    pub fn key(&self, s: usize, h: usize, t: usize, c: usize) -> f64 {
+        let f = self.key_factors.map_or(1.0, |f| f64::from(f[(h, c)]));
+        self.entry(self.codes.keys(), self.scales.keys(), (s, h, t, c)) * f
+    }
+
+    /// Entry `c` of value `t` of head `h` of sequence `s`, dequantized in f64.
+    pub fn value(&self, s: usize, h: usize, t: usize, c: usize) -> f64 {
+        self.entry(self.codes.values(), self.scales.values(), (s, h, t, c))
+    }
+
+    fn entry(
+        &self,
+        codes: Tensor4Ref<'a, u8>,
+        scales: Tensor4Ref<'a, f32>,
+        (s, h, t, c): (usize, usize, usize, usize),
+    ) -> f64 {
+        let ps = self.codes.page_size();
+        let inside = s < self.codes.batch() && t < self.codes.lens()[s] && c < codes.dims()[3];
+        let page = if inside {
+            self.codes.pages(s)[t / ps] as usize
+        } else {
+            return f64::NAN;
+        };
+        let (Ok(m), Ok(sc)) = (codes.head(page, h), scales.head(page, h)) else {
+            return f64::NAN;
+        };
+        let value = self.format.codes.value(m[(t % ps, c)]);
+        f64::from(sc[(t % ps, 0)]) * f64::from(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_codes_round_to_nearest_and_saturate() {
+        let f = KvCodes::Fp8E4m3;
+        assert_eq!(f.value(f.encode(1000.0)), 448.0);
+        assert_eq!(f.value(f.encode(-460.0)), -448.0);
+        assert_eq!(f.value(f.encode(2f32.powi(-9))), 2f32.powi(-9)); // smallest subnormal
+        // Every code but NaN's reads back as itself.
+        for b in 0..=255u8 {
+            let x = f.value(b);
+            if x.is_finite() {
+                assert_eq!(f.value(f.encode(x)).to_bits(), x.to_bits(), "code {b:#x}");
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_rows_are_within_their_rounding() {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37) % 29) as f32 * 0.37 - 5.0)
+            .collect();
+        let factors: Vec<f32> = (0..64).map(|i| 1.0 + (i % 3) as f32).collect();
+        for codes in [KvCodes::Int8, KvCodes::Fp8E4m3] {
+            for f in [None, Some(&factors[..])] {
+                let mut out = vec![0u8; 64];
+                let s = quantize_row(codes, &x, f, &mut out).unwrap();
+                let fac = |c: usize| f.map_or(1.0, |f| f64::from(f[c]));
+                let a = (0..64)
+                    .map(|c| f64::from(x[c]).abs() / fac(c))
+                    .fold(0.0, f64::max);
+                let (abs, rel) = codes.rounding();
+                for c in 0..64 {
+                    let back = f64::from(s) * f64::from(codes.value(out[c]));
+                    let want = f64::from(x[c]) / fac(c);
+                    let tol = abs * a + rel * want.abs() + 1e-6 * a;
+                    assert!(
+                        (back - want).abs() <= tol,
+                        "{codes:?} {c}: {back} vs {want}"
+                    );
+                }
+            }
+        }
+        // Tiny rows keep their codes (the scale does not underflow to 0).
+        let mut out = [0u8; 2];
+        let s = quantize_row(KvCodes::Int8, &[1e-44, -1e-44], None, &mut out).unwrap();
+        assert!(s > 0.0 && out.iter().all(|&c| c != 0));
+    }
+}
