@@ -51,7 +51,7 @@ pub use multi_head::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights}
 pub use options::{Options, Precision, SCORE_LIMIT, check_shape};
 pub use packed::{CuSeqlens, validate_packed, validate_packed_backward};
 pub use paged::{PagedKv, validate_paged};
-pub use quantized::{KvCodes, KvQuantization, QuantizedKv, key_channel_factors, quantize_row};
+pub use quantized::{KeyChannels, KvCodes, KvQuantization, QuantizedKv, quantize_row};
 pub use score_mod::{MaskMod, ScoreMod, ScoreTile, tanh};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};
 pub use tensor::{Layout, Tensor4, Tensor4Mut, Tensor4Ref};

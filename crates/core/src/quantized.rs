@@ -64,7 +64,8 @@ impl KvCodes {
 
     /// The rounding of a code relative to the row's largest magnitude `a` (the bound the
     /// oracle and `docs/accuracy.md` use): a dequantized entry `x̂` of a row whose entries
-    /// are at most `a` (after the channel factors) is within `abs · a + rel · |x|` of `x`.
+    /// are at most `a` (after the channel offsets and factors) is within `abs · a + rel ·
+    /// |x|` of `x` (times the channel's factor).
     /// Int8 rounds to a grid of `a / 127`: `abs = 0.5 / 127`, `rel = 0`. fp8 keeps 3
     /// mantissa bits: `rel = 2⁻⁴`, and its subnormals (below `2⁻⁶` of 448) a grid of
     /// `2⁻⁹ / 448 · a`, half of it absolute.
@@ -96,9 +97,10 @@ impl KvCodes {
 pub struct KvQuantization {
     /// What the codes mean.
     pub codes: KvCodes,
-    /// Keys divided by a factor per (head, channel) before the per-token scale: the
-    /// largest magnitude of each channel in the first keys the cache stores (keys'
-    /// outliers live in channels). Values never have them.
+    /// Keys less an offset and divided by a factor per (head, channel) before the
+    /// per-token scale: each channel's mean and root mean square about it in the first
+    /// keys the cache stores ([`KeyChannels::calibrate`]; keys' outliers live in
+    /// channels). Values never have them.
     pub key_channels: bool,
 }
 
@@ -111,7 +113,7 @@ impl KvQuantization {
         }
     }
 
-    /// With per-channel key factors ([`KvQuantization::key_channels`]).
+    /// With per-channel key offsets and factors ([`KvQuantization::key_channels`]).
     pub const fn with_key_channels(self) -> Self {
         Self {
             key_channels: true,
@@ -120,10 +122,69 @@ impl KvQuantization {
     }
 }
 
-/// Quantizes one row `x` (entry `c` first divided by `factors[c]` when given) into `codes`
-/// and returns its scale: `s = max_c |x_c / f_c| / max_code` (the smallest positive f32
-/// when that underflows; 0 for a row of zeros), `codes[c] = encode(x_c / f_c / s)`.
-/// A non-finite entry is an [`Error::InvalidValue`] (no code holds it) and writes nothing.
+/// One head's per-channel key offsets `μ` and factors `f` (`d_k` each): a key row is
+/// stored as `(k − μ) / f` quantized, and reads back as `μ + f · x̂`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KeyChannels<'a> {
+    /// `μ_c`, finite.
+    pub offsets: &'a [f32],
+    /// `f_c`, finite and positive.
+    pub factors: &'a [f32],
+}
+
+impl KeyChannels<'_> {
+    /// Offsets and factors of one head from its first keys `rows` (`n × d`): each
+    /// channel's mean, and its root mean square about the mean raised to at least the
+    /// median channel's; factors of 1 for constant keys. Only channels wider than most are
+    /// shrunk: a channel that looked narrow in the first keys (a few tokens estimate a
+    /// spread within a factor of two or so) must not blow up later tokens' scales. Mean
+    /// squares, not largest magnitudes: they are the steadier estimates.
+    ///
+    /// ```
+    /// use attn_core::KeyChannels;
+    /// let rows = faer::mat![[3.0f32, 60.0, 1.0], [-3.0, 20.0, 1.0]];
+    /// let (offsets, factors) = KeyChannels::calibrate(rows.as_ref());
+    /// assert_eq!(offsets, vec![0.0, 40.0, 1.0]);
+    /// assert_eq!(factors, vec![3.0, 20.0, 3.0]); // the last raised to the median
+    /// ```
+    pub fn calibrate(rows: MatRef<'_, f32>) -> (Vec<f32>, Vec<f32>) {
+        let n = rows.nrows().max(1) as f64;
+        let column = |c: usize| (0..rows.nrows()).map(move |i| f64::from(rows[(i, c)]));
+        let offsets: Vec<f32> = (0..rows.ncols())
+            .map(|c| (column(c).sum::<f64>() / n) as f32)
+            .collect();
+        let rms: Vec<f32> = (0..rows.ncols())
+            .map(|c| {
+                let mean = f64::from(offsets[c]);
+                let sum: f64 = column(c).map(|x| (x - mean) * (x - mean)).sum();
+                (sum / n).sqrt() as f32
+            })
+            .collect();
+        let finite = offsets.iter().chain(&rms).all(|x| x.is_finite());
+        let mut sorted = rms.clone();
+        sorted.sort_by(f32::total_cmp);
+        let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+        let top = sorted.last().copied().unwrap_or(0.0);
+        if !finite {
+            return (vec![0.0; rows.ncols()], vec![1.0; rows.ncols()]);
+        }
+        if top == 0.0 {
+            return (offsets, vec![1.0; rows.ncols()]);
+        }
+        let floor = if median > 0.0 {
+            median / 2.0
+        } else {
+            top / 64.0
+        };
+        (offsets, rms.iter().map(|&r| r.max(floor)).collect())
+    }
+}
+
+/// Quantizes one row `x` (entry `c` first shifted and divided, `(x_c − μ_c) / f_c`, when
+/// `channels` are given) into `codes` and returns its scale: `s = max_c |y_c| / max_code`
+/// (the smallest positive f32 when that underflows; 0 for a row of zeros), `codes[c] =
+/// encode(y_c / s)`. A non-finite entry is an [`Error::InvalidValue`] (no code holds it)
+/// and writes nothing.
 ///
 /// ```
 /// use attn_core::{KvCodes, quantize_row};
@@ -137,10 +198,13 @@ impl KvQuantization {
 pub fn quantize_row(
     codes: KvCodes,
     x: &[f32],
-    factors: Option<&[f32]>,
+    channels: Option<KeyChannels<'_>>,
     out: &mut [u8],
 ) -> Result<f32> {
-    let factor = |c: usize| factors.map_or(1.0, |f| f[c]);
+    let y = |c: usize, v: f32| match channels {
+        Some(ch) => (v - ch.offsets[c]) / ch.factors[c],
+        None => v,
+    };
     let mut amax = 0.0f32;
     for (c, &v) in x.iter().enumerate() {
         if !v.is_finite() {
@@ -151,7 +215,7 @@ pub fn quantize_row(
                 "finite: a quantized cache has no code for inf or NaN",
             ));
         }
-        amax = amax.max((v / factor(c)).abs());
+        amax = amax.max(y(c, v).abs());
     }
     if amax == 0.0 {
         out[..x.len()].fill(0);
@@ -160,40 +224,15 @@ pub fn quantize_row(
     let scale = (amax / codes.max_code()).max(f32::from_bits(1));
     for (c, (&v, o)) in x.iter().zip(out.iter_mut()).enumerate() {
         // In f64: a subnormal scale's quotient must not overflow f32.
-        *o = codes.encode((f64::from(v / factor(c)) / f64::from(scale)) as f32);
+        *o = codes.encode((f64::from(y(c, v)) / f64::from(scale)) as f32);
     }
     Ok(scale)
-}
-
-/// Per-channel key factors of one head from its first keys `rows` (`n × d`): each
-/// channel's largest magnitude, raised to at least `1/64` of the largest channel's (a
-/// channel that was near zero at first must not blow up later tokens), 1 for keys of zeros.
-///
-/// ```
-/// use attn_core::key_channel_factors;
-/// let rows = faer::mat![[1.0f32, -40.0, 0.0], [-2.0, 10.0, 0.0]];
-/// assert_eq!(key_channel_factors(rows.as_ref()), vec![2.0, 40.0, 40.0 / 64.0]);
-/// ```
-pub fn key_channel_factors(rows: MatRef<'_, f32>) -> Vec<f32> {
-    let amax: Vec<f32> = (0..rows.ncols())
-        .map(|c| {
-            (0..rows.nrows())
-                .map(|i| rows[(i, c)].abs())
-                .filter(|x| x.is_finite())
-                .fold(0.0, f32::max)
-        })
-        .collect();
-    let top = amax.iter().copied().fold(0.0, f32::max);
-    if top == 0.0 {
-        return vec![1.0; rows.ncols()];
-    }
-    amax.iter().map(|&a| a.max(top / 64.0)).collect()
 }
 
 /// A batch of sequences whose keys and values lie in quantized pages: the codes as a
 /// [`PagedKv`] of bytes (`[pages, h_kv, page_size, d]`, their block table and lengths),
 /// the scales as one of f32 (`[pages, h_kv, page_size, 1]`, the same table), and for keys
-/// with per-channel factors those, `[h_kv, d_k]`.
+/// with per-channel scaling their offsets and factors, `[h_kv, d_k]` each.
 ///
 /// ```
 /// use attn_core::{KvCodes, KvQuantization, Layout, PagedKv, QuantizedKv, Tensor4Ref};
@@ -216,19 +255,21 @@ pub fn key_channel_factors(rows: MatRef<'_, f32>) -> Vec<f32> {
 pub struct QuantizedKv<'a> {
     codes: PagedKv<'a, u8>,
     scales: PagedKv<'a, f32>,
-    key_factors: Option<MatRef<'a, f32>>,
+    /// Offsets and factors.
+    key_channels: Option<[MatRef<'a, f32>; 2]>,
     format: KvQuantization,
 }
 
 impl<'a> QuantizedKv<'a> {
     /// Checks the view: the scales one per row of the codes' pages (same pages, heads,
     /// page size, block table and lengths, one column), finite and not negative where the
-    /// lengths reach; the key factors `[h_kv, d_k]`, finite and positive, given exactly
-    /// when `format.key_channels`.
+    /// lengths reach; the key channels' offsets and factors (`[h_kv, d_k]` each, rows of
+    /// unit column stride; offsets finite, factors finite and positive) given exactly when
+    /// `format.key_channels`.
     pub fn new(
         codes: PagedKv<'a, u8>,
         scales: PagedKv<'a, f32>,
-        key_factors: Option<MatRef<'a, f32>>,
+        key_channels: Option<[MatRef<'a, f32>; 2]>,
         format: KvQuantization,
     ) -> Result<Self> {
         let ([pages, h_kv, ps, _], s_dims) = (codes.keys().dims(), scales.keys().dims());
@@ -279,35 +320,29 @@ impl<'a> QuantizedKv<'a> {
                 }
             }
         }
-        match (key_factors, format.key_channels) {
-            (Some(f), true) => {
-                crate::check_dim(
-                    "key factors",
-                    "rows",
-                    f.nrows(),
-                    "heads",
-                    h_kv,
-                    "one a head",
-                )?;
+        match (key_channels, format.key_channels) {
+            (Some(channels), true) => {
                 let d_k = codes.d_k();
-                crate::check_dim(
-                    "key factors",
-                    "columns",
-                    f.ncols(),
-                    "d_k",
-                    d_k,
-                    "one a channel",
-                )?;
-                for h in 0..h_kv {
-                    for c in 0..d_k {
-                        let x = f[(h, c)];
-                        if !(x.is_finite() && x > 0.0) {
-                            return Err(Error::invalid_value(
-                                "key channel factor",
-                                h * d_k + c,
-                                x,
-                                "finite and positive",
-                            ));
+                for (m, what, positive) in [
+                    (channels[0], "key channel offsets", false),
+                    (channels[1], "key channel factors", true),
+                ] {
+                    crate::check_dim(what, "rows", m.nrows(), "heads", h_kv, "one a head")?;
+                    crate::check_dim(what, "columns", m.ncols(), "d_k", d_k, "one a channel")?;
+                    for h in 0..h_kv {
+                        if m.row(h).try_as_row_major().is_none() && d_k > 1 {
+                            return Err(Error::layout(what, "rows of unit column stride"));
+                        }
+                        for c in 0..d_k {
+                            let x = m[(h, c)];
+                            if !x.is_finite() || (positive && x <= 0.0) {
+                                let rule = if positive {
+                                    "finite and positive"
+                                } else {
+                                    "finite"
+                                };
+                                return Err(Error::invalid_value(what, h * d_k + c, x, rule));
+                            }
                         }
                     }
                 }
@@ -315,21 +350,21 @@ impl<'a> QuantizedKv<'a> {
             (None, false) => {}
             (Some(_), false) => {
                 return Err(Error::unsupported(
-                    "key factors",
-                    "the format has no per-channel key factors (KvQuantization::with_key_channels)",
+                    "key channels",
+                    "the format has no per-channel key scaling (KvQuantization::with_key_channels)",
                 ));
             }
             (None, true) => {
                 return Err(Error::unsupported(
-                    "key factors",
-                    "the format divides keys by per-channel factors: give them, [h_kv, d_k]",
+                    "key channels",
+                    "the format shifts and divides keys per channel: give the offsets and factors, [h_kv, d_k] each",
                 ));
             }
         }
         Ok(Self {
             codes,
             scales,
-            key_factors,
+            key_channels,
             format,
         })
     }
@@ -344,10 +379,15 @@ impl<'a> QuantizedKv<'a> {
         self.scales
     }
 
-    /// The key factors of head `h` (`None` without per-channel factors).
-    pub fn key_factors(&self, h: usize) -> Option<&'a [f32]> {
-        let f = self.key_factors?;
-        f.row(h).try_as_row_major().map(|r| r.as_slice())
+    /// The key channels' offsets and factors of head `h` (`None` without them).
+    pub fn key_channels(&self, h: usize) -> Option<KeyChannels<'a>> {
+        let [offsets, factors] = self.key_channels?;
+        // Rows of unit column stride (checked when the view was made).
+        let row = |m: MatRef<'a, f32>| m.row(h).try_as_row_major().map(|r| r.as_slice());
+        Some(KeyChannels {
+            offsets: row(offsets)?,
+            factors: row(factors)?,
+        })
     }
 
     /// The format.
@@ -356,10 +396,14 @@ impl<'a> QuantizedKv<'a> {
     }
 
     /// Entry `c` of key `t` of head `h` of sequence `s`, dequantized in f64:
-    /// `scale · value(code) · factor` (the literal definition; `NaN` outside the view).
+    /// `offset + factor · scale · value(code)` (the literal definition; `NaN` outside the
+    /// view).
     pub fn key(&self, s: usize, h: usize, t: usize, c: usize) -> f64 {
-        let f = self.key_factors.map_or(1.0, |f| f64::from(f[(h, c)]));
-        self.entry(self.codes.keys(), self.scales.keys(), (s, h, t, c)) * f
+        let x = self.entry(self.codes.keys(), self.scales.keys(), (s, h, t, c));
+        match self.key_channels {
+            Some([mu, f]) if x.is_finite() => f64::from(mu[(h, c)]) + f64::from(f[(h, c)]) * x,
+            _ => x,
+        }
     }
 
     /// Entry `c` of value `t` of head `h` of sequence `s`, dequantized in f64.
@@ -413,18 +457,26 @@ mod tests {
             .map(|i| ((i * 37) % 29) as f32 * 0.37 - 5.0)
             .collect();
         let factors: Vec<f32> = (0..64).map(|i| 1.0 + (i % 3) as f32).collect();
+        let offsets: Vec<f32> = (0..64).map(|i| (i % 5) as f32 - 2.0).collect();
+        let channels = KeyChannels {
+            offsets: &offsets,
+            factors: &factors,
+        };
         for codes in [KvCodes::Int8, KvCodes::Fp8E4m3] {
-            for f in [None, Some(&factors[..])] {
+            for ch in [None, Some(channels)] {
                 let mut out = vec![0u8; 64];
-                let s = quantize_row(codes, &x, f, &mut out).unwrap();
-                let fac = |c: usize| f.map_or(1.0, |f| f64::from(f[c]));
-                let a = (0..64)
-                    .map(|c| f64::from(x[c]).abs() / fac(c))
-                    .fold(0.0, f64::max);
+                let s = quantize_row(codes, &x, ch, &mut out).unwrap();
+                let y = |c: usize| match ch {
+                    Some(ch) => {
+                        (f64::from(x[c]) - f64::from(ch.offsets[c])) / f64::from(ch.factors[c])
+                    }
+                    None => f64::from(x[c]),
+                };
+                let a = (0..64).map(|c| y(c).abs()).fold(0.0, f64::max);
                 let (abs, rel) = codes.rounding();
                 for c in 0..64 {
                     let back = f64::from(s) * f64::from(codes.value(out[c]));
-                    let want = f64::from(x[c]) / fac(c);
+                    let want = y(c);
                     let tol = abs * a + rel * want.abs() + 1e-6 * a;
                     assert!(
                         (back - want).abs() <= tol,

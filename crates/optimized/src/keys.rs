@@ -14,7 +14,7 @@ use core::ops::Range;
 
 use std::sync::OnceLock;
 
-use attn_core::{Dtype, KvCodes, PagedKv, QuantizedKv, Tensor4Ref};
+use attn_core::{Dtype, KeyChannels, KvCodes, PagedKv, QuantizedKv, Tensor4Ref};
 use faer::MatRef;
 use half::bf16;
 
@@ -418,7 +418,7 @@ impl<T: Element> KeySource<T> for Paged<'_, T> {
 }
 
 /// A quantized source: rows of one head of one sequence in quantized pages
-/// ([`QuantizedKv`]), `scale · value(code) · factor` each entry. The row kernels read the
+/// ([`QuantizedKv`]), `offset + factor · scale · value(code)` each entry. The row kernels read the
 /// codes in place ([`KeySource::quantized`]) and apply the scales to the scores and the
 /// weights; the GEMM tiles get blocks dequantized into their f32 buffers ([`KeySource::to_f32`]).
 #[derive(Debug, Clone, Copy)]
@@ -427,8 +427,8 @@ pub(crate) struct Quantized<'a> {
     pub codes: Paged<'a, u8>,
     /// One scale a row, in pages alike.
     scales: Paged<'a, f32>,
-    /// The head's per-channel factors (keys of a format with them).
-    pub factors: Option<&'a [f32]>,
+    /// The head's per-channel offsets and factors (keys of a format with them).
+    pub channels: Option<KeyChannels<'a>>,
     /// What the codes mean.
     pub kind: KvCodes,
 }
@@ -444,7 +444,7 @@ impl<'a> Quantized<'a> {
         Self {
             codes: Paged::new(&codes, c, s, head),
             scales: Paged::new(&scales, sc, s, head),
-            factors: if keys { kv.key_factors(head) } else { None },
+            channels: if keys { kv.key_channels(head) } else { None },
             kind: kv.format().codes,
         }
     }
@@ -519,8 +519,12 @@ impl<T: Element> KeySource<T> for Quantized<'_> {
                 let scale = self.scale(first + i);
                 let row = &mut buf[(first + i) * w..(first + i + 1) * w];
                 for (c, x) in row.iter_mut().enumerate() {
-                    let f = self.factors.map_or(1.0, |f| f[c]);
-                    *x = scale * values[usize::from(run[(i, c)])] * f;
+                    *x = scale * values[usize::from(run[(i, c)])];
+                }
+                if let Some(ch) = self.channels {
+                    for ((x, &mu), &f) in row.iter_mut().zip(ch.offsets).zip(ch.factors) {
+                        *x = mu + f * *x;
+                    }
                 }
             }
         }
@@ -542,10 +546,11 @@ impl<T: Element> KeySource<T> for Quantized<'_> {
     }
 
     fn at(&self, j: usize, c: usize) -> f32 {
-        let f = self.factors.map_or(1.0, |f| f[c]);
-        self.codes.page_of(j).map_or(f32::NAN, |(m, i)| {
-            self.scale(j) * code_values(self.kind)[usize::from(m[(i, c)])] * f
-        })
+        let x = self.codes.page_of(j).map_or(f32::NAN, |(m, i)| {
+            self.scale(j) * code_values(self.kind)[usize::from(m[(i, c)])]
+        });
+        self.channels
+            .map_or(x, |ch| ch.offsets[c] + ch.factors[c] * x)
     }
 
     fn row_finite(&self, j: usize) -> bool {

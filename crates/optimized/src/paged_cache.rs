@@ -12,7 +12,7 @@
 //! place through [`PagedKv`] ([`crate::Attention::paged`]).
 
 use attn_core::{
-    Error, KvQuantization, Options, PagedKv, QuantizedKv, Result, Tensor4Ref, key_channel_factors,
+    Error, KeyChannels, KvQuantization, Options, PagedKv, QuantizedKv, Result, Tensor4Ref,
     quantize_row,
 };
 
@@ -34,7 +34,9 @@ struct Codes {
     v: Vec<u8>,
     k_scales: Vec<f32>,
     v_scales: Vec<f32>,
-    /// Per-channel key factors `[kv_heads, d_k]` (ones until the first keys set them).
+    /// Per-channel key offsets and factors, `[kv_heads, d_k]` each (zeros and ones until
+    /// the first keys set them; empty without key channels).
+    offsets: Vec<f32>,
     factors: Vec<f32>,
     calibrated: bool,
 }
@@ -152,8 +154,8 @@ impl<T: Element> PagedKvCache<T> {
 
     /// An empty cache like [`PagedKvCache::new`] that stores keys and values quantized
     /// ([`KvQuantization`]): each appended row of a head as one-byte codes and an f32 scale
-    /// (and keys divided by per-channel factors first, if the format has them: each
-    /// channel's largest magnitude in the first keys appended, per head). Appending a
+    /// (and keys shifted and divided per channel first, if the format has them: each
+    /// channel's mean and spread in the first keys appended, per head). Appending a
     /// non-finite entry is an error (no code holds it). Attention reads the codes in place
     /// ([`Attention::quantized`]): decoding streams about half the bytes of an f16 cache.
     ///
@@ -171,7 +173,7 @@ impl<T: Element> PagedKvCache<T> {
     /// let out = batch.attention(q, &[0, 1], &Options::default())?.forward(Par::rayon(0))?;
     /// assert_eq!(out.output().dims(), [1, 4, 1, 16]);
     /// // Codes and scales: about a quarter of the f32 pool.
-    /// assert_eq!(cache.pool_bytes(), 64 * 16 * 2 * (2 * 16 + 2 * 4) + 2 * 16 * 4);
+    /// assert_eq!(cache.pool_bytes(), 64 * 16 * 2 * (2 * 16 + 2 * 4) + 2 * 2 * 16 * 4);
     /// # Ok::<(), attn_optimized::Error>(())
     /// ```
     pub fn quantized(
@@ -185,11 +187,13 @@ impl<T: Element> PagedKvCache<T> {
         let mut cache = Self::with_pools(pages, page_size, kv_heads, (0, 0), false)?;
         (cache.d_k, cache.d_v) = (d_k, d_v);
         let rows = [kv_heads, pages, page_size];
-        let factors = if format.key_channels {
-            attn_core::filled("paged cache key factors", kv_heads.checked_mul(d_k), 1.0f32)?
+        let channels = if format.key_channels {
+            kv_heads.checked_mul(d_k)
         } else {
-            Vec::new()
+            Some(0)
         };
+        let offsets = attn_core::filled("paged cache key offsets", channels, 0.0f32)?;
+        let factors = attn_core::filled("paged cache key factors", channels, 1.0f32)?;
         cache.codes = Some(Codes {
             format,
             k: zeroed("paged cache key codes", &[kv_heads, pages, page_size, d_k])?,
@@ -199,6 +203,7 @@ impl<T: Element> PagedKvCache<T> {
             )?,
             k_scales: zeroed("paged cache key scales", &rows)?,
             v_scales: zeroed("paged cache value scales", &rows)?,
+            offsets,
             factors,
             calibrated: false,
         });
@@ -273,7 +278,9 @@ impl<T: Element> PagedKvCache<T> {
     /// ```
     pub fn pool_bytes(&self) -> usize {
         let codes = self.codes.as_ref().map_or(0, |c| {
-            c.k.len() + c.v.len() + (c.k_scales.len() + c.v_scales.len() + c.factors.len()) * 4
+            c.k.len()
+                + c.v.len()
+                + (c.k_scales.len() + c.v_scales.len() + c.offsets.len() + c.factors.len()) * 4
         });
         (self.k.len() + self.v.len()) * size_of::<T>() + codes
     }
@@ -621,8 +628,8 @@ impl<T: Element> PagedKvCache<T> {
 
 impl Codes {
     /// Writes `t` new tokens of one sequence, the first at `len`, into its `pages`: each
-    /// row of each head quantized ([`quantize_row`]) to its codes and scale, keys divided
-    /// by the factors, which the first keys the cache sees set. The rows were checked
+    /// row of each head quantized ([`quantize_row`]) to its codes and scale, keys shifted
+    /// and divided per channel as the first keys the cache sees set. The rows were checked
     /// (shapes, finite entries), so no row fails.
     fn write<T: Element>(
         &mut self,
@@ -636,7 +643,8 @@ impl Codes {
             for h in 0..heads {
                 let rows = k.head(0, h)?;
                 let wide = faer::Mat::from_fn(t, d_k, |i, c| rows[(i, c)].to_f32());
-                let f = key_channel_factors(wide.as_ref());
+                let (mu, f) = KeyChannels::calibrate(wide.as_ref());
+                self.offsets[h * d_k..(h + 1) * d_k].copy_from_slice(&mu);
                 self.factors[h * d_k..(h + 1) * d_k].copy_from_slice(&f);
             }
             self.calibrated = true;
@@ -654,9 +662,10 @@ impl Codes {
             let mut row = vec![0.0f32; d];
             for h in 0..heads {
                 let rows = src.head(0, h)?;
-                let factors = keys
-                    .then(|| &self.factors[h * d..(h + 1) * d])
-                    .filter(|_| self.format.key_channels);
+                let channels = (keys && self.format.key_channels).then(|| KeyChannels {
+                    offsets: &self.offsets[h * d..(h + 1) * d],
+                    factors: &self.factors[h * d..(h + 1) * d],
+                });
                 for i in 0..t {
                     let tok = len + i;
                     let slot = (h * pool_pages + pages[tok / ps] as usize) * ps + tok % ps;
@@ -664,7 +673,7 @@ impl Codes {
                         *x = rows[(i, c)].to_f32();
                     }
                     let out = &mut pool[slot * d..(slot + 1) * d];
-                    scales[slot] = quantize_row(codes, &row, factors, out)?;
+                    scales[slot] = quantize_row(codes, &row, channels, out)?;
                 }
             }
         }
@@ -741,11 +750,12 @@ impl<'c, T: Element> PagedBatch<'c, T> {
             cache.view(&c.v_scales, (1, 1))?,
         );
         let scales = PagedKv::new(ks, vs, &self.table, &self.lens)?;
-        let factors = c
+        let (h, d) = (cache.kv_heads, cache.d_k);
+        let channels = c
             .format
             .key_channels
-            .then(|| faer::MatRef::from_row_major_slice(&c.factors, cache.kv_heads, cache.d_k));
-        QuantizedKv::new(codes, scales, factors, c.format)
+            .then(|| [&c.offsets, &c.factors].map(|m| faer::MatRef::from_row_major_slice(m, h, d)));
+        QuantizedKv::new(codes, scales, channels, c.format)
     }
 
     /// The call of `q` (`[1, h_q, total_q, d_k]`, sequence `s` of the batch on its rows

@@ -69,10 +69,13 @@ impl Scratch {
         let best = row_kernels();
         // Quantized K and V: the kernels read their codes in place when they can.
         let coded = best.filter(|s| reads_codes(s, &head.k) && reads_codes(s, &head.v));
-        if let Some(factors) = coded.and(head.k.quantized()).and_then(|k| k.factors) {
-            // q · (f ∘ k) = (q ∘ f) · k: the keys' channel factors go to the queries.
-            for q in self.q.chunks_exact_mut(d_k).take(nr) {
-                for (x, f) in q.iter_mut().zip(factors) {
+        // q · (μ + f ∘ k̂) = q · μ + (q ∘ f) · k̂: the keys' channel offsets add one term to
+        // a query's every score, their factors go to the query.
+        let mut offset_terms = [0.0f32; DECODE_ROWS];
+        if let Some(ch) = coded.and(head.k.quantized()).and_then(|k| k.channels) {
+            for (q, term) in self.q.chunks_exact_mut(d_k).take(nr).zip(&mut offset_terms) {
+                *term = q.iter().zip(ch.offsets).map(|(x, mu)| x * mu).sum();
+                for (x, f) in q.iter_mut().zip(ch.factors) {
                     *x *= f;
                 }
             }
@@ -103,6 +106,13 @@ impl Scratch {
             if let (Some(kernels), Some(kq)) = (coded, kb.quantized()) {
                 let next_v = vb.quantized().and_then(|v| v.codes.run(0));
                 self.scores_of_codes(kernels, kq, next_v, (nr, nc, d_k));
+                if kq.channels.is_some() {
+                    for (s, term) in self.s.chunks_exact_mut(bc).zip(&offset_terms[..nr]) {
+                        for x in &mut s[..nc] {
+                            *x += term;
+                        }
+                    }
+                }
             } else if let Some(kernels) = in_place {
                 let mut k_runs = runs(&kb).peekable();
                 let mut ahead = runs(&kb).skip(look_ahead(&kb));
@@ -229,7 +239,8 @@ impl Scratch {
     }
 
     /// The K pass over a quantized block `kq`: `s_r[j] = scale_j · (q_r ∘ f) · value(code_j)`
-    /// (the queries already carry the channel factors), the codes read in place run by run,
+    /// (the queries already carry the channel factors; the caller adds the offsets' term),
+    /// the codes read in place run by run,
     /// prefetching on into `next_v`. The block's scales go through `k_wide` (nothing is
     /// widened on this path).
     fn scores_of_codes(

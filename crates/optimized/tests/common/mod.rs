@@ -1,6 +1,8 @@
 //! Inputs shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod quantized;
+
 use attn_optimized::Element;
 use faer::{Mat, MatRef};
 
