@@ -50,7 +50,7 @@ pub use modifiers::{Alibi, HeadModifiers, SoftCap, alignment_offset};
 pub use multi_head::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
 pub use options::{Options, Precision, SCORE_LIMIT, check_shape};
 pub use packed::{CuSeqlens, validate_packed, validate_packed_backward};
-pub use paged::{PagedKv, validate_paged};
+pub use paged::{PagedKv, validate_paged, validate_paged_batched};
 pub use quantized::{KeyChannels, KvCodes, KvQuantization, QuantizedKv, quantize_row};
 pub use score_mod::{MaskMod, ScoreMod, ScoreTile, tanh};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};

@@ -228,14 +228,6 @@ pub fn validate_paged<T, U>(
             ),
         ));
     }
-    crate::check_dim("Q", "columns", d_k, "K pages", kv.d_k(), "d_k must match")?;
-    if kv.d_k() == 0 {
-        return Err(Error::EmptyKeyWidth);
-    }
-    let h_kv = kv.kv_heads();
-    if h_kv == 0 || !h_q.is_multiple_of(h_kv) {
-        return Err(Error::head_grouping(h_q, h_kv));
-    }
     crate::check_dim(
         "cu_seqlens_q",
         "entries",
@@ -254,13 +246,73 @@ pub fn validate_paged<T, U>(
             ),
         ));
     }
-    for (s, (w, &n)) in cu_seqlens_q.windows(2).zip(kv.lens()).enumerate() {
-        if w[1] - w[0] > n {
+    let counts = cu_seqlens_q.windows(2).map(|w| w[1] - w[0]);
+    let (mut shape, scale) = check_paged_queries(("cu_seqlens_q", h_q, d_k), counts, kv, options)?;
+    shape.head.n_q = total_q;
+    Ok((shape, scale))
+}
+
+/// [`validate_paged`] for queries `[batch, h_q, n_q, d_k]`, `n_q` of each sequence of the
+/// pages (`batch` of them), its newest positions: a cache's call with a batch axis. The
+/// shape's `n_q` is the queries' `n_q`. `[B, H, n_q, n_k]` masks are taken (checked
+/// against the longest sequence, as for a batched call), `[n_q, n_k]` ones and key padding
+/// are not.
+///
+/// ```
+/// use attn_core::{validate_paged_batched, Layout, Options, PagedKv, Tensor4Ref};
+/// let pool = vec![0.0f32; 2 * 16 * 8]; // 2 pages of 16 tokens, 1 head, d = 8
+/// let pages = Tensor4Ref::from_layout(&pool, [2, 1, 16, 8], Layout::Bshd)?;
+/// let (table, lens) = ([0, 1], [16, 9]);
+/// let kv = PagedKv::new(pages, pages, &table, &lens)?;
+/// let q = vec![0.0f32; 2 * 2 * 8]; // two sequences, two heads, one query each
+/// let q = Tensor4Ref::from_layout(&q, [2, 2, 1, 8], Layout::Bhsd)?;
+/// let (shape, _) = validate_paged_batched(q, &kv, &Options::default())?;
+/// assert_eq!((shape.batch, shape.head.n_q, shape.head.n_k), (2, 1, 16));
+/// # Ok::<(), attn_core::Error>(())
+/// ```
+pub fn validate_paged_batched<T, U>(
+    q: Tensor4Ref<'_, T>,
+    kv: &PagedKv<'_, U>,
+    options: &Options<'_>,
+) -> Result<(BatchShape, f32)> {
+    let [b, h_q, n_q, d_k] = q.dims();
+    crate::check_dim(
+        "Q",
+        "batch entries",
+        b,
+        "the pages' sequences",
+        kv.batch(),
+        "one batch entry a sequence",
+    )?;
+    let (mut shape, scale) =
+        check_paged_queries(("Q", h_q, d_k), (0..b).map(|_| n_q), kv, options)?;
+    (shape.batch, shape.head.n_q) = (b, n_q);
+    Ok((shape, scale))
+}
+
+/// The checks [`validate_paged`] and [`validate_paged_batched`] share: `h_q` heads of
+/// queries `d_k` wide, `counts[s]` of them for sequence `s` (as `counts_of` says), against
+/// the pages.
+fn check_paged_queries<U>(
+    (counts_of, h_q, d_k): (&'static str, usize, usize),
+    counts: impl Iterator<Item = usize> + Clone,
+    kv: &PagedKv<'_, U>,
+    options: &Options<'_>,
+) -> Result<(BatchShape, f32)> {
+    crate::check_dim("Q", "columns", d_k, "K pages", kv.d_k(), "d_k must match")?;
+    if kv.d_k() == 0 {
+        return Err(Error::EmptyKeyWidth);
+    }
+    let h_kv = kv.kv_heads();
+    if h_kv == 0 || !h_q.is_multiple_of(h_kv) {
+        return Err(Error::head_grouping(h_q, h_kv));
+    }
+    for (s, (count, &n)) in counts.clone().zip(kv.lens()).enumerate() {
+        if count > n {
             return Err(Error::layout(
-                "cu_seqlens_q",
+                counts_of,
                 format!(
-                    "gives sequence {s} {} queries but its pages hold {n} tokens (the queries are the sequence's newest tokens: append their keys and values first)",
-                    w[1] - w[0]
+                    "gives sequence {s} {count} queries but its pages hold {n} tokens (the queries are the sequence's newest tokens: append their keys and values first)"
                 ),
             ));
         }
@@ -274,10 +326,7 @@ pub fn validate_paged<T, U>(
     let top_left = options.causal == Some(Causal::TopLeft)
         || options.window.is_some_and(|w| w.align == Causal::TopLeft)
         || options.alibi.is_some_and(|a| a.align() == Causal::TopLeft);
-    let newest = cu_seqlens_q
-        .windows(2)
-        .zip(kv.lens())
-        .any(|(w, &n)| w[1] - w[0] != n);
+    let newest = counts.zip(kv.lens()).any(|(count, &n)| count != n);
     if top_left && newest {
         return Err(Error::unsupported(
             "paged alignment",
@@ -288,7 +337,7 @@ pub fn validate_paged<T, U>(
     let scale = options.scale_for(d_k)?;
     let n_k = kv.lens().iter().copied().max().unwrap_or(0);
     let head = HeadShape {
-        n_q: total_q,
+        n_q: 0,
         n_k,
         d_k,
         d_v: kv.d_v(),

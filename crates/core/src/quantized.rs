@@ -474,8 +474,8 @@ mod tests {
                 };
                 let a = (0..64).map(|c| y(c).abs()).fold(0.0, f64::max);
                 let (abs, rel) = codes.rounding();
-                for c in 0..64 {
-                    let back = f64::from(s) * f64::from(codes.value(out[c]));
+                for (c, &code) in out.iter().enumerate() {
+                    let back = f64::from(s) * f64::from(codes.value(code));
                     let want = y(c);
                     let tol = abs * a + rel * want.abs() + 1e-6 * a;
                     assert!(

@@ -7,11 +7,14 @@
 //! streaming engine on the cached prefix of each entry; with few heads the grid splits the
 //! keys into fixed chunks (flash-decoding) and merges the partial states in order.
 
-use attn_core::{Causal, Error, Layout, Options, Result, Tensor4Ref};
+use attn_core::{
+    Causal, Error, KvQuantization, Layout, Options, PagedKv, QuantizedKv, Result, Tensor4Ref,
+};
 
 use crate::call::{Attention, Batch};
-use crate::kernel::element::Element;
-use crate::problem::{Batched, filled, zeroed};
+use crate::code_pools::CodePools;
+use crate::kernel::element::{Element, ZeroBits};
+use crate::problem::{Batched, PagedBatch, filled, zeroed};
 
 /// What happens when an append does not fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -54,6 +57,11 @@ pub struct KvCache<T> {
     v: Vec<T>,
     lens: Vec<usize>,
     growth: Growth,
+    /// The pools of a quantized cache (whose `k` and `v` are then empty): rows
+    /// `[batch, kv_heads, capacity]`.
+    codes: Option<CodePools>,
+    /// Batch entry `b` as page `b` of one `capacity`-token page (the quantized view).
+    table: Vec<u32>,
 }
 
 impl<T: Element> KvCache<T> {
@@ -80,7 +88,54 @@ impl<T: Element> KvCache<T> {
             v: zeroed("KV cache values", &[batch, kv_heads, capacity, d_v])?,
             lens: filled("KV cache lengths", Some(batch), 0)?,
             growth: Growth::Fixed,
+            codes: None,
+            table: Vec::new(),
         })
+    }
+
+    /// An empty cache like [`KvCache::new`] that stores keys and values quantized
+    /// ([`KvQuantization`]: one-byte codes and a scale per token and head, keys shifted and
+    /// divided per channel first if the format says so), read in place by attention:
+    /// decoding streams about half the bytes of an f16 cache. Appending a non-finite
+    /// entry is an error (no code holds it); the queries of
+    /// [`attention`](KvCache::attention) must be at most each entry's length.
+    ///
+    /// ```
+    /// use attn_optimized::{KvCache, KvCodes, KvQuantization, Layout, Options, Par, Tensor4Ref};
+    /// let fp8 = KvQuantization::new(KvCodes::Fp8E4m3);
+    /// let mut cache = KvCache::<f32>::quantized(1, 2, 64, 16, 16, fp8)?;
+    /// let kv: Vec<f32> = (0..2 * 10 * 16).map(|i| ((i * 5) % 9) as f32 * 0.25).collect();
+    /// let kv = Tensor4Ref::from_layout(&kv, [1, 2, 10, 16], Layout::Bshd)?;
+    /// cache.append(kv, kv)?;
+    /// let q = vec![0.2f32; 4 * 16];
+    /// let q = Tensor4Ref::from_layout(&q, [1, 4, 1, 16], Layout::Bshd)?;
+    /// let out = cache.attention(q, &Options::default())?.forward(Par::rayon(0))?;
+    /// assert_eq!(out.output().dims(), [1, 4, 1, 16]);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn quantized(
+        batch: usize,
+        kv_heads: usize,
+        capacity: usize,
+        d_k: usize,
+        d_v: usize,
+        format: KvQuantization,
+    ) -> Result<Self> {
+        let mut cache = Self::new(batch, kv_heads, 0, d_k, d_v)?;
+        cache.capacity = capacity;
+        let slots = [batch, kv_heads, capacity];
+        cache.codes = Some(CodePools::new(format, &slots, kv_heads, (d_k, d_v))?);
+        cache.table = (0..batch)
+            .map(|b| {
+                u32::try_from(b).map_err(|_| Error::capacity("batch entries", b, u32::MAX as usize))
+            })
+            .collect::<Result<_>>()?;
+        Ok(cache)
+    }
+
+    /// How the cache stores keys and values: `None` as `T`, else quantized.
+    pub fn quantization(&self) -> Option<KvQuantization> {
+        self.codes.as_ref().map(|c| c.format)
     }
 
     /// Sets the growth policy (default [`Growth::Fixed`]).
@@ -125,24 +180,46 @@ impl<T: Element> KvCache<T> {
     }
 
     /// The cached keys as a `[batch, kv_heads, capacity, d_k]` view (rows past each
-    /// entry's length are stale).
+    /// entry's length are stale); of no rows for a quantized cache, whose rows are codes
+    /// ([`KvCache::quantized_kv`]).
     pub fn keys(&self) -> Tensor4Ref<'_, T> {
-        Tensor4Ref::from_layout(
-            &self.k,
-            [self.batch, self.kv_heads, self.capacity, self.d_k],
-            Layout::Bhsd,
-        )
-        .expect("the cache's own buffer fits its dims")
+        self.view(&self.k, self.d_k)
     }
 
-    /// The cached values as a `[batch, kv_heads, capacity, d_v]` view.
+    /// The cached values as a `[batch, kv_heads, capacity, d_v]` view (of no rows for a
+    /// quantized cache).
     pub fn values(&self) -> Tensor4Ref<'_, T> {
-        Tensor4Ref::from_layout(
-            &self.v,
-            [self.batch, self.kv_heads, self.capacity, self.d_v],
-            Layout::Bhsd,
-        )
-        .expect("the cache's own buffer fits its dims")
+        self.view(&self.v, self.d_v)
+    }
+
+    fn view<'s, U>(&self, data: &'s [U], d: usize) -> Tensor4Ref<'s, U> {
+        let rows = if data.is_empty() { 0 } else { self.capacity };
+        Tensor4Ref::from_layout(data, [self.batch, self.kv_heads, rows, d], Layout::Bhsd)
+            .expect("the cache's own buffer fits its dims")
+    }
+
+    /// A quantized cache's codes and scales as the view the engines read: entry `b` is
+    /// page `b`, one page of `capacity` tokens. An error for a cache of elements.
+    pub fn quantized_kv(&self) -> Result<QuantizedKv<'_>> {
+        let Some(c) = &self.codes else {
+            return Err(Error::unsupported(
+                "quantized pages",
+                "this cache stores its elements: KvCache::keys and KvCache::values",
+            ));
+        };
+        let codes = PagedKv::new(
+            self.view(&c.k, self.d_k),
+            self.view(&c.v, self.d_v),
+            &self.table,
+            &self.lens,
+        )?;
+        let scales = PagedKv::new(
+            self.view(&c.k_scales, 1),
+            self.view(&c.v_scales, 1),
+            &self.table,
+            &self.lens,
+        )?;
+        QuantizedKv::new(codes, scales, c.channels(self.kv_heads, self.d_k), c.format)
     }
 
     /// Appends `t` tokens to every batch entry: `k : [batch, kv_heads, t, d_k]`,
@@ -177,7 +254,11 @@ impl<T: Element> KvCache<T> {
     }
 
     fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Tensor4Ref<'_, T>, batch: usize) -> Result<()> {
-        check_new_tokens(k, Some(v), [batch, self.kv_heads, self.d_k, self.d_v])
+        check_new_tokens(k, Some(v), [batch, self.kv_heads, self.d_k, self.d_v])?;
+        if self.codes.is_some() {
+            CodePools::check_finite(&[k, v])?;
+        }
+        Ok(())
     }
 
     /// Makes room for `need` tokens per entry (`None`: a count that overflowed), or fails
@@ -192,23 +273,33 @@ impl<T: Element> KvCache<T> {
             return Err(full(need));
         }
         let new_cap = need.max(self.capacity.saturating_mul(2));
-        let (batch, heads, old_cap) = (self.batch, self.kv_heads, self.capacity);
-        // Both new buffers are allocated before either replaces the old one.
-        let regrow = |what, old: &[T], d: usize| -> Result<Vec<T>> {
-            let mut new = zeroed(what, &[batch, heads, new_cap, d])?;
-            // Nothing to copy (and `old_cap · d` may not even fit usize when no entry or
-            // head holds it) unless the old buffer has elements.
-            if !old.is_empty() {
-                // Each (entry, head) block of `old_cap` rows starts a block of `new_cap`.
-                for (src, dst) in old.chunks(old_cap * d).zip(new.chunks_mut(new_cap * d)) {
-                    dst[..src.len()].copy_from_slice(src);
-                }
-            }
-            Ok(new)
+        let blocks = [self.batch, self.kv_heads];
+        let grow = |old_cap| (blocks, old_cap, new_cap);
+        // Every new buffer is allocated before any replaces the old one.
+        // A quantized cache keeps its rows in codes: its element pools stay empty.
+        let quantized = self.codes.is_some();
+        let (d_k, d_v) = if quantized {
+            (0, 0)
+        } else {
+            (self.d_k, self.d_v)
         };
-        let k = regrow("KV cache keys", &self.k, self.d_k)?;
-        let v = regrow("KV cache values", &self.v, self.d_v)?;
+        let k = regrow("KV cache keys", &self.k, d_k, grow(self.capacity))?;
+        let v = regrow("KV cache values", &self.v, d_v, grow(self.capacity))?;
+        let codes = match &self.codes {
+            Some(c) => Some(c.with_rows(
+                (
+                    regrow("KV cache key codes", &c.k, self.d_k, grow(self.capacity))?,
+                    regrow("KV cache value codes", &c.v, self.d_v, grow(self.capacity))?,
+                ),
+                [
+                    regrow("KV cache key scales", &c.k_scales, 1, grow(self.capacity))?,
+                    regrow("KV cache value scales", &c.v_scales, 1, grow(self.capacity))?,
+                ],
+            )),
+            None => None,
+        };
         (self.k, self.v, self.capacity) = (k, v, new_cap);
+        self.codes = codes;
         Ok(())
     }
 
@@ -221,6 +312,14 @@ impl<T: Element> KvCache<T> {
         v: Tensor4Ref<'_, T>,
     ) -> Result<()> {
         let (t, start) = (k.dims()[2], self.lens[b]);
+        if let Some(codes) = &mut self.codes {
+            let (heads, cap) = (self.kv_heads, self.capacity);
+            codes.write((k, Some(v)), src_b, |h, i| {
+                (b * heads + h) * cap + start + i
+            })?;
+            self.lens[b] = start + t;
+            return Ok(());
+        }
         for h in 0..self.kv_heads {
             for (buf, src, d) in [(&mut self.k, k, self.d_k), (&mut self.v, v, self.d_v)] {
                 let src = src.head(src_b, h)?;
@@ -331,12 +430,36 @@ impl<T: Element> KvCache<T> {
                 "the queries are the newest positions: align causal masks, windows and ALiBi bottom-right (Causal::TopLeft would make them the oldest)",
             ));
         }
+        if self.codes.is_some() {
+            let call = PagedBatch::batched(q, self.quantized_kv()?, options)?;
+            return Ok(Attention::cached_quantized(call, options));
+        }
         let longest = self.lens.iter().copied().max().unwrap_or(0);
         let scale = options.validate_batched(b, h_q, n_q, longest, d_k)?;
         let (keys, values) = (self.keys(), self.values());
         let batch = Batched::cached(q, keys, values, &self.lens, options, scale)?;
         Ok(Attention::cached(batch, options))
     }
+}
+
+/// `old` (blocks `[batch, heads]` of `old_cap` rows of `d` entries) in blocks of `new_cap`
+/// rows, or [`Error::Allocation`] naming `what`.
+fn regrow<U: ZeroBits>(
+    what: &'static str,
+    old: &[U],
+    d: usize,
+    ([batch, heads], old_cap, new_cap): ([usize; 2], usize, usize),
+) -> Result<Vec<U>> {
+    let mut new = zeroed(what, &[batch, heads, new_cap, d])?;
+    // Nothing to copy (and `old_cap · d` may not even fit usize when no entry or head
+    // holds it) unless the old buffer has elements.
+    if !old.is_empty() {
+        // Each (entry, head) block of `old_cap` rows starts a block of `new_cap`.
+        for (src, dst) in old.chunks(old_cap * d).zip(new.chunks_mut(new_cap * d)) {
+            dst[..src.len()].copy_from_slice(src);
+        }
+    }
+    Ok(new)
 }
 
 /// Checks new tokens against a cache of `batch` entries of `kv_heads` heads, keys `d_k`

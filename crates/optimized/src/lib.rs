@@ -47,6 +47,7 @@ mod keys;
 mod kv_cache;
 mod mask;
 // `with_sink` is the forward's, unused on this branch until the forward computes sinks.
+mod code_pools;
 mod modifiers;
 mod multi_head;
 mod paged_cache;

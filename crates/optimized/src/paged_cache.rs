@@ -11,12 +11,10 @@
 //! holds and returns to the pool with its last user. The engines read the pages in
 //! place through [`PagedKv`] ([`crate::Attention::paged`]).
 
-use attn_core::{
-    Error, KeyChannels, KvQuantization, Options, PagedKv, QuantizedKv, Result, Tensor4Ref,
-    quantize_row,
-};
+use attn_core::{Error, KvQuantization, Options, PagedKv, QuantizedKv, Result, Tensor4Ref};
 
 use crate::call::{Attention, Batch};
+use crate::code_pools::CodePools;
 use crate::kernel::element::Element;
 use crate::kv_cache::check_new_tokens;
 use crate::problem::zeroed;
@@ -24,22 +22,6 @@ use crate::problem::zeroed;
 /// A sequence of a [`PagedKvCache`]: a handle, valid until the sequence is freed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SeqId(usize);
-
-/// The pools of a quantized cache, laid out as the element pools are: codes
-/// `[kv_heads, pages, page_size, d]`, scales `[kv_heads, pages, page_size]`.
-#[derive(Debug, Clone)]
-struct Codes {
-    format: KvQuantization,
-    k: Vec<u8>,
-    v: Vec<u8>,
-    k_scales: Vec<f32>,
-    v_scales: Vec<f32>,
-    /// Per-channel key offsets and factors, `[kv_heads, d_k]` each (zeros and ones until
-    /// the first keys set them; empty without key channels).
-    offsets: Vec<f32>,
-    factors: Vec<f32>,
-    calibrated: bool,
-}
 
 /// One sequence's pages and length.
 #[derive(Debug, Clone, Default)]
@@ -86,8 +68,9 @@ pub struct PagedKvCache<T> {
     /// Empty in a latent cache, whose values are the first `d_v` columns of its keys.
     v: Vec<T>,
     latent: bool,
-    /// The pools of a quantized cache (whose `k` and `v` are then empty).
-    codes: Option<Codes>,
+    /// The pools of a quantized cache (whose `k` and `v` are then empty): rows
+    /// `[kv_heads, pages, page_size]` as the element pools'.
+    codes: Option<CodePools>,
     /// Users of each page (0: free).
     users: Vec<u32>,
     /// Pages with no user.
@@ -186,27 +169,8 @@ impl<T: Element> PagedKvCache<T> {
     ) -> Result<Self> {
         let mut cache = Self::with_pools(pages, page_size, kv_heads, (0, 0), false)?;
         (cache.d_k, cache.d_v) = (d_k, d_v);
-        let rows = [kv_heads, pages, page_size];
-        let channels = if format.key_channels {
-            kv_heads.checked_mul(d_k)
-        } else {
-            Some(0)
-        };
-        let offsets = attn_core::filled("paged cache key offsets", channels, 0.0f32)?;
-        let factors = attn_core::filled("paged cache key factors", channels, 1.0f32)?;
-        cache.codes = Some(Codes {
-            format,
-            k: zeroed("paged cache key codes", &[kv_heads, pages, page_size, d_k])?,
-            v: zeroed(
-                "paged cache value codes",
-                &[kv_heads, pages, page_size, d_v],
-            )?,
-            k_scales: zeroed("paged cache key scales", &rows)?,
-            v_scales: zeroed("paged cache value scales", &rows)?,
-            offsets,
-            factors,
-            calibrated: false,
-        });
+        let slots = [kv_heads, pages, page_size];
+        cache.codes = Some(CodePools::new(format, &slots, kv_heads, (d_k, d_v))?);
         cache.mapped = attn_core::filled(
             "paged cache pages",
             Some(pages.div_ceil(cache.stretch())),
@@ -277,11 +241,7 @@ impl<T: Element> PagedKvCache<T> {
     /// # Ok::<(), attn_optimized::Error>(())
     /// ```
     pub fn pool_bytes(&self) -> usize {
-        let codes = self.codes.as_ref().map_or(0, |c| {
-            c.k.len()
-                + c.v.len()
-                + (c.k_scales.len() + c.v_scales.len() + c.offsets.len() + c.factors.len()) * 4
-        });
+        let codes = self.codes.as_ref().map_or(0, CodePools::bytes);
         (self.k.len() + self.v.len()) * size_of::<T>() + codes
     }
 
@@ -394,8 +354,12 @@ impl<T: Element> PagedKvCache<T> {
         // rows written here are this sequence's own.
         let pages = self.seqs[id.0].as_ref().map_or(&[][..], |s| &s.pages[..]);
         if let Some(codes) = &mut self.codes {
-            let shape = (self.kv_heads, self.pages, ps, len);
-            return codes.write(shape, pages, k, v);
+            let all = self.pages;
+            let slot = |h: usize, i: usize| {
+                let tok = len + i;
+                (h * all + pages[tok / ps] as usize) * ps + tok % ps
+            };
+            return codes.write((k, v), 0, slot);
         }
         let pools = [(Some(k), &mut self.k, self.d_k), (v, &mut self.v, self.d_v)];
         for (src, pool, d) in pools.into_iter().filter_map(|(s, p, d)| Some((s?, p, d))) {
@@ -419,24 +383,7 @@ impl<T: Element> PagedKvCache<T> {
     fn check_tokens(&self, k: Tensor4Ref<'_, T>, v: Option<Tensor4Ref<'_, T>>) -> Result<()> {
         check_new_tokens(k, v, [1, self.kv_heads, self.d_k, self.d_v])?;
         if self.codes.is_some() {
-            for rows in core::iter::once(k).chain(v) {
-                for h in 0..self.kv_heads {
-                    let m = rows.head(0, h)?;
-                    for i in 0..m.nrows() {
-                        for c in 0..m.ncols() {
-                            let x = m[(i, c)].to_f32();
-                            if !x.is_finite() {
-                                return Err(Error::invalid_value(
-                                    "row appended to a quantized cache",
-                                    c,
-                                    x,
-                                    "finite: a quantized cache has no code for inf or NaN",
-                                ));
-                            }
-                        }
-                    }
-                }
-            }
+            CodePools::check_finite(&[Some(k), v].into_iter().flatten().collect::<Vec<_>>())?;
         }
         Ok(())
     }
@@ -626,61 +573,6 @@ impl<T: Element> PagedKvCache<T> {
     }
 }
 
-impl Codes {
-    /// Writes `t` new tokens of one sequence, the first at `len`, into its `pages`: each
-    /// row of each head quantized ([`quantize_row`]) to its codes and scale, keys shifted
-    /// and divided per channel as the first keys the cache sees set. The rows were checked
-    /// (shapes, finite entries), so no row fails.
-    fn write<T: Element>(
-        &mut self,
-        (heads, pool_pages, ps, len): (usize, usize, usize, usize),
-        pages: &[u32],
-        k: Tensor4Ref<'_, T>,
-        v: Option<Tensor4Ref<'_, T>>,
-    ) -> Result<()> {
-        let [_, _, t, d_k] = k.dims();
-        if self.format.key_channels && !self.calibrated && t > 0 {
-            for h in 0..heads {
-                let rows = k.head(0, h)?;
-                let wide = faer::Mat::from_fn(t, d_k, |i, c| rows[(i, c)].to_f32());
-                let (mu, f) = KeyChannels::calibrate(wide.as_ref());
-                self.offsets[h * d_k..(h + 1) * d_k].copy_from_slice(&mu);
-                self.factors[h * d_k..(h + 1) * d_k].copy_from_slice(&f);
-            }
-            self.calibrated = true;
-        }
-        let codes = self.format.codes;
-        let pools = [
-            (Some(k), &mut self.k, &mut self.k_scales, true),
-            (v, &mut self.v, &mut self.v_scales, false),
-        ];
-        for (src, pool, scales, keys) in pools
-            .into_iter()
-            .filter_map(|(s, p, sc, keys)| Some((s?, p, sc, keys)))
-        {
-            let d = src.dims()[3];
-            let mut row = vec![0.0f32; d];
-            for h in 0..heads {
-                let rows = src.head(0, h)?;
-                let channels = (keys && self.format.key_channels).then(|| KeyChannels {
-                    offsets: &self.offsets[h * d..(h + 1) * d],
-                    factors: &self.factors[h * d..(h + 1) * d],
-                });
-                for i in 0..t {
-                    let tok = len + i;
-                    let slot = (h * pool_pages + pages[tok / ps] as usize) * ps + tok % ps;
-                    for (c, x) in row.iter_mut().enumerate() {
-                        *x = rows[(i, c)].to_f32();
-                    }
-                    let out = &mut pool[slot * d..(slot + 1) * d];
-                    scales[slot] = quantize_row(codes, &row, channels, out)?;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
 /// Copies page `from` of every head's pool (of elements, codes or scales; `page_len`
 /// entries a page) to page `to`.
 fn copy_page<U: Copy>(
@@ -750,11 +642,7 @@ impl<'c, T: Element> PagedBatch<'c, T> {
             cache.view(&c.v_scales, (1, 1))?,
         );
         let scales = PagedKv::new(ks, vs, &self.table, &self.lens)?;
-        let (h, d) = (cache.kv_heads, cache.d_k);
-        let channels = c
-            .format
-            .key_channels
-            .then(|| [&c.offsets, &c.factors].map(|m| faer::MatRef::from_row_major_slice(m, h, d)));
+        let channels = c.channels(cache.kv_heads, cache.d_k);
         QuantizedKv::new(codes, scales, channels, c.format)
     }
 

@@ -10,7 +10,7 @@ use core::ops::Range;
 pub(crate) use attn_core::filled;
 use attn_core::{
     BatchShape, CuSeqlens, Error, HeadMask, HeadModifiers, HeadShape, Options, PagedKv, Precision,
-    QuantizedKv, Result, Tensor4Ref, validate_packed, validate_paged,
+    QuantizedKv, Result, Tensor4Ref, validate_packed, validate_paged, validate_paged_batched,
 };
 use faer::{Mat, MatRef, RowMut, TryReserveError};
 
@@ -371,7 +371,7 @@ impl<'a, T> Packed<'a, T> {
         })
     }
 
-    /// `[1, h_q, total_q, d_v]`.
+    /// `[1, h_q, total_q, d_v]` (packed queries) or `[batch, h_q, n_q, d_v]`.
     pub fn out_dims(&self) -> [usize; 4] {
         self.out_dims
     }
@@ -427,7 +427,8 @@ impl<'a, T> Packed<'a, T> {
 }
 
 /// A paged call, validated: packed queries `[1, h_q, total_q, d_k]` against the pages of a
-/// [`PagedKv`], sequence `s`'s queries (rows `cu_q[s]..cu_q[s + 1]`) its newest positions.
+/// [`PagedKv`], sequence `s`'s queries (rows `cu_q[s]..cu_q[s + 1]`) its newest positions
+/// — or batched ones, `[batch, h_q, n_q, d_k]`, `n_q` a sequence (a cache's call).
 /// Each (query head, sequence) is one job whose K and V are [`Paged`] sources, as a packed
 /// call's are sub-views; the tile plan is the longest sequence's, so the bits do not depend
 /// on the thread count (nor on the page size: a block is the same keys in any pages).
@@ -436,13 +437,39 @@ pub(crate) struct PagedBatch<'a, T, P = PagedKv<'a, T>> {
     pub problem: Problem,
     q: Tensor4Ref<'a, T>,
     kv: P,
-    cu_q: &'a [usize],
+    queries: QueryRows<'a>,
     options: Options<'a>,
-    /// `[1, h_q, total_q, d_v]`.
+    /// `[1, h_q, total_q, d_v]` (packed) or `[batch, h_q, n_q, d_v]`.
     out_dims: [usize; 4],
     group: usize,
     /// Query heads per job of a decoding sequence (one query): [`heads_per_job`].
     stack: usize,
+}
+
+/// Where a paged call's queries are: packed, sequence `s` on rows `cu_q[s]..cu_q[s + 1]`
+/// of `[1, h_q, total_q, d]`, or batched, on rows `0..n_q` of batch entry `s`.
+#[derive(Debug, Clone, Copy)]
+enum QueryRows<'a> {
+    Packed(&'a [usize]),
+    Batched { n_q: usize },
+}
+
+impl QueryRows<'_> {
+    /// Sequence `s`'s rows in its batch entry of Q and of the output.
+    fn rows(&self, s: usize) -> Range<usize> {
+        match *self {
+            QueryRows::Packed(cu) => cu[s]..cu[s + 1],
+            QueryRows::Batched { n_q } => 0..n_q,
+        }
+    }
+
+    /// The batch entry of Q and of the output that holds sequence `s`'s rows.
+    fn entry(&self, s: usize) -> usize {
+        match self {
+            QueryRows::Packed(_) => 0,
+            QueryRows::Batched { .. } => s,
+        }
+    }
 }
 
 /// The pages a paged call reads: of elements ([`PagedKv`]) or quantized ([`QuantizedKv`]).
@@ -497,7 +524,7 @@ impl<'a, T: Element> Pages<'a, T> for QuantizedKv<'a> {
 }
 
 impl<'a, T: Element, P: Pages<'a, T>> PagedBatch<'a, T, P> {
-    /// Validates the queries, their offsets and the options against the pages.
+    /// Validates the packed queries, their offsets and the options against the pages.
     pub fn new(
         q: Tensor4Ref<'a, T>,
         cu_q: &'a [usize],
@@ -505,22 +532,43 @@ impl<'a, T: Element, P: Pages<'a, T>> PagedBatch<'a, T, P> {
         options: &Options<'a>,
     ) -> Result<Self> {
         let (shape, scale) = validate_paged(q, cu_q, &kv.table(), options)?;
+        Self::validated(q, QueryRows::Packed(cu_q), kv, (shape, scale), options)
+    }
+
+    /// Validates batched queries (`[batch, h_q, n_q, d_k]`, one batch entry a sequence)
+    /// and the options against the pages.
+    pub fn batched(q: Tensor4Ref<'a, T>, kv: P, options: &Options<'a>) -> Result<Self> {
+        let (shape, scale) = validate_paged_batched(q, &kv.table(), options)?;
+        let rows = QueryRows::Batched {
+            n_q: shape.head.n_q,
+        };
+        Self::validated(q, rows, kv, (shape, scale), options)
+    }
+
+    fn validated(
+        q: Tensor4Ref<'a, T>,
+        queries: QueryRows<'a>,
+        kv: P,
+        (shape, scale): (BatchShape, f32),
+        options: &Options<'a>,
+    ) -> Result<Self> {
         let HeadShape { n_q, n_k, d_k, d_v } = shape.head;
-        check_row_handles(element_count(&[shape.h_q, n_q]))?;
-        let max_q = cu_q.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        check_row_handles(element_count(&[shape.batch, shape.h_q, n_q]))?;
+        let counts = (0..kv.table().batch()).map(|s| queries.rows(s).len());
+        let max_q = counts.clone().max().unwrap_or(0);
         let group = shape.h_q / shape.h_kv.max(1);
         let stack = stacked_heads(options, 1, group);
         // The plan has room for a stack of heads: its tiles are the longest sequence's
         // whenever that has more rows (a tile holds at most QUERY_TILE rows either way).
-        let decodes = cu_q.windows(2).any(|w| w[1] - w[0] == 1);
+        let decodes = counts.clone().any(|n| n == 1);
         let rows = if decodes { max_q.max(stack) } else { max_q };
         Ok(Self {
             problem: Problem::new(rows, n_k, d_k, d_v, scale, kv.precision(options.precision)),
             q,
             kv,
-            cu_q,
+            queries,
             options: *options,
-            out_dims: [1, shape.h_q, n_q, d_v],
+            out_dims: [shape.batch, shape.h_q, n_q, d_v],
             group,
             stack,
         })
@@ -539,7 +587,7 @@ impl<'a, T: Element, P: Pages<'a, T>> PagedBatch<'a, T, P> {
         let stack = self.stack.max(1);
         for h in 0..h_q {
             for s in 0..batch {
-                match self.cu_q[s + 1] - self.cu_q[s] {
+                match self.queries.rows(s).len() {
                     0 => {}
                     1 if stack > 1 => {
                         if h.is_multiple_of(stack) {
@@ -553,28 +601,28 @@ impl<'a, T: Element, P: Pages<'a, T>> PagedBatch<'a, T, P> {
         Ok(jobs)
     }
 
-    /// The output rows (indices into `[h_q][total_q]`) in the order the jobs write them:
-    /// `None` when that is the rows' own order (nothing stacked). The forward pass hands
-    /// the jobs their rows in this order.
+    /// The output rows (indices into `[batch][h_q][n_q]`, `[1][h_q][total_q]` packed) in
+    /// the order the jobs write them: `None` when that is the rows' own order (nothing
+    /// stacked, queries packed). The forward pass hands the jobs their rows in this order.
     pub fn row_order(&self) -> Result<Option<Vec<usize>>> {
-        let [_, _, total_q, _] = self.out_dims;
+        let [_, h_q, n_q, _] = self.out_dims;
         let jobs = self.job_list()?;
-        let n = self.out_dims[1].checked_mul(total_q);
+        let n = element_count(&self.out_dims[..3]);
         let mut order = Vec::new();
         order
             .try_reserve_exact(n.unwrap_or(usize::MAX))
             .map_err(|_| Error::allocation_of::<usize>("paged row order", n))?;
         for (heads, s) in jobs {
-            let rows = self.cu_q[s]..self.cu_q[s + 1];
+            let (rows, entry) = (self.queries.rows(s), self.queries.entry(s));
             for h in heads {
-                order.extend(rows.clone().map(|r| h * total_q + r));
+                order.extend(rows.clone().map(|r| (entry * h_q + h) * n_q + r));
             }
         }
         let in_order = order.iter().enumerate().all(|(j, &i)| i == j);
         Ok((!in_order).then_some(order))
     }
 
-    /// `[1, h_q, total_q, d_v]`.
+    /// `[1, h_q, total_q, d_v]` (packed queries) or `[batch, h_q, n_q, d_v]`.
     pub fn out_dims(&self) -> [usize; 4] {
         self.out_dims
     }
@@ -600,13 +648,13 @@ impl<'a, T: Element, P: Pages<'a, T>> PagedBatch<'a, T, P> {
         let (mut out, mut lse) = (out, if lse.is_empty() { None } else { Some(lse) });
         for (heads, s) in list {
             let (h, kv) = (heads.start, heads.start / self.group.max(1));
-            let (rows, n_k) = (self.cu_q[s]..self.cu_q[s + 1], self.kv.table().lens()[s]);
-            let n_q = rows.len();
+            let (rows, n_k) = (self.queries.rows(s), self.kv.table().lens()[s]);
+            let (n_q, entry) = (rows.len(), self.queries.entry(s));
             let (rows_out, rows_lse) = take_rows(&mut out, &mut lse, n_q * heads.len());
             let q = if heads.len() > 1 {
-                self.q.heads_at(0, heads.clone(), rows.start)?
+                self.q.heads_at(entry, heads.clone(), rows.start)?
             } else {
-                self.q.head(0, h)?.subrows(rows.start, n_q)
+                self.q.head(entry, h)?.subrows(rows.start, n_q)
             };
             // The queries are the sequence's last `n_q` positions (validated: n_q ≤ n_k).
             let offset = n_k - n_q;

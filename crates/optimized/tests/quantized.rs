@@ -2,8 +2,8 @@
 //! quantized cache against unquantized attention (the error each format costs).
 
 use attn_optimized::{
-    Causal, Element, Error, Layout, Options, PagedKvCache, Par, SeqId, SlidingWindow, Tensor4Ref,
-    bf16, f16,
+    Causal, Element, Error, Growth, KvCache, Layout, Options, PagedKvCache, Par, SeqId,
+    SlidingWindow, Tensor4Ref, bf16, f16,
 };
 
 mod common;
@@ -147,5 +147,88 @@ fn forks_keep_their_codes_apart() {
         cache.append(child, tok, tok).unwrap();
         assert_eq!(out(&cache, ids[0]), before);
         assert_ne!(out(&cache, child), before);
+    }
+}
+
+/// A contiguous quantized cache is the paged one with a page per sequence: the same bits
+/// as pages of 16 tokens (decode steps and a chunk, grouped-query heads, queries in either
+/// layout), growing as it fills, and the reference's result on its codes.
+#[test]
+fn contiguous_quantized_cache_is_a_paged_one() {
+    let (h_q, h_kv, d, lens) = (8, 2, 64, [77usize, 130]);
+    for format in FORMATS {
+        let (paged, ids, rows) =
+            filled_cache::<f32>(format, (&lens, 5), 16, (h_kv, d), Outliers::Offset);
+        let mut cache = KvCache::<f32>::quantized(2, h_kv, 8, d, d, format)
+            .unwrap()
+            .with_growth(Growth::Double);
+        // The same appends, entry by entry, in the same chunks (the key channels are set
+        // by the first: entry 0's first five tokens).
+        for (b, (k, v)) in rows.iter().enumerate() {
+            let len = lens[b];
+            let mut at = 0;
+            for chunk in [len.min(5), len / 2, len] {
+                let chunk = chunk.saturating_sub(at);
+                if chunk == 0 {
+                    continue;
+                }
+                let r = at * h_kv * d..(at + chunk) * h_kv * d;
+                let dims = [1, h_kv, chunk, d];
+                let kc = Tensor4Ref::from_layout(&k[r.clone()], dims, Layout::Bshd).unwrap();
+                let vc = Tensor4Ref::from_layout(&v[r], dims, Layout::Bshd).unwrap();
+                cache.append_to(b, kc, vc).unwrap();
+                at += chunk;
+            }
+        }
+        assert!(cache.capacity() >= 130);
+        for (n_q, layout) in [(1, Layout::Bshd), (1, Layout::Bhsd), (3, Layout::Bhsd)] {
+            let q = normal(2 * h_q * n_q * d, d, 3, Outliers::None);
+            let qb = Tensor4Ref::from_layout(&q, [2, h_q, n_q, d], layout).unwrap();
+            let opts = Options::default().with_causal(Causal::BottomRight);
+            let out = cache
+                .attention(qb, &opts)
+                .unwrap()
+                .forward(Par::rayon(2))
+                .unwrap();
+            assert_eq!(out.output().dims(), [2, h_q, n_q, d]);
+            // The paged cache's packed call of the same queries: rows [h][b·n_q + i].
+            let packed: Vec<f32> = (0..h_q)
+                .flat_map(|h| (0..2).flat_map(move |b| (0..n_q).map(move |i| (b, h, i))))
+                .flat_map(|(b, h, i)| {
+                    let m = qb.head(b, h).unwrap();
+                    (0..d).map(move |c| m[(i, c)])
+                })
+                .collect();
+            let qp = Tensor4Ref::from_layout(&packed, [1, h_q, 2 * n_q, d], Layout::Bhsd).unwrap();
+            let cu = [0, n_q, 2 * n_q];
+            let batch = paged.batch(&ids).unwrap();
+            let pout = batch
+                .attention(qp, &cu, &opts)
+                .unwrap()
+                .forward(Par::rayon(2))
+                .unwrap();
+            for b in 0..2 {
+                for h in 0..h_q {
+                    for i in 0..n_q {
+                        let a = out.output().as_ref().head(b, h).unwrap();
+                        let p = pout.output().as_ref().head(0, h).unwrap();
+                        for c in 0..d {
+                            assert_eq!(
+                                a[(i, c)].to_bits(),
+                                p[(b * n_q + i, c)].to_bits(),
+                                "{format:?} n_q {n_q} {layout:?} ({b}, {h}, {i}, {c})"
+                            );
+                        }
+                    }
+                }
+            }
+            let kv = cache.quantized_kv().unwrap();
+            let reference = attn_reference::Attention::quantized(qp, &cu, kv, &opts)
+                .unwrap()
+                .forward()
+                .unwrap();
+            let err = max_row_error(pout.output().as_slice(), reference.output().as_slice(), d);
+            assert!(err < 2e-5, "{format:?}: {err:e}");
+        }
     }
 }

@@ -195,6 +195,14 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         ))
     }
 
+    /// A quantized KV cache's call ([`crate::KvCache::attention`]).
+    pub(crate) fn cached_quantized(
+        call: PagedBatch<'a, T, QuantizedKv<'a>>,
+        options: &Options<'a>,
+    ) -> Self {
+        Self::from_operands(BatchOperands(Operands::Quantized(call)), options)
+    }
+
     /// A KV cache's call ([`crate::KvCache::attention`]), validated by the cache.
     pub(crate) fn cached(call: Batched<'a, T>, options: &Options<'a>) -> Self {
         Self::from_operands(BatchOperands(Operands::Cached(call)), options)

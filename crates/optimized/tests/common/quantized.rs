@@ -8,6 +8,9 @@ use attn_optimized::{
     Tensor4Ref,
 };
 
+/// The keys and values appended to one sequence, `[B,S,H,D]`.
+pub type Rows<T> = (Vec<T>, Vec<T>);
+
 /// Outlier channels of keys: every 29th channel (from the fourth) twenty times the
 /// others' size.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,7 +45,7 @@ pub fn normal(n: usize, d: usize, seed: u64, outliers: Outliers) -> Vec<f32> {
                 _ if c % 29 != 3 => z,
                 Outliers::None => z,
                 Outliers::Spread => 20.0 * z,
-                Outliers::Offset => z + if c % 2 == 0 { 20.0 } else { -20.0 },
+                Outliers::Offset => z + if c.is_multiple_of(2) { 20.0 } else { -20.0 },
             }
         })
         .collect()
@@ -64,7 +67,7 @@ pub fn filled_cache<T: Element>(
     page: usize,
     (h_kv, d): (usize, usize),
     outliers: Outliers,
-) -> (PagedKvCache<T>, Vec<SeqId>, Vec<(Vec<T>, Vec<T>)>) {
+) -> (PagedKvCache<T>, Vec<SeqId>, Vec<Rows<T>>) {
     let pages = lens.iter().map(|l| l.div_ceil(page) + 1).sum::<usize>() + 2;
     let mut cache = PagedKvCache::<T>::quantized(pages, page, h_kv, d, d, format).unwrap();
     let mut ids = Vec::new();
