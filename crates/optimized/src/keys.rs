@@ -458,8 +458,14 @@ impl<'a> Quantized<'a> {
                 break;
             };
             let n = run.nrows().min(end - j);
-            for (i, o) in out[j - first..j - first + n].iter_mut().enumerate() {
-                *o = run[(i, 0)];
+            let dst = &mut out[j - first..j - first + n];
+            match run.col(0).try_as_col_major() {
+                Some(col) => dst.copy_from_slice(&col.as_slice()[..n]),
+                None => {
+                    for (i, o) in dst.iter_mut().enumerate() {
+                        *o = run[(i, 0)];
+                    }
+                }
             }
             j += n;
         }

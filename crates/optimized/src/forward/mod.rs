@@ -484,9 +484,12 @@ impl Scratch {
         packed: Option<&PackedHead>,
     ) {
         debug_assert!(rows.len() <= self.plan.br);
-        // The row kernels stream K and V in place, run by run: a source that cannot lend
-        // its rows in place goes through the GEMM tiles, which take them as f32 blocks.
-        let lends = |src: &K| src.in_place().is_some() || src.run_at(0).is_some();
+        // The row kernels stream K and V in place, run by run (quantized ones their codes):
+        // a source that cannot lend its rows in place goes through the GEMM tiles, which
+        // take them as f32 blocks.
+        let lends = |src: &K| {
+            src.in_place().is_some() || src.run_at(0).is_some() || src.quantized().is_some()
+        };
         // A tile of few rows takes the row kernels whatever the plan: in a call that also
         // has long tiles (a continuous batch) its decoding steps stream as they do alone.
         let few_rows = rows.len() <= DECODE_ROWS;

@@ -5,9 +5,7 @@ use core::arch::x86_64::*;
 
 use faer::MatRef;
 
-use super::kernels::{
-    PREFETCH_BYTES, PassArgs, Rows, ScoreArgs, fits, prefetch_row, row_kernels, supports,
-};
+use super::kernels::{PassArgs, Rows, ScoreArgs, fits, prefetch_row, row_kernels, supports};
 use super::{KEYS_AT_ONCE, MAX_ROWS};
 use super::{RowElement, RowKind};
 
@@ -29,20 +27,18 @@ unsafe fn load8<T: RowElement>(p: *const T) -> __m256 {
             ))),
             RowKind::Int8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))),
             RowKind::Fp8 => {
-                _mm256_cvtph_ps(fp8_as_f16(_mm_cvtepu8_epi16(_mm_loadl_epi64(p.cast()))))
+                _mm256_cvtph_ps(fp8_as_f16(_mm_cvtepi8_epi16(_mm_loadl_epi64(p.cast()))))
             }
         }
     }
 }
 
-/// Eight fp8 e4m3 codes (one a 16-bit lane) as the f16 numbers `2⁻⁸` of their values
-/// (the AVX-512 kernels' `fp8_as_f16`, 128 bits wide).
+/// Eight fp8 e4m3 codes, sign-extended to 16-bit lanes, as the f16 numbers `2⁻⁸` of
+/// their values (the AVX-512 kernels' `fp8_as_f16`, 128 bits wide).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn fp8_as_f16(x: __m128i) -> __m128i {
-    let sign = _mm_slli_epi16::<8>(_mm_and_si128(x, _mm_set1_epi16(0x80)));
-    let rest = _mm_slli_epi16::<7>(_mm_and_si128(x, _mm_set1_epi16(0x7F)));
-    _mm_or_si128(sign, rest)
+    _mm_and_si128(_mm_slli_epi16::<7>(x), _mm_set1_epi16(0xBFFF_u16 as i16))
 }
 
 /// The sum of the eight lanes.

@@ -4,9 +4,7 @@ use core::arch::x86_64::*;
 
 use faer::MatRef;
 
-use super::kernels::{
-    PREFETCH_BYTES, PassArgs, Rows, ScoreArgs, fits, prefetch_row, row_kernels, supports,
-};
+use super::kernels::{PassArgs, Rows, ScoreArgs, fits, prefetch_row, row_kernels, supports};
 use super::{KEYS_AT_ONCE, MAX_ROWS};
 use super::{RowElement, RowKind};
 
@@ -28,21 +26,23 @@ unsafe fn load16<T: RowElement>(p: *const T) -> __m512 {
             ))),
             RowKind::Int8 => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))),
             RowKind::Fp8 => {
-                _mm512_cvtph_ps(fp8_as_f16(_mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()))))
+                _mm512_cvtph_ps(fp8_as_f16(_mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast()))))
             }
         }
     }
 }
 
-/// Sixteen fp8 e4m3 codes (one a 16-bit lane) as the f16 numbers `2⁻⁸` of their values:
-/// the sign to bit 15, exponent and mantissa one bit below where e4m3 has them (f16's
-/// exponent bias is 8 more than e4m3's; subnormals map to subnormals alike).
+/// Sixteen fp8 e4m3 codes, sign-extended to 16-bit lanes, as the f16 numbers `2⁻⁸` of
+/// their values: exponent and mantissa one bit below where e4m3 has them (f16's exponent
+/// bias is 8 more than e4m3's; subnormals map to subnormals alike). Shifted left by 7,
+/// the sign extension fills bits 14 and 15 with the sign: bit 14 is cleared.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn fp8_as_f16(x: __m256i) -> __m256i {
-    let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(x, _mm256_set1_epi16(0x80)));
-    let rest = _mm256_slli_epi16::<7>(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)));
-    _mm256_or_si256(sign, rest)
+    _mm256_and_si256(
+        _mm256_slli_epi16::<7>(x),
+        _mm256_set1_epi16(0xBFFF_u16 as i16),
+    )
 }
 
 /// The horizontal sums of eight vectors, as one vector of eight: a shuffle tree of 25

@@ -175,7 +175,7 @@ macro_rules! row_kernels {
             assert!(k.ncols() == $lanes * NV && qs.len() == nr * $lanes * NV);
             assert!(nr > 0 && n <= stride && fits(out.len(), nr, stride, n));
             let (rows, next) = (Rows::of(k), Rows::of(next));
-            let ahead = PREFETCH_BYTES.div_ceil(rows.bytes);
+            let ahead = T::AHEAD_BYTES.div_ceil(rows.bytes);
             let load_q = |r: usize| -> [$vector; NV] {
                 let mut qv = [$zero(); NV];
                 for (c, x) in qv.iter_mut().enumerate() {
@@ -193,7 +193,7 @@ macro_rules! row_kernels {
             let mut j = 0;
             while j + KEYS_AT_ONCE <= n {
                 for r in 0..KEYS_AT_ONCE {
-                    if j + ahead + r >= n {
+                    if T::PREFETCHES || j + ahead + r >= n {
                         prefetch_row(&rows, &next, j + ahead + r);
                     }
                 }
@@ -249,7 +249,7 @@ macro_rules! row_kernels {
             out: &mut [f32],
         ) {
             let (rows, next) = (Rows::of(k), Rows::of(next));
-            let ahead = PREFETCH_BYTES.div_ceil(rows.bytes);
+            let ahead = T::AHEAD_BYTES.div_ceil(rows.bytes);
             for (j, o) in out.iter_mut().enumerate().take(k.nrows()) {
                 prefetch_row(&rows, &next, j + ahead);
                 // SAFETY: row j < n has d = q.len() readable elements at unit stride (`supports`).
@@ -349,7 +349,7 @@ macro_rules! row_kernels {
             assert!(alphas.len() == R && accs.len() == R * d && c0 + $lanes * W <= d);
             assert!(n <= stride && fits(ps.len(), R, stride, n));
             let (rows, next) = (Rows::of(v), Rows::of(next));
-            let ahead = PREFETCH_BYTES.div_ceil(rows.bytes);
+            let ahead = T::AHEAD_BYTES.div_ceil(rows.bytes);
             let mut regs = [[$zero(); W]; R];
             for (r, row_regs) in regs.iter_mut().enumerate() {
                 let alpha = $splat(alphas[r]);
@@ -361,7 +361,7 @@ macro_rules! row_kernels {
                 }
             }
             for j in 0..n {
-                if c0 == 0 && j + ahead >= n {
+                if c0 == 0 && (T::PREFETCHES || j + ahead >= n) {
                     prefetch_row(&rows, &next, j + ahead);
                 }
                 let mut p = [$zero(); R];
