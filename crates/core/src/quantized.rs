@@ -304,8 +304,13 @@ impl<'a> QuantizedKv<'a> {
             ));
         }
         // Every call checks the scales it reads: a scan at memory speed (1/d of the codes'
-        // bytes), vectorised where a page's scales are contiguous.
-        for pool in [scales.keys(), scales.values()] {
+        // bytes), over the whole pool at once where it is one dense block (a cache's), and
+        // sequence by sequence where that finds a non-finite scale or the pool is strided.
+        let dense_and_finite = |pool: Tensor4Ref<'_, f32>| {
+            dense(pool).is_some_and(|all| all.iter().fold(true, |ok, x| ok & x.is_finite()))
+        };
+        let pools = [scales.keys(), scales.values()];
+        for pool in pools.into_iter().filter(|&p| !dense_and_finite(p)) {
             for s in 0..scales.batch() {
                 for h in 0..h_kv {
                     for (first, run) in scales.segments(pool, s, h, 0..scales.lens()[s]) {
@@ -406,19 +411,21 @@ impl<'a> QuantizedKv<'a> {
         self.format
     }
 
-    /// Entry `c` of key `t` of head `h` of sequence `s`, dequantized in f64:
-    /// `offset + factor · scale · value(code)` (the literal definition; `NaN` outside the
+    /// Entry `c` of key `t` of head `h` of sequence `s`, dequantized: `x = scale ·
+    /// value(code)`, then `offset + factor · x` with key channels, each operation rounded
+    /// to f32 (the definition: what a cache holds is these f32 values; `NaN` outside the
     /// view).
-    pub fn key(&self, s: usize, h: usize, t: usize, c: usize) -> f64 {
+    pub fn key(&self, s: usize, h: usize, t: usize, c: usize) -> f32 {
         let x = self.entry(self.codes.keys(), self.scales.keys(), (s, h, t, c));
         match self.key_channels {
-            Some([mu, f]) if x.is_finite() => f64::from(mu[(h, c)]) + f64::from(f[(h, c)]) * x,
-            _ => x,
+            Some([mu, f]) => mu[(h, c)] + f[(h, c)] * x,
+            None => x,
         }
     }
 
-    /// Entry `c` of value `t` of head `h` of sequence `s`, dequantized in f64.
-    pub fn value(&self, s: usize, h: usize, t: usize, c: usize) -> f64 {
+    /// Entry `c` of value `t` of head `h` of sequence `s`, dequantized: `scale ·
+    /// value(code)` rounded to f32.
+    pub fn value(&self, s: usize, h: usize, t: usize, c: usize) -> f32 {
         self.entry(self.codes.values(), self.scales.values(), (s, h, t, c))
     }
 
@@ -427,25 +434,76 @@ impl<'a> QuantizedKv<'a> {
         codes: Tensor4Ref<'a, u8>,
         scales: Tensor4Ref<'a, f32>,
         (s, h, t, c): (usize, usize, usize, usize),
-    ) -> f64 {
+    ) -> f32 {
         let ps = self.codes.page_size();
         let inside = s < self.codes.batch() && t < self.codes.lens()[s] && c < codes.dims()[3];
         let page = if inside {
             self.codes.pages(s)[t / ps] as usize
         } else {
-            return f64::NAN;
+            return f32::NAN;
         };
         let (Ok(m), Ok(sc)) = (codes.head(page, h), scales.head(page, h)) else {
-            return f64::NAN;
+            return f32::NAN;
         };
-        let value = self.format.codes.value(m[(t % ps, c)]);
-        f64::from(sc[(t % ps, 0)]) * f64::from(value)
+        sc[(t % ps, 0)] * self.format.codes.value(m[(t % ps, c)])
     }
+}
+
+/// The elements of `t` as one slice, when its dims and strides address exactly the first
+/// `B·H·S·D` elements of its buffer (a dense block in any axis order).
+fn dense<T>(t: Tensor4Ref<'_, T>) -> Option<&[T]> {
+    let ([b, h, s, d], [sb, sh, ss]) = (t.dims(), t.strides());
+    let mut axes = [(sb, b), (sh, h), (ss, s), (1, d)];
+    axes.sort_unstable();
+    let mut next = 1usize;
+    for (stride, len) in axes {
+        if len == 1 {
+            continue;
+        }
+        if stride != next {
+            return None;
+        }
+        next = next.checked_mul(len)?;
+    }
+    let n = [b, h, s, d].iter().product::<usize>();
+    t.buffer().get(..n)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A non-finite scale the lengths reach is an error; one past them is not read.
+    #[test]
+    fn scales_are_checked_where_the_sequences_reach() {
+        use crate::Layout;
+        let codes = [0u8; 2 * 4 * 2];
+        for (at, ok) in [(1, false), (3, true), (5, false)] {
+            let mut scales = [1.0f32; 2 * 4];
+            scales[at] = f32::NAN;
+            for layout in [Layout::Bhsd, Layout::Bshd] {
+                let c = Tensor4Ref::from_layout(&codes, [2, 1, 4, 2], layout).unwrap();
+                let s = Tensor4Ref::from_layout(&scales, [2, 1, 4, 1], layout).unwrap();
+                let (table, lens) = ([0, 1], [3, 2]);
+                let kv = QuantizedKv::new(
+                    PagedKv::new(c, c, &table[..1], &lens[..1]).unwrap(),
+                    PagedKv::new(s, s, &table[..1], &lens[..1]).unwrap(),
+                    None,
+                    KvQuantization::new(KvCodes::Int8),
+                );
+                // One sequence of 3 tokens in page 0: scales 0..3 are read.
+                assert_eq!(kv.is_ok(), at >= 3, "scale {at} of {layout:?}");
+                let both = QuantizedKv::new(
+                    PagedKv::new(c, c, &[0, 1], &lens).unwrap(),
+                    PagedKv::new(s, s, &[0, 1], &lens).unwrap(),
+                    None,
+                    KvQuantization::new(KvCodes::Int8),
+                );
+                // Two sequences: page 1's first two tokens too.
+                assert_eq!(both.is_ok(), ok, "scale {at} of {layout:?}");
+            }
+        }
+    }
 
     #[test]
     fn fp8_codes_round_to_nearest_and_saturate() {

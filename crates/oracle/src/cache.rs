@@ -2,7 +2,11 @@
 //! the cache property (sequences added, appended to, forked, freed and attended), and
 //! the reference's own, a literal pool of pages read by the reference's paged call.
 
-use attn_core::{Error, Layout, Options, PagedKv, Result, Tensor4, Tensor4Ref};
+use attn_core::{
+    Error, KeyChannels, KvQuantization, Layout, Options, PagedKv, QuantizedKv, Result, Tensor4,
+    Tensor4Ref, quantize_row,
+};
+use faer::MatRef;
 
 /// The shape of a paged cache: `pages` pages of `page_size` tokens, each token `kv_heads`
 /// rows of keys `d_k` wide and of values `d_v` wide.
@@ -18,6 +22,11 @@ pub struct CacheShape {
     pub d_k: usize,
     /// Value width.
     pub d_v: usize,
+    /// How the pages store keys and values: `None` as the engine's storage type, else
+    /// quantized (codes and scales written as rows are appended, by
+    /// [`attn_core::quantize_row`], keys' channels set by the first keys the cache sees:
+    /// [`KeyChannels::calibrate`]).
+    pub format: Option<KvQuantization>,
 }
 
 /// A paged KV cache under test (vLLM's PagedAttention; attn-optimized's `PagedKvCache`):
@@ -77,19 +86,32 @@ pub trait PagedCache {
     ) -> Result<(Tensor4<f32>, Vec<f32>)>;
 }
 
-/// The reference engine's paged cache: pools `[pages, kv_heads, page_size, d]` in f32,
-/// a count of users per page, a free list, each sequence's pages and length; attended by
-/// `attn_reference::Attention::paged` over a block table gathered per call.
+/// The reference engine's paged cache: pools `[pages, kv_heads, page_size, d]` in f32
+/// (or, quantized, of codes with pools of scales), a count of users per page, a free list,
+/// each sequence's pages and length; attended by `attn_reference::Attention::paged` (or
+/// `quantized`) over a block table gathered per call.
 #[derive(Debug, Clone)]
 pub(crate) struct ReferenceCache {
     shape: CacheShape,
     k: Vec<f32>,
     v: Vec<f32>,
+    codes: Option<Codes>,
     users: Vec<u32>,
     /// The free pages, the next to hand out last.
     free: Vec<u32>,
     /// `(pages, len)` per handle; `None` once freed.
     seqs: Vec<Option<(Vec<u32>, usize)>>,
+}
+
+/// A quantized reference cache's pools: codes laid out as the f32 pools, a scale a row,
+/// and the keys' per-channel offsets and factors (`[kv_heads][d_k]`, set once).
+#[derive(Debug, Clone)]
+struct Codes {
+    k: Vec<u8>,
+    v: Vec<u8>,
+    k_scales: Vec<f32>,
+    v_scales: Vec<f32>,
+    channels: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl ReferenceCache {
@@ -108,10 +130,18 @@ impl ReferenceCache {
             ));
         }
         let rows = shape.pages * shape.kv_heads * shape.page_size;
+        let codes = shape.format.map(|_| Codes {
+            k: vec![0; rows * shape.d_k],
+            v: vec![0; rows * shape.d_v],
+            k_scales: vec![0.0; rows],
+            v_scales: vec![0.0; rows],
+            channels: None,
+        });
         Ok(Self {
             shape,
             k: vec![0.0; rows * shape.d_k],
             v: vec![0.0; rows * shape.d_v],
+            codes,
             users: vec![0; shape.pages],
             free: (0..shape.pages as u32).rev().collect(),
             seqs: Vec::new(),
@@ -131,26 +161,68 @@ impl ReferenceCache {
         ((page as usize * s.kv_heads + h) * s.page_size + row) * d
     }
 
-    fn pool<'a>(&self, data: &'a [f32], d: usize) -> Result<Tensor4Ref<'a, f32>> {
+    fn pool<'a, U>(&self, data: &'a [U], d: usize) -> Result<Tensor4Ref<'a, U>> {
         let s = self.shape;
         Tensor4Ref::from_layout(data, [s.pages, s.kv_heads, s.page_size, d], Layout::Bhsd)
     }
 
     /// Writes `rows` (`[1, kv_heads, t, d]`) as the tokens `from..from + t` of a sequence
     /// whose pages are `pages`, into the key pool (`keys`) or the value pool.
-    fn write_rows(&mut self, pages: &[u32], from: usize, rows: Tensor4Ref<'_, f32>, keys: bool) {
+    fn write_rows(
+        &mut self,
+        pages: &[u32],
+        from: usize,
+        rows: Tensor4Ref<'_, f32>,
+        keys: bool,
+    ) -> Result<()> {
         let ([_, heads, t, d], ps) = (rows.dims(), self.shape.page_size);
+        if let (Some(format), Some(codes)) = (self.shape.format, &mut self.codes)
+            && keys
+            && format.key_channels
+            && codes.channels.is_none()
+            && t > 0
+        {
+            // The first keys set the channels, head by head.
+            let (mut offsets, mut factors) = (Vec::new(), Vec::new());
+            for h in 0..heads {
+                let (mu, f) = KeyChannels::calibrate(rows.head(0, h)?);
+                offsets.extend(mu);
+                factors.extend(f);
+            }
+            codes.channels = Some((offsets, factors));
+        }
         for h in 0..heads {
-            let m = rows.head(0, h).expect("checked dims");
+            let m = rows.head(0, h)?;
             for i in 0..t {
                 let tok = from + i;
                 let at = self.at(pages[tok / ps], h, tok % ps, d);
-                let pool = if keys { &mut self.k } else { &mut self.v };
-                for c in 0..d {
-                    pool[at + c] = m[(i, c)];
+                let row: Vec<f32> = (0..d).map(|c| m[(i, c)]).collect();
+                match (self.shape.format, &mut self.codes) {
+                    (Some(format), Some(codes)) => {
+                        let channels =
+                            codes
+                                .channels
+                                .as_ref()
+                                .filter(|_| keys)
+                                .map(|(mu, f)| KeyChannels {
+                                    offsets: &mu[h * d..(h + 1) * d],
+                                    factors: &f[h * d..(h + 1) * d],
+                                });
+                        let (pool, scales) = match keys {
+                            true => (&mut codes.k, &mut codes.k_scales),
+                            false => (&mut codes.v, &mut codes.v_scales),
+                        };
+                        scales[at / d.max(1)] =
+                            quantize_row(format.codes, &row, channels, &mut pool[at..at + d])?;
+                    }
+                    _ => {
+                        let pool = if keys { &mut self.k } else { &mut self.v };
+                        pool[at..at + d].copy_from_slice(&row);
+                    }
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -179,6 +251,23 @@ impl PagedCache for ReferenceCache {
             ));
         }
         let (pages, len) = self.seq(seq)?.clone();
+        if s.format.is_some() {
+            let finite = |r: Tensor4Ref<'_, f32>| {
+                (0..s.kv_heads).all(|h| {
+                    r.head(0, h).is_ok_and(|m| {
+                        (0..t).all(|i| (0..m.ncols()).all(|c| m[(i, c)].is_finite()))
+                    })
+                })
+            };
+            if !finite(k) || !finite(v) {
+                return Err(Error::invalid_value(
+                    "row appended to a quantized cache",
+                    0,
+                    f32::NAN,
+                    "finite: a quantized cache has no code for inf or NaN",
+                ));
+            }
+        }
         let need = (len + t).div_ceil(s.page_size) - pages.len();
         if need > self.free.len() {
             return Err(Error::capacity("free pages", need, self.free.len()));
@@ -189,8 +278,8 @@ impl PagedCache for ReferenceCache {
             self.users[p as usize] = 1;
             pages.push(p);
         }
-        self.write_rows(&pages, len, k, true);
-        self.write_rows(&pages, len, v, false);
+        self.write_rows(&pages, len, k, true)?;
+        self.write_rows(&pages, len, v, false)?;
         self.seqs[seq] = Some((pages, len + t));
         Ok(())
     }
@@ -209,6 +298,15 @@ impl PagedCache for ReferenceCache {
                     let (from, to) = (self.at(*last, h, 0, d), self.at(copy, h, 0, d));
                     let pool = if keys { &mut self.k } else { &mut self.v };
                     pool.copy_within(from..from + ps * d, to);
+                    if let Some(c) = &mut self.codes {
+                        let (codes, scales) = match keys {
+                            true => (&mut c.k, &mut c.k_scales),
+                            false => (&mut c.v, &mut c.v_scales),
+                        };
+                        codes.copy_within(from..from + ps * d, to);
+                        let (from, to) = (from / d.max(1), to / d.max(1));
+                        scales.copy_within(from..from + ps, to);
+                    }
                 }
             }
             self.users[copy as usize] = 1;
@@ -261,6 +359,31 @@ impl PagedCache for ReferenceCache {
             table[s * widest..s * widest + pages.len()].copy_from_slice(pages);
         }
         let lens: Vec<usize> = rows.iter().map(|r| r.1).collect();
+        if let (Some(format), Some(c)) = (self.shape.format, &self.codes) {
+            let s = self.shape;
+            let codes = PagedKv::new(
+                self.pool(&c.k, s.d_k)?,
+                self.pool(&c.v, s.d_v)?,
+                &table,
+                &lens,
+            )?;
+            let scales = PagedKv::new(
+                self.pool(&c.k_scales, 1)?,
+                self.pool(&c.v_scales, 1)?,
+                &table,
+                &lens,
+            )?;
+            // Channels not set yet (no keys appended): identity ones.
+            let identity = (vec![0.0; s.kv_heads * s.d_k], vec![1.0; s.kv_heads * s.d_k]);
+            let (mu, f) = c.channels.as_ref().unwrap_or(&identity);
+            let channels = format
+                .key_channels
+                .then(|| [mu, f].map(|m| MatRef::from_row_major_slice(&m[..], s.kv_heads, s.d_k)));
+            let kv = QuantizedKv::new(codes, scales, channels, format)?;
+            let fwd =
+                attn_reference::Attention::quantized(q, cu_seqlens_q, kv, options)?.forward()?;
+            return Ok(fwd.into_parts());
+        }
         let (k, v) = (
             self.pool(&self.k, self.shape.d_k)?,
             self.pool(&self.v, self.shape.d_v)?,

@@ -296,8 +296,8 @@ impl<'a, T: Element + Default> Attention<'a, T, Batch> {
     }
 
     /// [`Attention::paged`] against quantized pages (a quantized paged KV cache): each
-    /// key and value entry dequantized literally, `scale · value(code) · factor` in f64
-    /// ([`QuantizedKv::key`]), then the formula.
+    /// key and value entry dequantized literally ([`QuantizedKv::key`]: `offset + factor ·
+    /// (scale · value(code))` in f32, the values the cache holds), then the formula in f64.
     ///
     /// ```
     /// use attn_reference::{

@@ -82,7 +82,7 @@ pub(crate) fn paged_forward<T: Element + Default>(
 }
 
 /// [`paged_forward`] against quantized pages: each entry dequantized literally
-/// ([`QuantizedKv::key`], [`QuantizedKv::value`]: `scale · value(code) · factor` in f64).
+/// ([`QuantizedKv::key`], [`QuantizedKv::value`]: the f32 values a cache holds).
 pub(crate) fn quantized_forward<T: Element + Default>(
     q: Tensor4Ref<'_, T>,
     cu_q: &[usize],
@@ -90,9 +90,11 @@ pub(crate) fn quantized_forward<T: Element + Default>(
     options: &Options<'_>,
 ) -> Result<(Tensor4<T>, Vec<f32>)> {
     let rows_of = |keys: bool, s: usize, head: usize, n: usize, width: usize| {
-        Mat::<f64>::from_fn(n, width, |t, c| match keys {
-            true => kv.key(s, head, t, c),
-            false => kv.value(s, head, t, c),
+        Mat::<f64>::from_fn(n, width, |t, c| {
+            f64::from(match keys {
+                true => kv.key(s, head, t, c),
+                false => kv.value(s, head, t, c),
+            })
         })
     };
     pages_forward(q, cu_q, &kv.codes(), options, rows_of)

@@ -162,10 +162,13 @@ impl Scratch {
                     Some(v) => zero_weight_meets_non_finite(v, zero_weight),
                     None => zero_weight_meets_non_finite(vb.to_f32(&mut self.v_wide), zero_weight),
                 };
-            let next_k = head.k.run_at(local + nc);
+            // The next block's first run (its own, not the rest of the keys': a run of many
+            // pages is found by walking them).
+            let next_block = head.k.block(local + nc..(local + 2 * nc).min(head.k.len()));
+            let next_k = next_block.run_at(0);
             match in_place {
                 _ if coded.is_some() => {
-                    let next = head.k.quantized().and_then(|k| k.codes.run(local + nc));
+                    let next = next_block.quantized().and_then(|k| k.codes.run(0));
                     if let (Some(kernels), Some(vq)) = (coded, vb.quantized()) {
                         self.accumulate_codes(kernels, vq, next, (nr, nc, d_v));
                     }

@@ -421,13 +421,17 @@ impl<T: Element> Engine for OptimizedEngine<T> {
     }
 
     fn paged_cache(&self, shape: CacheShape) -> Option<Result<Box<dyn PagedCache>>> {
-        let c = PagedKvCache::<T>::new(
+        let (pages, ps, h, d_k, d_v) = (
             shape.pages,
             shape.page_size,
             shape.kv_heads,
             shape.d_k,
             shape.d_v,
         );
+        let c = match shape.format {
+            Some(format) => PagedKvCache::<T>::quantized(pages, ps, h, d_k, d_v, format),
+            None => PagedKvCache::<T>::new(pages, ps, h, d_k, d_v),
+        };
         Some(c.map(|cache| {
             Box::new(Cache {
                 cache,

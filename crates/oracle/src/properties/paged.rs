@@ -15,8 +15,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use attn_core::{
-    BoolMask, BoolMask4, Causal, CuSeqlens, Error, Mask4Ref, Options, PagedKv, SlidingWindow,
-    Tensor4, Tensor4Ref,
+    BoolMask, BoolMask4, Causal, CuSeqlens, Error, KeyChannels, KvCodes, KvQuantization, Mask4Ref,
+    Options, PagedKv, SlidingWindow, Tensor4, Tensor4Ref, quantize_row,
 };
 use attn_reference::Materialized;
 use faer::{Mat, MatRef};
@@ -53,6 +53,7 @@ fn shape_of(pages: usize, page_size: usize, kv_heads: usize, d_k: usize, d_v: us
         kv_heads,
         d_k,
         d_v,
+        format: None,
     }
 }
 
@@ -853,6 +854,8 @@ pub struct CacheCase {
     pub modifiers: ModRecipe,
     /// Seed of the tokens and queries.
     pub seed: u64,
+    /// How the cache stores keys and values (`None`: the engine's storage type).
+    pub format: Option<KvQuantization>,
 }
 
 fn cache_op() -> impl Strategy<Value = CacheOp> {
@@ -875,10 +878,10 @@ pub(crate) fn cache_case() -> BoxedStrategy<CacheCase> {
         ],
         (select(vec![1usize, 4, 8, 16]), select(vec![1usize, 4, 8])),
         proptest::collection::vec(cache_op(), 1..=12),
-        (window(), modifiers(), any::<u64>()),
+        (window(), modifiers(), any::<u64>(), cache_format()),
     )
         .prop_map(
-            |((tokens, page_size), (h_kv, group), (d_k, d_v), ops, (window, m, seed))| {
+            |((tokens, page_size), (h_kv, group), (d_k, d_v), ops, (window, m, seed, format))| {
                 CacheCase {
                     pages: tokens.div_ceil(page_size),
                     page_size,
@@ -899,17 +902,32 @@ pub(crate) fn cache_case() -> BoxedStrategy<CacheCase> {
                         ..m
                     },
                     seed,
+                    format,
                 }
             },
         )
         .boxed()
 }
 
-/// A sequence as the oracle knows it: its tokens, `[t][h_kv][d]` each.
+/// The cache's format: the storage type mostly, each quantized one now and then.
+fn cache_format() -> impl Strategy<Value = Option<KvQuantization>> {
+    let int8 = KvQuantization::new(KvCodes::Int8);
+    prop_oneof![
+        3 => Just(None),
+        1 => Just(Some(int8)),
+        1 => Just(Some(int8.with_key_channels())),
+        1 => Just(Some(KvQuantization::new(KvCodes::Fp8E4m3))),
+    ]
+}
+
+/// A sequence as the oracle knows it: its tokens, `[t][h_kv][d]` each, as appended and
+/// as a quantized cache holds them (read back; the same for other caches).
 #[derive(Debug, Clone, Default)]
 struct Tokens {
     k: Vec<f32>,
     v: Vec<f32>,
+    held_k: Vec<f32>,
+    held_v: Vec<f32>,
     len: usize,
 }
 
@@ -932,6 +950,9 @@ struct CacheRun<'e> {
     seen: BTreeMap<usize, (usize, Vec<u32>)>,
     slopes: Option<Vec<f32>>,
     sinks: Option<Vec<f32>>,
+    /// The keys' channels of a quantized cache with them, `(offsets, factors)`
+    /// `[h_kv][d_k]`, once the first keys set them.
+    channels: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 fn tensor(data: &[f32], dims: [usize; 4]) -> Tensor4Ref<'_, f32> {
@@ -956,7 +977,58 @@ impl CacheRun<'_> {
 
     fn shape(&self, pages: usize) -> CacheShape {
         let c = &self.case;
-        shape_of(pages, c.page_size, c.h_kv, c.d_k, c.d_v)
+        CacheShape {
+            format: c.format,
+            ..shape_of(pages, c.page_size, c.h_kv, c.d_k, c.d_v)
+        }
+    }
+
+    /// Rows `[t][h_kv][d]` as a quantized cache holds them: each quantized and read back
+    /// (`offset + factor · (scale · value)` in f32, the keys' channels set by the first
+    /// keys the run appended); the rows themselves for other caches.
+    fn held(&mut self, rows: &[f32], d: usize, keys: bool) -> Result<Vec<f32>, TestCaseError> {
+        let Some(format) = self.case.format else {
+            return Ok(rows.to_vec());
+        };
+        let h_kv = self.case.h_kv;
+        let t = rows.len() / (h_kv * d).max(1);
+        if keys && format.key_channels && self.channels.is_none() && t > 0 {
+            let (mut offsets, mut factors) = (Vec::new(), Vec::new());
+            for h in 0..h_kv {
+                let m = Mat::<f32>::from_fn(t, d, |i, c| rows[(i * h_kv + h) * d + c]);
+                let (mu, f) = KeyChannels::calibrate(m.as_ref());
+                offsets.extend(mu);
+                factors.extend(f);
+            }
+            self.channels = Some((offsets, factors));
+        }
+        let mut out = vec![0.0; rows.len()];
+        let mut codes = vec![0u8; d];
+        for (r, (row, held)) in rows
+            .chunks(d.max(1))
+            .zip(out.chunks_mut(d.max(1)))
+            .enumerate()
+        {
+            let h = r % h_kv;
+            let channels = self
+                .channels
+                .as_ref()
+                .filter(|_| keys && format.key_channels);
+            let ch = channels.map(|(mu, f)| KeyChannels {
+                offsets: &mu[h * d..(h + 1) * d],
+                factors: &f[h * d..(h + 1) * d],
+            });
+            let scale = quantize_row(format.codes, row, ch, &mut codes)
+                .map_err(|e| fail(format!("quantizing a drawn row: {e}")))?;
+            for (c, x) in held.iter_mut().enumerate() {
+                let value = scale * format.codes.value(codes[c]);
+                *x = match ch {
+                    Some(ch) => ch.offsets[c] + ch.factors[c] * value,
+                    None => value,
+                };
+            }
+        }
+        Ok(out)
     }
 
     fn options(&self) -> Options<'_> {
@@ -1092,7 +1164,13 @@ impl CacheRun<'_> {
                 continue;
             }
             let ps = self.case.page_size;
-            if t.len > 0 && self.engine.paged_bits_ignore_placement(ps, &self.options()) {
+            // A cache with key channels set them from the first keys it saw, which a
+            // fresh cache of one sequence need not see first.
+            let channels = self.case.format.is_some_and(|f| f.key_channels);
+            if t.len > 0
+                && !channels
+                && self.engine.paged_bits_ignore_placement(ps, &self.options())
+            {
                 let mut fresh = make_cache(self.engine, self.shape(t.len.div_ceil(ps)))?;
                 let (hk, dk, dv) = (self.case.h_kv, self.case.d_k, self.case.d_v);
                 let id = fresh
@@ -1139,7 +1217,7 @@ impl CacheRun<'_> {
             let rows = |data: &[f32], d: usize| {
                 Mat::<f32>::from_fn(t.len, d, |i, j| data[(i * c.h_kv + kvh) * d + j])
             };
-            let (k, v) = (rows(&t.k, c.d_k), rows(&t.v, c.d_v));
+            let (k, v) = (rows(&t.held_k, c.d_k), rows(&t.held_v, c.d_v));
             let q = Mat::<f32>::from_fn(1, c.d_k, |_, j| qd[head * c.d_k + j]);
             let slot = HeadSlot::new(&opts, 0, head, h_q);
             let (r, b) = head_reference(
@@ -1239,9 +1317,14 @@ impl CacheRun<'_> {
                         before.free
                     ))),
                     Ok(()) => {
+                        let (d_k, d_v) = (self.case.d_k, self.case.d_v);
+                        let held_k = self.held(&k, d_k, true)?;
+                        let held_v = self.held(&v, d_v, false)?;
                         let t = self.live.get_mut(&h).expect("live");
                         t.k.extend(k);
                         t.v.extend(v);
+                        t.held_k.extend(held_k);
+                        t.held_v.extend(held_v);
                         t.len += tokens;
                         Ok(what)
                     }
@@ -1365,7 +1448,14 @@ impl CacheRun<'_> {
 /// sequence's results); where the engine says its bits ignore where the pages lie, they
 /// are those of a fresh cache holding only its tokens.
 pub(crate) fn cache_isolation(engine: &dyn Engine, case: CacheCase) -> Check {
-    let shape = shape_of(case.pages, case.page_size, case.h_kv, case.d_k, case.d_v);
+    let shape = CacheShape {
+        format: case.format,
+        ..shape_of(case.pages, case.page_size, case.h_kv, case.d_k, case.d_v)
+    };
+    // An engine whose cache has no such format is not asked about it.
+    if case.format.is_some() && engine.paged_cache(shape).is_none_or(|c| c.is_err()) {
+        return Ok(());
+    }
     let cache = make_cache(engine, shape)?;
     if cache.free_pages() != case.pages {
         return Err(fail(format!(
@@ -1384,6 +1474,7 @@ pub(crate) fn cache_isolation(engine: &dyn Engine, case: CacheCase) -> Check {
         seen: BTreeMap::new(),
         slopes,
         sinks,
+        channels: None,
     };
     for (i, &op) in case.ops.iter().enumerate() {
         let what = run.apply(i, op)?;
