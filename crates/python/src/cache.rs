@@ -1,7 +1,7 @@
 //! `attn.KVCache`: attn's [`KvCache`] for decoding from Python.
 
 use attn_core::{Causal, Options, Tensor4Ref};
-use attn_optimized::{Growth, KvCache};
+use attn_optimized::{Growth, KvCache, KvCodes, KvQuantization};
 use half::{bf16, f16};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -16,6 +16,33 @@ type Inner = ByDtype<KvCache<f32>, KvCache<f16>, KvCache<bf16>>;
 
 /// The dtype a user names: ``"float32"``, ``numpy.float16``, ``torch.bfloat16``, … (float32
 /// when none is named), for the cache class `class`.
+/// A cache's ``format=``: ``None`` (the dtype's own elements), ``"int8"`` (one-byte codes
+/// and a scale per token and head), ``"int8-channels"`` (keys shifted and divided per
+/// channel first), ``"fp8"`` (e4m3 codes and a scale per token and head).
+pub(crate) fn kv_format(class: &str, name: Option<&str>) -> PyResult<Option<KvQuantization>> {
+    let int8 = KvQuantization::new(KvCodes::Int8);
+    Ok(match name {
+        None => None,
+        Some("int8") => Some(int8),
+        Some("int8-channels") => Some(int8.with_key_channels()),
+        Some("fp8") => Some(KvQuantization::new(KvCodes::Fp8E4m3)),
+        Some(other) => {
+            return Err(PyValueError::new_err(format!(
+                "{class}(format='{other}'): expected None, \"int8\", \"int8-channels\" or \"fp8\""
+            )));
+        }
+    })
+}
+
+/// The name `format=` takes for `q` (`None` for a cache of elements).
+pub(crate) fn format_name(q: Option<KvQuantization>) -> Option<&'static str> {
+    q.map(|q| match (q.codes, q.key_channels) {
+        (KvCodes::Fp8E4m3, _) => "fp8",
+        (_, true) => "int8-channels",
+        _ => "int8",
+    })
+}
+
 pub(crate) fn dtype_of(class: &str, obj: Option<&Bound<'_, PyAny>>) -> PyResult<Float> {
     let Some(obj) = obj else {
         return Ok(Float::F32);
@@ -217,7 +244,8 @@ impl PyKvCache {
 #[pymethods]
 impl PyKvCache {
     #[new]
-    #[pyo3(signature = (batch, kv_heads, capacity, head_dim, value_dim=None, *, dtype=None, growth="fixed"))]
+    #[pyo3(signature = (batch, kv_heads, capacity, head_dim, value_dim=None, *, dtype=None, growth="fixed", format=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         batch: usize,
         kv_heads: usize,
@@ -226,6 +254,7 @@ impl PyKvCache {
         value_dim: Option<usize>,
         dtype: Option<&Bound<'_, PyAny>>,
         growth: &str,
+        format: Option<&str>,
     ) -> PyResult<Self> {
         let growth = match growth {
             "fixed" => Growth::Fixed,
@@ -237,23 +266,25 @@ impl PyKvCache {
             }
         };
         let dtype = dtype_of("KVCache", dtype)?;
+        let format = kv_format("KVCache", format)?;
         let d_v = value_dim.unwrap_or(head_dim);
+        fn make<T: Storage>(
+            (b, h, cap, dk, dv): (usize, usize, usize, usize, usize),
+            format: Option<KvQuantization>,
+            growth: Growth,
+        ) -> PyResult<KvCache<T>> {
+            match format {
+                Some(f) => KvCache::quantized(b, h, cap, dk, dv, f),
+                None => KvCache::new(b, h, cap, dk, dv),
+            }
+            .map(|c| c.with_growth(growth))
+            .map_err(to_py_err)
+        }
+        let dims = (batch, kv_heads, capacity, head_dim, d_v);
         let inner = match dtype {
-            Float::F32 => Inner::F32(
-                KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
-                    .map_err(to_py_err)?
-                    .with_growth(growth),
-            ),
-            Float::F16 => Inner::F16(
-                KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
-                    .map_err(to_py_err)?
-                    .with_growth(growth),
-            ),
-            Float::Bf16 => Inner::BF16(
-                KvCache::new(batch, kv_heads, capacity, head_dim, d_v)
-                    .map_err(to_py_err)?
-                    .with_growth(growth),
-            ),
+            Float::F32 => Inner::F32(make(dims, format, growth)?),
+            Float::F16 => Inner::F16(make(dims, format, growth)?),
+            Float::Bf16 => Inner::BF16(make(dims, format, growth)?),
         };
         Ok(Self { inner, dtype })
     }
@@ -336,6 +367,13 @@ impl PyKvCache {
     #[getter]
     fn value_dim(&self) -> usize {
         typed!(&self.inner, c, T, c.values().dims()[3])
+    }
+
+    /// How the cache stores keys and values: ``None`` (the dtype's elements), ``"int8"``,
+    /// ``"int8-channels"`` or ``"fp8"``.
+    #[getter]
+    fn format(&self) -> Option<&'static str> {
+        format_name(typed!(&self.inner, c, T, c.quantization()))
     }
 
     /// The storage dtype's name.

@@ -2,13 +2,13 @@
 //! that sequences are added to, appended to, forked and freed, and one call over a batch
 //! of them.
 
-use attn_optimized::{PagedKvCache, SeqId};
+use attn_optimized::{KvQuantization, PagedKvCache, SeqId};
 use half::{bf16, f16};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::array::{Array, Dtype, Float, float_name, is_torch_tensor};
-use crate::cache::dtype_of;
+use crate::cache::{dtype_of, format_name, kv_format};
 use crate::output::{Storage, check_returnable};
 use crate::packed::{offsets, operand};
 use crate::paged::{Form, PagedOptions, Queries, returned, run, window_of};
@@ -113,24 +113,26 @@ impl PyPagedKvCache {
     fn create(
         (num_pages, page_size, kv_heads, head_dim, value_dim): (usize, usize, usize, usize, usize),
         dtype: Option<&Bound<'_, PyAny>>,
-        latent: bool,
+        (latent, format): (bool, Option<KvQuantization>),
     ) -> PyResult<Self> {
         let dtype = dtype_of("PagedKVCache", dtype)?;
         let dims = (num_pages, page_size, kv_heads, head_dim, value_dim);
         fn make<T: Storage>(
             (p, s, h, dk, dv): (usize, usize, usize, usize, usize),
-            latent: bool,
+            (latent, format): (bool, Option<KvQuantization>),
         ) -> PyResult<PagedKvCache<T>> {
-            match latent {
-                false => PagedKvCache::new(p, s, h, dk, dv),
-                true => PagedKvCache::latent(p, s, h, dk, dv),
+            match (latent, format) {
+                (false, None) => PagedKvCache::new(p, s, h, dk, dv),
+                (false, Some(f)) => PagedKvCache::quantized(p, s, h, dk, dv, f),
+                (true, _) => PagedKvCache::latent(p, s, h, dk, dv),
             }
             .map_err(to_py_err)
         }
+        let kind = (latent, format);
         let inner = match dtype {
-            Float::F32 => Inner::F32(make(dims, latent)?),
-            Float::F16 => Inner::F16(make(dims, latent)?),
-            Float::Bf16 => Inner::BF16(make(dims, latent)?),
+            Float::F32 => Inner::F32(make(dims, kind)?),
+            Float::F16 => Inner::F16(make(dims, kind)?),
+            Float::Bf16 => Inner::BF16(make(dims, kind)?),
         };
         Ok(Self {
             inner,
@@ -244,7 +246,7 @@ impl PyPagedKvCache {
 #[pymethods]
 impl PyPagedKvCache {
     #[new]
-    #[pyo3(signature = (num_pages, page_size, kv_heads, head_dim, value_dim=None, *, dtype=None))]
+    #[pyo3(signature = (num_pages, page_size, kv_heads, head_dim, value_dim=None, *, dtype=None, format=None))]
     fn new(
         num_pages: usize,
         page_size: usize,
@@ -252,6 +254,7 @@ impl PyPagedKvCache {
         head_dim: usize,
         value_dim: Option<usize>,
         dtype: Option<&Bound<'_, PyAny>>,
+        format: Option<&str>,
     ) -> PyResult<Self> {
         let dims = (
             num_pages,
@@ -260,7 +263,8 @@ impl PyPagedKvCache {
             head_dim,
             value_dim.unwrap_or(head_dim),
         );
-        Self::create(dims, dtype, false)
+        let format = kv_format("PagedKVCache", format)?;
+        Self::create(dims, dtype, (false, format))
     }
 
     /// A latent cache (DeepSeek's multi-head latent attention): one row of ``head_dim``
@@ -277,7 +281,7 @@ impl PyPagedKvCache {
         dtype: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let dims = (num_pages, page_size, kv_heads, head_dim, value_dim);
-        Self::create(dims, dtype, true)
+        Self::create(dims, dtype, (true, None))
     }
 
     /// A new, empty sequence: its id.
@@ -385,6 +389,13 @@ impl PyPagedKvCache {
     }
 
     /// Pages no sequence uses.
+    /// How the pages store keys and values: ``None`` (the dtype's elements), ``"int8"``,
+    /// ``"int8-channels"`` or ``"fp8"``.
+    #[getter]
+    fn format(&self) -> Option<&'static str> {
+        format_name(typed!(&self.inner, c, T, c.quantization()))
+    }
+
     #[getter]
     fn free_pages(&self) -> usize {
         typed!(&self.inner, c, T, c.free_pages())
