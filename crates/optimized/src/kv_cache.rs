@@ -183,17 +183,26 @@ impl<T: Element> KvCache<T> {
     /// entry's length are stale); of no rows for a quantized cache, whose rows are codes
     /// ([`KvCache::quantized_kv`]).
     pub fn keys(&self) -> Tensor4Ref<'_, T> {
-        self.view(&self.k, self.d_k)
+        self.view(&self.k, self.d_k, self.element_rows())
     }
 
     /// The cached values as a `[batch, kv_heads, capacity, d_v]` view (of no rows for a
     /// quantized cache).
     pub fn values(&self) -> Tensor4Ref<'_, T> {
-        self.view(&self.v, self.d_v)
+        self.view(&self.v, self.d_v, self.element_rows())
     }
 
-    fn view<'s, U>(&self, data: &'s [U], d: usize) -> Tensor4Ref<'s, U> {
-        let rows = if data.is_empty() { 0 } else { self.capacity };
+    /// Rows of the element pools: none in a quantized cache.
+    fn element_rows(&self) -> usize {
+        if self.codes.is_some() {
+            0
+        } else {
+            self.capacity
+        }
+    }
+
+    /// A pool `data` as `[batch, kv_heads, rows, d]`.
+    fn view<'s, U>(&self, data: &'s [U], d: usize, rows: usize) -> Tensor4Ref<'s, U> {
         Tensor4Ref::from_layout(data, [self.batch, self.kv_heads, rows, d], Layout::Bhsd)
             .expect("the cache's own buffer fits its dims")
     }
@@ -207,15 +216,16 @@ impl<T: Element> KvCache<T> {
                 "this cache stores its elements: KvCache::keys and KvCache::values",
             ));
         };
+        let cap = self.capacity;
         let codes = PagedKv::new(
-            self.view(&c.k, self.d_k),
-            self.view(&c.v, self.d_v),
+            self.view(&c.k, self.d_k, cap),
+            self.view(&c.v, self.d_v, cap),
             &self.table,
             &self.lens,
         )?;
         let scales = PagedKv::new(
-            self.view(&c.k_scales, 1),
-            self.view(&c.v_scales, 1),
+            self.view(&c.k_scales, 1, cap),
+            self.view(&c.v_scales, 1, cap),
             &self.table,
             &self.lens,
         )?;

@@ -9,7 +9,7 @@ use attn_optimized::{
 mod common;
 
 use common::quantized::{
-    FORMATS, Outliers, error_against_f32, filled_cache, max_row_error, normal,
+    FORMATS, Outliers, chunks, error_against_f32, filled_cache, max_row_error, normal, tokens,
 };
 
 /// Decode steps, a chunk of queries (GEMM tiles) and a mixed batch, against the reference
@@ -165,19 +165,9 @@ fn contiguous_quantized_cache_is_a_paged_one() {
         // The same appends, entry by entry, in the same chunks (the key channels are set
         // by the first: entry 0's first five tokens).
         for (b, (k, v)) in rows.iter().enumerate() {
-            let len = lens[b];
-            let mut at = 0;
-            for chunk in [len.min(5), len / 2, len] {
-                let chunk = chunk.saturating_sub(at);
-                if chunk == 0 {
-                    continue;
-                }
-                let r = at * h_kv * d..(at + chunk) * h_kv * d;
-                let dims = [1, h_kv, chunk, d];
-                let kc = Tensor4Ref::from_layout(&k[r.clone()], dims, Layout::Bshd).unwrap();
-                let vc = Tensor4Ref::from_layout(&v[r], dims, Layout::Bshd).unwrap();
-                cache.append_to(b, kc, vc).unwrap();
-                at += chunk;
+            for r in chunks(lens[b], 5) {
+                let view = |x| tokens(x, r.clone(), (h_kv, d));
+                cache.append_to(b, view(k), view(v)).unwrap();
             }
         }
         assert!(cache.capacity() >= 130);

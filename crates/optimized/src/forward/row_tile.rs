@@ -114,17 +114,11 @@ impl Scratch {
                     }
                 }
             } else if let Some(kernels) = in_place {
-                let mut k_runs = runs(&kb).peekable();
-                let mut ahead = runs(&kb).skip(look_ahead(&kb));
-                while let Some((first, run)) = k_runs.next() {
-                    if let Some((_, far)) = ahead.next() {
-                        prefetch(far);
-                    }
-                    let next = k_runs.peek().map(|&(_, r)| r).or_else(|| vb.run_at(0));
-                    let next = next.unwrap_or(run.subrows(0, 0));
-                    let s = (&mut self.s[first..], bc);
-                    kernels.scores(&self.q[..nr * d_k], run, next, s);
-                }
+                let (q, s) = (&self.q[..nr * d_k], &mut self.s);
+                let ahead = runs(&kb).skip(look_ahead(&kb));
+                stream(runs(&kb), ahead, vb.run_at(0), |first, run, next| {
+                    kernels.scores(q, run, next, (&mut s[first..], bc));
+                });
             } else {
                 let mut k: [&[f32]; KEY_TILE] = [&[]; KEY_TILE];
                 f32_row_slices(&kb, &mut self.k_wide, &mut k);
@@ -176,23 +170,13 @@ impl Scratch {
                 Some(kernels) if !careful => {
                     // Each run rescales the accumulators by what the softmax asked of the
                     // block (the first) or by nothing (1, exactly).
-                    let ones = [1.0f32; DECODE_ROWS];
-                    let mut v_runs = runs(&vb).peekable();
-                    let mut ahead = runs(&vb).skip(look_ahead(&vb));
-                    while let Some((first, run)) = v_runs.next() {
-                        if let Some((_, far)) = ahead.next() {
-                            prefetch(far);
-                        }
-                        let next = v_runs.peek().map(|&(_, r)| r).or(next_k);
-                        let next = next.unwrap_or(run.subrows(0, 0));
-                        let alpha = if first == 0 {
-                            &self.alpha[..nr]
-                        } else {
-                            &ones[..nr]
-                        };
-                        let accs = (&mut self.acc_rows[..nr * d_v], alpha);
-                        kernels.accumulate(accs, (&self.s[first..], bc), run, next);
-                    }
+                    let (acc, s) = (&mut self.acc_rows[..nr * d_v], &self.s);
+                    let alphas = first_alphas(&self.alpha[..nr]);
+                    let ahead = runs(&vb).skip(look_ahead(&vb));
+                    stream(runs(&vb), ahead, next_k, |first, run, next| {
+                        let accs = (&mut *acc, alphas(first));
+                        kernels.accumulate(accs, (&s[first..], bc), run, next);
+                    });
                 }
                 _ => match vb.in_place() {
                     Some(v) => {
@@ -254,17 +238,11 @@ impl Scratch {
         (nr, nc, d_k): (usize, usize, usize),
     ) {
         let bc = self.plan.bc;
-        let mut runs = kq.codes.runs().peekable();
-        let mut ahead = kq.codes.runs().skip(look_ahead_rows(kq.codes.run(0)));
-        while let Some((first, run)) = runs.next() {
-            if let Some((_, far)) = ahead.next() {
-                prefetch(far);
-            }
-            let next = runs.peek().map(|&(_, r)| r).or(next_v);
-            let next = next.unwrap_or(run.subrows(0, 0));
-            let s = (&mut self.s[first..], bc);
-            kernels.scores_of_codes(kq.kind, &self.q[..nr * d_k], run, next, s);
-        }
+        let (q, s) = (&self.q[..nr * d_k], &mut self.s);
+        let ahead = kq.codes.runs().skip(look_ahead_rows(kq.codes.run(0)));
+        stream(kq.codes.runs(), ahead, next_v, |first, run, next| {
+            kernels.scores_of_codes(kq.kind, q, run, next, (&mut s[first..], bc));
+        });
         let scales = &mut self.k_wide[..nc];
         kq.scales_into(0, scales);
         let unit = code_unit(kq.kind);
@@ -294,23 +272,13 @@ impl Scratch {
                 *w = p * (scale * unit);
             }
         }
-        let ones = [1.0f32; DECODE_ROWS];
-        let mut runs = vq.codes.runs().peekable();
-        let mut ahead = vq.codes.runs().skip(look_ahead_rows(vq.codes.run(0)));
-        while let Some((first, run)) = runs.next() {
-            if let Some((_, far)) = ahead.next() {
-                prefetch(far);
-            }
-            let next = runs.peek().map(|&(_, r)| r).or(next);
-            let next = next.unwrap_or(run.subrows(0, 0));
-            let alpha = if first == 0 {
-                &self.alpha[..nr]
-            } else {
-                &ones[..nr]
-            };
-            let accs = (&mut self.acc_rows[..nr * d_v], alpha);
+        let acc = &mut self.acc_rows[..nr * d_v];
+        let alphas = first_alphas(&self.alpha[..nr]);
+        let ahead = vq.codes.runs().skip(look_ahead_rows(vq.codes.run(0)));
+        stream(vq.codes.runs(), ahead, next, |first, run, next| {
+            let accs = (&mut *acc, alphas(first));
             kernels.accumulate_codes(vq.kind, accs, (&weights[first..], bc), run, next);
-        }
+        });
     }
 
     /// `acc_r = alpha_r·acc_r + Σ_j p_r[j]·v[j]` over the block's values `values` (in place
@@ -351,6 +319,39 @@ fn runs<'s, T: Element, K: KeySource<T>>(
         j += run.nrows();
         Some((first, run))
     })
+}
+
+/// Streams a source's `runs` (`(first row, rows)`, in order) through `f(first, run, next)`,
+/// `next` the run after it (`tail` after the last: what is read next), each run's
+/// prefetches reaching into the next, and the runs of `ahead` (the same runs, some way on)
+/// asked into the caches one a run.
+fn stream<'r, U: 'r>(
+    runs: impl Iterator<Item = (usize, MatRef<'r, U>)>,
+    mut ahead: impl Iterator<Item = (usize, MatRef<'r, U>)>,
+    tail: Option<MatRef<'r, U>>,
+    mut f: impl FnMut(usize, MatRef<'r, U>, MatRef<'r, U>),
+) {
+    let mut runs = runs.peekable();
+    while let Some((first, run)) = runs.next() {
+        if let Some((_, far)) = ahead.next() {
+            prefetch(far);
+        }
+        let next = runs.peek().map(|&(_, r)| r).or(tail);
+        f(first, run, next.unwrap_or(run.subrows(0, 0)));
+    }
+}
+
+/// The rescaling of the accumulators by a block's run starting at row `first`: what the
+/// softmax asked of the block (`alpha`) for its first run, nothing (1, exactly) after.
+fn first_alphas<'a>(alpha: &'a [f32]) -> impl Fn(usize) -> &'a [f32] + 'a {
+    const ONES: [f32; DECODE_ROWS] = [1.0; DECODE_ROWS];
+    move |first| {
+        if first == 0 {
+            alpha
+        } else {
+            &ONES[..alpha.len()]
+        }
+    }
 }
 
 /// How many runs ahead of the kernels to prefetch a source's runs: enough to be

@@ -77,24 +77,35 @@ pub fn filled_cache<T: Element>(
         let to_t = |x: Vec<f32>| x.into_iter().map(T::from_f32).collect::<Vec<T>>();
         let k = to_t(normal(len * h_kv * d, d, 2 * s as u64 + 1, outliers));
         let v = to_t(normal(len * h_kv * d, d, 2 * s as u64 + 2, Outliers::None));
-        let mut at = 0;
-        for chunk in [len.min(first), len / 2, len] {
-            let chunk = chunk.saturating_sub(at);
-            if chunk == 0 {
-                continue;
-            }
-            let rows = at * h_kv * d..(at + chunk) * h_kv * d;
-            let dims = [1, h_kv, chunk, d];
-            let kc = Tensor4Ref::from_layout(&k[rows.clone()], dims, Layout::Bshd).unwrap();
-            let vc = Tensor4Ref::from_layout(&v[rows], dims, Layout::Bshd).unwrap();
-            cache.append(id, kc, vc).unwrap();
-            at += chunk;
+        for r in chunks(len, first) {
+            let view = |x| tokens(x, r.clone(), (h_kv, d));
+            cache.append(id, view(&k), view(&v)).unwrap();
         }
         assert_eq!(cache.len(id).unwrap(), len);
         ids.push(id);
         rows.push((k, v));
     }
     (cache, ids, rows)
+}
+
+/// The tokens [`filled_cache`] appends a sequence of `len` in: the first `first` (the
+/// prompt), then to half the length, then the rest.
+pub fn chunks(len: usize, first: usize) -> Vec<core::ops::Range<usize>> {
+    let mut at = 0;
+    let mut out = Vec::new();
+    for end in [len.min(first), len / 2, len] {
+        if end > at {
+            out.push(at..end);
+            at = end;
+        }
+    }
+    out
+}
+
+/// Tokens `r` of rows `x` (`[t][h][d]`) as `[1, h, r.len(), d]`.
+pub fn tokens<T>(x: &[T], r: core::ops::Range<usize>, (h, d): (usize, usize)) -> Tensor4Ref<'_, T> {
+    let dims = [1, h, r.len(), d];
+    Tensor4Ref::from_layout(&x[r.start * h * d..r.end * h * d], dims, Layout::Bshd).unwrap()
 }
 
 /// The largest relative row error `‖o − o_ref‖ / ‖o_ref‖` over the rows of two outputs
