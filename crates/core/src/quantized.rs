@@ -134,18 +134,18 @@ pub struct KeyChannels<'a> {
 
 impl KeyChannels<'_> {
     /// Offsets and factors of one head from its first keys `rows` (`n × d`): each
-    /// channel's mean, and its root mean square about the mean raised to at least the
-    /// median channel's; factors of 1 for constant keys. Only channels wider than most are
-    /// shrunk: a channel that looked narrow in the first keys (a few tokens estimate a
-    /// spread within a factor of two or so) must not blow up later tokens' scales. Mean
-    /// squares, not largest magnitudes: they are the steadier estimates.
+    /// channel's mean, and its root mean square about the mean raised to at least half the
+    /// median channel's; factors of 1 for constant keys. A channel that looked narrow in
+    /// the first keys (a few tokens estimate a spread within a factor of two or so) must
+    /// not blow up later tokens' scales. Mean squares, not largest magnitudes: they are the
+    /// steadier estimates.
     ///
     /// ```
     /// use attn_core::KeyChannels;
     /// let rows = faer::mat![[3.0f32, 60.0, 1.0], [-3.0, 20.0, 1.0]];
     /// let (offsets, factors) = KeyChannels::calibrate(rows.as_ref());
     /// assert_eq!(offsets, vec![0.0, 40.0, 1.0]);
-    /// assert_eq!(factors, vec![3.0, 20.0, 3.0]); // the last raised to the median
+    /// assert_eq!(factors, vec![3.0, 20.0, 1.5]); // the last raised to half the median
     /// ```
     pub fn calibrate(rows: MatRef<'_, f32>) -> (Vec<f32>, Vec<f32>) {
         let n = rows.nrows().max(1) as f64;
