@@ -222,3 +222,47 @@ fn contiguous_quantized_cache_is_a_paged_one() {
         }
     }
 }
+
+/// Odd shapes and sizes are errors or work, never panics: empty batches, heads or widths,
+/// a capacity of zero that grows, sizes no memory holds, queries beyond a sequence's tokens.
+#[test]
+fn odd_shapes_are_errors_or_work() {
+    let int8 = FORMATS[1];
+    assert!(KvCache::<f32>::quantized(1, 1, usize::MAX / 4, 64, 64, int8).is_err());
+    assert!(PagedKvCache::<f32>::quantized(usize::MAX / 64, 16, 2, 64, 64, int8).is_err());
+    assert!(PagedKvCache::<f32>::quantized(4, 0, 1, 8, 8, int8).is_err());
+    for (b, h, cap, d_k, d_v) in [
+        (0, 1, 4, 8, 8),
+        (1, 0, 4, 8, 8),
+        (1, 1, 0, 8, 8),
+        (2, 2, 3, 1, 0),
+        (1, 2, 5, 17, 3),
+    ] {
+        let mut cache = KvCache::<f32>::quantized(b, h, cap, d_k, d_v, int8)
+            .unwrap()
+            .with_growth(Growth::Double);
+        let (k, v) = (
+            vec![0.5f32; b * h * 2 * d_k],
+            vec![-0.25f32; b * h * 2 * d_v],
+        );
+        let k = Tensor4Ref::from_layout(&k, [b, h, 2, d_k], Layout::Bshd).unwrap();
+        let v = Tensor4Ref::from_layout(&v, [b, h, 2, d_v], Layout::Bshd).unwrap();
+        let what = format!("({b}, {h}, {cap}, {d_k}, {d_v})");
+        cache.append(k, v).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let q = vec![1.0f32; b * 2 * h.max(1) * 3 * d_k];
+        for n_q in [1, 3] {
+            let q = Tensor4Ref::from_layout(
+                &q[..b * 2 * h.max(1) * n_q * d_k],
+                [b, 2 * h.max(1), n_q, d_k],
+                Layout::Bhsd,
+            )
+            .unwrap();
+            // Three queries against two tokens: an error (the queries are the newest tokens).
+            if let Ok(call) = cache.attention(q, &Options::default()) {
+                let out = call.forward(Par::Seq).unwrap();
+                assert!(out.output().as_slice().iter().all(|x| x.is_finite()));
+                assert!(n_q <= 2 || b == 0);
+            }
+        }
+    }
+}
