@@ -56,9 +56,9 @@ mod schedule;
 
 pub use attn_core::{
     Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Error, Forward, ForwardRef,
-    Gradients, GradientsMut, KeyPadding, KvCodes, KvQuantization, Layout, Mask4Ref, MaskMod,
-    Options, PagedKv, PartialState, Precision, QuantizedKv, Result, ScoreMod, ScoreTile,
-    SlidingWindow, SoftCap, Tensor4, Tensor4Mut, Tensor4Ref,
+    Gradients, GradientsMut, KeyChannels, KeyPadding, KvCodes, KvQuantization, Layout, Mask4Ref,
+    MaskMod, Options, PagedKv, PartialState, Precision, QuantizedKv, Result, ScoreMod, ScoreTile,
+    SlidingWindow, SoftCap, Tensor4, Tensor4Mut, Tensor4Ref, quantize_row,
 };
 pub use call::{Attention, Batch, Heads, OneHead};
 

@@ -2,8 +2,8 @@
 //! quantized cache against unquantized attention (the error each format costs).
 
 use attn_optimized::{
-    Causal, Element, Error, Growth, KvCache, Layout, Options, PagedKvCache, Par, SeqId,
-    SlidingWindow, Tensor4Ref, bf16, f16,
+    Causal, Element, Error, Growth, KeyChannels, KvCache, Layout, Options, PagedKvCache, Par,
+    SeqId, SlidingWindow, Tensor4Ref, bf16, f16, quantize_row,
 };
 
 mod common;
@@ -262,6 +262,98 @@ fn odd_shapes_are_errors_or_work() {
                 let out = call.forward(Par::Seq).unwrap();
                 assert!(out.output().as_slice().iter().all(|x| x.is_finite()));
                 assert!(n_q <= 2 || b == 0);
+            }
+        }
+    }
+}
+
+/// The quantized cache against the exact attention of the rows appended (not of what the
+/// cache holds), within a bound derived from each row's scale (`docs/accuracy.md`): an
+/// entry reads back within `e = f_c · (abs · a + rel · |y_c|)` (`KvCodes::rounding`, `a =
+/// scale · max_code`), so a score moves by at most `Δ = scale_qk · Σ_c |q_c| · e^K_c`, every
+/// weight by a factor within `e^{±2Δ}`, and an output entry by at most `(e^{2Δ} − 1) ·
+/// max_j |v̂_jc| + max_j e^V_jc` (plus the engine's f32 rounding). A worst-case bound:
+/// it catches a wrong scale or code, not a rounding a few times too coarse.
+#[test]
+fn quantized_caches_are_within_their_rounding_bound() {
+    let (h, d, n) = (4, 64, 300);
+    for format in FORMATS {
+        for outliers in [Outliers::None, Outliers::Offset, Outliers::Spread] {
+            let (cache, ids, rows) = filled_cache::<f32>(format, (&[n], 40), 16, (h, d), outliers);
+            let (k, v) = &rows[0];
+            let q = normal(h * d, d, 17, Outliers::None);
+            let qv = Tensor4Ref::from_layout(&q, [1, h, 1, d], Layout::Bshd).unwrap();
+            let batch = cache.batch(&ids).unwrap();
+            let out = batch
+                .attention(qv, &[0, 1], &Options::default())
+                .unwrap()
+                .forward(Par::Seq)
+                .unwrap();
+            let (abs, rel) = format.codes.rounding();
+            let max_code = f64::from(format.codes.max_code());
+            // The key channels as the cache set them: from the first 40 keys.
+            let channels: Vec<(Vec<f32>, Vec<f32>)> = (0..h)
+                .map(|hh| {
+                    let first = faer::Mat::<f32>::from_fn(40, d, |t, c| k[(t * h + hh) * d + c]);
+                    KeyChannels::calibrate(first.as_ref())
+                })
+                .collect();
+            // Each entry's rounding, from its row's scale.
+            let rounding = |x: &[f32], hh: usize, keys: bool| -> Vec<f64> {
+                let mut e = vec![0.0f64; n * d];
+                let mut codes = vec![0u8; d];
+                for t in 0..n {
+                    let row = &x[(t * h + hh) * d..(t * h + hh + 1) * d];
+                    let ch = (keys && format.key_channels).then(|| KeyChannels {
+                        offsets: &channels[hh].0,
+                        factors: &channels[hh].1,
+                    });
+                    let s = quantize_row(format.codes, row, ch, &mut codes).unwrap();
+                    let a = f64::from(s) * max_code;
+                    for c in 0..d {
+                        let (mu, f) = ch.map_or((0.0, 1.0), |ch| {
+                            (f64::from(ch.offsets[c]), f64::from(ch.factors[c]))
+                        });
+                        let y = (f64::from(row[c]) - mu) / f;
+                        // Plus the f32 roundings of reading back (a few units in the last place).
+                        e[t * d + c] =
+                            f * (abs * a + rel * y.abs()) + 4e-7 * f64::from(row[c]).abs();
+                    }
+                }
+                e
+            };
+            let scale = 1.0 / (d as f64).sqrt();
+            for hh in 0..h {
+                let (ek, ev) = (rounding(k, hh, true), rounding(v, hh, false));
+                let qh = &q[hh * d..(hh + 1) * d];
+                let at = |x: &[f32], t: usize, c: usize| f64::from(x[(t * h + hh) * d + c]);
+                let dot = |e: &dyn Fn(usize) -> f64| {
+                    scale * (0..d).map(|c| f64::from(qh[c]) * e(c)).sum::<f64>()
+                };
+                let s: Vec<f64> = (0..n).map(|t| dot(&|c| at(k, t, c))).collect();
+                let m = s.iter().copied().fold(f64::MIN, f64::max);
+                let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let total: f64 = w.iter().sum();
+                let delta = (0..n)
+                    .map(|t| {
+                        let e = |c: usize| ek[t * d + c] * f64::from(qh[c]).signum();
+                        dot(&e)
+                    })
+                    .fold(0.0, f64::max);
+                let o = out.output().as_ref().head(0, hh).unwrap();
+                for c in 0..d {
+                    let want = (0..n).map(|t| w[t] * at(v, t, c)).sum::<f64>() / total;
+                    let (vmax, evmax) = (0..n).fold((0.0f64, 0.0f64), |(a, b), t| {
+                        let e = ev[t * d + c];
+                        (a.max(at(v, t, c).abs() + e), b.max(e))
+                    });
+                    let bound = ((2.0 * delta).exp() - 1.0) * vmax + evmax + 1e-5 * vmax;
+                    let err = (f64::from(o[(0, c)]) - want).abs();
+                    assert!(
+                        err <= bound,
+                        "{format:?} {outliers:?} head {hh} column {c}: {err:e} > {bound:e}"
+                    );
+                }
             }
         }
     }
