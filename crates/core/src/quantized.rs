@@ -221,7 +221,9 @@ pub fn quantize_row(
         out[..x.len()].fill(0);
         return Ok(0.0);
     }
-    let scale = (amax / codes.max_code()).max(f32::from_bits(1));
+    // At most what keeps `scale · max_code` a finite f32: a row of f32::MAX reads back finite.
+    let largest = f32::MAX / codes.max_code() * (1.0 - f32::EPSILON);
+    let scale = (amax / codes.max_code()).clamp(f32::from_bits(1), largest);
     for (c, (&v, o)) in x.iter().zip(out.iter_mut()).enumerate() {
         // In f64: a subnormal scale's quotient must not overflow f32.
         *o = codes.encode((f64::from(y(c, v)) / f64::from(scale)) as f32);
@@ -554,9 +556,17 @@ mod tests {
                 }
             }
         }
-        // Tiny rows keep their codes (the scale does not underflow to 0).
+        // Tiny rows keep their codes (the scale does not underflow to 0), huge ones read back
+        // finite.
         let mut out = [0u8; 2];
         let s = quantize_row(KvCodes::Int8, &[1e-44, -1e-44], None, &mut out).unwrap();
         assert!(s > 0.0 && out.iter().all(|&c| c != 0));
+        for codes in [KvCodes::Int8, KvCodes::Fp8E4m3] {
+            let s = quantize_row(codes, &[f32::MAX, -f32::MAX], None, &mut out).unwrap();
+            assert!(
+                out.iter().all(|&c| (s * codes.value(c)).is_finite()),
+                "{codes:?}"
+            );
+        }
     }
 }

@@ -572,7 +572,9 @@ impl<T: Element> KeySource<T> for Quantized<'_> {
     }
 
     fn always_finite(&self) -> bool {
-        true
+        // `scale · value` stays finite (`quantize_row` keeps `scale · max_code` an f32);
+        // `offset + factor · x` with key channels may not.
+        self.channels.is_none()
     }
 }
 

@@ -161,7 +161,7 @@ impl Scratch {
             let next_block = head.k.block(local + nc..(local + 2 * nc).min(head.k.len()));
             let next_k = next_block.run_at(0);
             match in_place {
-                _ if coded.is_some() => {
+                _ if coded.is_some() && !careful => {
                     let next = next_block.quantized().and_then(|k| k.codes.run(0));
                     if let (Some(kernels), Some(vq)) = (coded, vb.quantized()) {
                         self.accumulate_codes(kernels, vq, next, (nr, nc, d_v));
