@@ -9,6 +9,7 @@ use attn_core::{Error, KeyChannels, KvQuantization, Result, Tensor4Ref, quantize
 use faer::MatRef;
 
 use crate::kernel::element::Element;
+use crate::kernel::finite::row_is_finite;
 use crate::problem::{filled, zeroed};
 
 /// Codes, scales and key channels of a cache's rows.
@@ -85,17 +86,20 @@ impl CodePools {
             let [b, h, _, _] = t.dims();
             for (e, hh) in (0..b).flat_map(|e| (0..h).map(move |hh| (e, hh))) {
                 let m = t.head(e, hh)?;
-                for (i, c) in (0..m.nrows()).flat_map(|i| (0..m.ncols()).map(move |c| (i, c))) {
-                    let x = m[(i, c)].to_f32();
-                    if !x.is_finite() {
-                        return Err(Error::invalid_value(
-                            "row appended to a quantized cache",
-                            c,
-                            x,
-                            "finite: a quantized cache has no code for inf or NaN",
-                        ));
-                    }
-                }
+                let Some(i) = (0..m.nrows()).find(|&i| !row_is_finite(m.row(i))) else {
+                    continue;
+                };
+                let row = m.row(i);
+                let (c, x) = (0..row.ncols())
+                    .map(|c| (c, row[c].to_f32()))
+                    .find(|(_, x)| !x.is_finite())
+                    .unwrap_or((0, f32::NAN));
+                return Err(Error::invalid_value(
+                    "row appended to a quantized cache",
+                    c,
+                    x,
+                    "finite: a quantized cache has no code for inf or NaN",
+                ));
             }
         }
         Ok(())

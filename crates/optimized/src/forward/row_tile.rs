@@ -372,7 +372,10 @@ fn look_ahead_rows<U>(first: Option<MatRef<'_, U>>) -> usize {
 /// Whether `kernels` read the codes of a quantized source in place (`false` for other
 /// sources).
 fn reads_codes<T: Element, K: KeySource<T>>(kernels: &RowKernels, src: &K) -> bool {
-    src.quantized()
+    // One row speaks for the layout (a run of the whole source would walk its pages).
+    let first = src.block(0..src.len().min(1));
+    first
+        .quantized()
         .and_then(|q| q.codes.run(0))
         .is_some_and(|r| kernels.reads(r))
 }
