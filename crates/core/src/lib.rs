@@ -18,6 +18,7 @@
 
 mod alloc;
 mod call;
+mod dropout;
 mod dtype;
 mod error;
 mod gradients;
@@ -37,6 +38,7 @@ mod tensor;
 
 pub use alloc::{filled, zeroed};
 pub use call::{Batch, Forward, ForwardRef, GradientsMut, OneHead};
+pub use dropout::{Dropout, HeadDropout, PHILOX_MULTIPLIERS, PHILOX_ROUNDS, PHILOX_WEYL, philox};
 pub use dtype::Dtype;
 pub use error::{Error, Result, check_dim};
 pub use gradients::{

@@ -18,7 +18,7 @@
 //!
 //! [`Options`]: crate::Options
 
-use crate::{Causal, Error, Result, ScoreMod, ScoreTile, tanh};
+use crate::{Causal, Error, HeadDropout, Result, ScoreMod, ScoreTile, tanh};
 
 /// Logit soft-capping at `cap`: `s ← cap · tanh(s / cap)`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -166,6 +166,9 @@ pub struct HeadModifiers<'a> {
     /// Added to a query's index before the user's modifier sees it: a KV cache's new rows
     /// are the positions after the cached keys (`len − n_q + i`); 0 elsewhere.
     pub query_offset: usize,
+    /// The head's attention dropout, if any: not a score modifier (it acts on the weights
+    /// after the softmax), resolved per head with them.
+    pub dropout: Option<HeadDropout>,
 }
 
 impl<'a> HeadModifiers<'a> {

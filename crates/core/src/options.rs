@@ -4,8 +4,8 @@ use faer::MatRef;
 
 use crate::modifiers::{check_values, per_head};
 use crate::{
-    Alibi, BoolMask, BoolMask4, Causal, Error, HeadModifiers, KeyPadding, Mask4Ref, MaskMod,
-    Result, ScoreMod, SlidingWindow, SoftCap, alignment_offset, check_dim,
+    Alibi, BoolMask, BoolMask4, Causal, Dropout, Error, HeadDropout, HeadModifiers, KeyPadding,
+    Mask4Ref, MaskMod, Result, ScoreMod, SlidingWindow, SoftCap, alignment_offset, check_dim,
 };
 
 /// The largest score magnitude of the contract: `f32::MAX · ln 2` (≈ 2.36e38), which is
@@ -62,6 +62,8 @@ pub struct Options<'a> {
     pub mask_mod: Option<&'a dyn MaskMod>,
     /// How half-precision inputs are multiplied ([`Precision`]).
     pub precision: Precision,
+    /// Attention dropout ([`Dropout`]): training calls only (a KV cache refuses it).
+    pub dropout: Option<Dropout>,
 }
 
 /// How an engine multiplies half-precision (bf16, f16) inputs. Scores, the softmax's state
@@ -94,6 +96,40 @@ impl<'a> Options<'a> {
     pub fn with_precision(mut self, precision: Precision) -> Self {
         self.precision = precision;
         self
+    }
+
+    /// Drops attention weights after the softmax ([`Dropout`]: torch's `dropout_p`, keyed
+    /// by a seed so that the backward pass drops the same ones).
+    ///
+    /// ```
+    /// use attn_core::{Dropout, Options};
+    /// let opts = Options::default().with_dropout(Dropout::new(0.1, 7)?);
+    /// assert_eq!(opts.dropout.map(|d| d.p()), Some(0.1));
+    /// assert!(opts.reject_dropout("a KV cache").is_err());
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn with_dropout(mut self, dropout: Dropout) -> Self {
+        self.dropout = Some(dropout);
+        self
+    }
+
+    /// What head `h` of batch entry `b` (of `h_q` query heads; a packed call's sequence is
+    /// its batch entry) drops, if anything.
+    pub fn head_dropout(&self, b: usize, h: usize, h_q: usize) -> Option<HeadDropout> {
+        self.dropout?.for_head(b, h, h_q)
+    }
+
+    /// [`Error::Unsupported`] naming `what` when dropout (with `p > 0`) is set: for the
+    /// entry points of inference (caches), where dropping weights has no meaning.
+    pub fn reject_dropout(&self, what: &'static str) -> Result<()> {
+        if self.dropout.is_some_and(|d| d.p() > 0.0) {
+            Err(Error::unsupported(
+                what,
+                "attention dropout is for training calls (batched, packed, one head); set p = 0 or leave it out",
+            ))
+        } else {
+            Ok(())
+        }
     }
 
     /// Sets the score scale (validated when the call runs: see [`Options::scale_for`]).
@@ -282,6 +318,7 @@ impl<'a> Options<'a> {
             user: self.score_mod,
             position: (b, h),
             query_offset: 0,
+            dropout: self.head_dropout(b, h, h_q),
         }
     }
 
@@ -325,10 +362,14 @@ impl<'a> Options<'a> {
             || self.sinks.is_some()
             || self.score_mod.is_some()
             || self.mask_mod.is_some()
+            || self.head_dropout(0, 0, 1).is_some()
     }
 
     /// Checks the modifiers' lengths and values for `batch` entries of `h_q` query heads.
     pub fn check_modifiers(&self, batch: usize, h_q: usize) -> Result<()> {
+        if let Some(d) = self.dropout {
+            d.check(batch.saturating_mul(h_q), 0, 0)?;
+        }
         if let Some(a) = self.alibi {
             let n = a.slopes().len();
             if n != h_q && Some(n) != batch.checked_mul(h_q) {
@@ -496,6 +537,9 @@ impl<'a> Options<'a> {
 
     fn validate_common(&self, batch: usize, n_q: usize, n_k: usize, d_k: usize) -> Result<f32> {
         let scale = self.scale_for(d_k)?;
+        if let Some(d) = self.dropout {
+            d.check(0, n_q, n_k)?;
+        }
         let rule = "n_q × n_k, the shape of the scores";
         if let Some(m) = self.bool_mask {
             check_shape(

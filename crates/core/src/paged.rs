@@ -334,6 +334,7 @@ fn check_paged_queries<U>(
         ));
     }
     options.check_modifiers(kv.batch(), h_q)?;
+    options.reject_dropout("paged attention")?;
     let scale = options.scale_for(d_k)?;
     let n_k = kv.lens().iter().copied().max().unwrap_or(0);
     let head = HeadShape {

@@ -189,8 +189,13 @@ fn exact_row<T: Element, K: KeySource<T>>(
         }
         let p = (s - m).exp2();
         l += p;
-        for (c, o) in out.iter_mut().enumerate() {
-            *o += p * f64::from(head.v.at(local, c));
+        // Dropout drops the weight after the softmax: the sum keeps it.
+        let z = head
+            .mods
+            .dropout
+            .map_or(1.0, |d| f64::from(d.factor(row, j)));
+        for (c, o) in out.iter_mut().enumerate().filter(|_| z != 0.0) {
+            *o += p * z * f64::from(head.v.at(local, c));
         }
     }
     if l == 0.0 {
@@ -273,13 +278,20 @@ impl<T: Element, K: KeySource<T>> BackwardGroup<'_, '_, T, K> {
             return None;
         }
         let d_out = head.d_out.row(i);
+        // Through the dropout: dP and the weight dV sums are the kept ones, times 1/(1 − p).
+        let z = head
+            .inputs
+            .mods
+            .dropout
+            .map_or(1.0, |d| f64::from(d.factor(i, j)));
         let dp: f64 = (0..self.v.width())
+            .filter(|_| z != 0.0)
             .map(|t| f64::from(d_out[t].to_f32()) * f64::from(self.v.at(j, t)))
             .sum();
-        let ds = p * (dp - self.d[h][i]);
+        let ds = p * (z * dp - self.d[h][i]);
         // As the streaming pass's chain rule: 0 stays 0 whatever the derivative.
         Some((
-            p,
+            p * z,
             if ds == 0.0 {
                 0.0
             } else {

@@ -431,6 +431,7 @@ impl<T: Element> KvCache<T> {
         if self.kv_heads == 0 || !h_q.is_multiple_of(self.kv_heads) {
             return Err(Error::head_grouping(h_q, self.kv_heads));
         }
+        options.reject_dropout("KvCache")?;
         let top_left = options.causal == Some(Causal::TopLeft)
             || options.window.is_some_and(|w| w.align == Causal::TopLeft)
             || options.alibi.is_some_and(|a| a.align() == Causal::TopLeft);

@@ -500,12 +500,19 @@ fn forward_parts(
                 })
                 .fold(2.0 * p.u * mods.sink.map_or(0.0, f64::abs), f64::max)
         };
+        // Dropout: each kept weight is `P·s` (one more rounding), so the terms are those of
+        // values `s` times as large — `vmax` below is `s·max|v|`.
+        let zmax = visible
+            .iter()
+            .map(|&j| reference.dropout[(i, j)])
+            .fold(1.0, f64::max);
         vmax.iter_mut().for_each(|x| *x = 0.0);
         for &j in &visible {
             for (c, m) in vmax.iter_mut().enumerate() {
-                *m = m.max(f64::from(v[(j, c)]).abs());
+                *m = m.max(zmax * f64::from(v[(j, c)]).abs());
             }
         }
+        let w_rel = w_rel + if zmax > 1.0 { U32 } else { 0.0 };
         let r_lse = reference.lse[i];
         let p_sink = mods.sink.map(|s| (s - r_lse).exp());
         let extra = usize::from(p_sink.is_some());
@@ -714,12 +721,20 @@ fn grad_terms(
                     f64::INFINITY
                 }
             };
-            // B5: dS = P ∘ (dP − D), two roundings.
+            // B5: dS = P ∘ (dP − D), two roundings. With dropout, dP is `z·(dO·V_j)` (one
+            // more rounding) and dV sums `z·P` (one more): `z` is 0 or `1/(1 − p)`.
+            let z = fwd.dropout[(i, j)];
             let g = (r.dp[(i, j)] - r.d[i]).abs();
-            let e = g_dv * a[(i, j)] + eps_d[i];
+            let z_dp = if z == 1.0 {
+                0.0
+            } else {
+                u * r.dp[(i, j)].abs()
+            };
+            let e = z * g_dv * a[(i, j)] + z_dp + eps_d[i];
             let s = pe * g + (w + pe) * (e + gamma(2.0, u) * (g + e)) + p.tiny;
-            pi[(i, j)] = pe;
-            p_abs[(i, j)] = w + pe;
+            let z_err = if z == 1.0 { 0.0 } else { u * z * (w + pe) };
+            pi[(i, j)] = z * pe + z_err;
+            p_abs[(i, j)] = z * (w + pe) + z_err;
             sigma[(i, j)] = s;
             ds_abs[(i, j)] = r.ds[(i, j)].abs() + s;
             ds_row[i] += s;

@@ -6,7 +6,8 @@
 //! exact failing inputs with [`HeadCase::build`] or [`BatchCase::build`].
 
 use attn_core::{
-    Alibi, BoolMask, Causal, KeyPadding, Layout, Options, SlidingWindow, SoftCap, Tensor4Ref,
+    Alibi, BoolMask, Causal, Dropout, KeyPadding, Layout, Options, SlidingWindow, SoftCap,
+    Tensor4Ref,
 };
 use faer::Mat;
 use proptest::prelude::*;
@@ -250,6 +251,25 @@ pub struct ModRecipe {
     pub score_mod: Option<UserScore>,
     /// A user mask modifier.
     pub mask_mod: Option<UserMask>,
+    /// Attention dropout (drawn by the dropout properties only: a mask keyed by positions
+    /// does not commute with the invariances the other properties check).
+    pub dropout: Option<DropoutRecipe>,
+}
+
+/// Attention dropout: the probability of dropping a weight and the generator's seed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DropoutRecipe {
+    /// The probability of dropping a weight.
+    pub p: f32,
+    /// The generator's seed.
+    pub seed: u64,
+}
+
+impl DropoutRecipe {
+    /// The contract's [`Dropout`].
+    pub fn dropout(&self) -> Dropout {
+        Dropout::new(self.p, self.seed).expect("generated probabilities are valid")
+    }
 }
 
 impl ModRecipe {
@@ -270,6 +290,7 @@ impl ModRecipe {
             sinks,
             score_mod: self.score_mod.map(UserScore::modifier),
             mask_mod: self.mask_mod.map(UserMask::modifier),
+            dropout: self.dropout.as_ref().map(DropoutRecipe::dropout),
             ..options
         }
     }
@@ -281,6 +302,7 @@ impl ModRecipe {
         sinks: None,
         score_mod: None,
         mask_mod: None,
+        dropout: None,
     };
 
     /// Whether no modifier is set.
@@ -986,7 +1008,23 @@ pub fn modifiers() -> BoxedStrategy<ModRecipe> {
             sinks,
             score_mod,
             mask_mod,
+            dropout: None,
         })
+        .boxed()
+}
+
+/// Attention dropout: the probabilities training uses, the edges (almost nothing, almost
+/// everything, everything) and any in between; any seed.
+pub fn dropout_recipe() -> BoxedStrategy<DropoutRecipe> {
+    (
+        prop_oneof![
+            3 => select(vec![0.1f32, 0.2, 0.5]),
+            1 => select(vec![0.001f32, 0.9, 0.999, 1.0]),
+            2 => 0.0f32..1.0,
+        ],
+        any::<u64>(),
+    )
+        .prop_map(|(p, seed)| DropoutRecipe { p, seed })
         .boxed()
 }
 

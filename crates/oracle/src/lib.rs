@@ -71,6 +71,10 @@
 //! | `paged_equals_packed_bit_for_bit_where_scheduled_alike` | the paged call and the engine's packed call over the same tokens, both key splits ([`KeySplit`]): bit for bit where [`Engine::paged_bits_match_packed`] says they are scheduled alike |
 //! | `malformed_paged_calls_are_the_reference_error` | element-wise masks, key padding, top-left alignment of a sequence's newest queries, more queries than tokens: the reference's typed error |
 //! | `paged_cache_fork_and_free_never_change_another_sequence` | random operations on a paged cache ([`Engine::paged_cache`], [`PagedCache`]: add, append chunks and tokens, fork, free, use a freed handle): pages accounted for, running out of pages a typed error that changes nothing, a sequence no operation touched keeps its bits, every sequence within the bound of the reference on its tokens and, where [`Engine::paged_bits_ignore_placement`], the bits of a fresh cache holding only them |
+//! | `dropout_matches_reference_for_a_fixed_seed`, `dropout_gradients_match_reference_for_a_fixed_seed` | with attention dropout (`p` from 0.001 to 1, any seed), forward and gradients within the derived bounds of the reference, which materialises the same keep mask from the same Philox generator ([`attn_core::Dropout`]): single head and batched, every mask, GQA, both layouts |
+//! | `dropout_keeps_the_contracts_weights_at_rate_one_minus_p` | with `V = I`, the engine's zero weights are exactly the ones the generator drops, and the share kept is within 4σ of `1 − p` |
+//! | `mean_of_dropped_outputs_is_the_undropped_output` | the mean over 48 seeds is the undropped output within 5σ of the mean (`Var = Σ_j A_ij² v_jc² · p/(1 − p)`) |
+//! | `zero_dropout_is_no_dropout_bit_for_bit` | `p = 0` computes the bits of a call without dropout, batched forward and backward; `output_bits_do_not_depend_on_thread_count` and its backward twin draw dropout in half their cases |
 //!
 //! The backward properties ([`Property::is_backward`]) run for an engine whose
 //! [`Engine::backward`] returns `Some` for a head call (the batched ones for a batched
@@ -195,6 +199,11 @@ macro_rules! engine_suite {
             paged_equals_packed_bit_for_bit_where_scheduled_alike => PagedIsPacked,
             malformed_paged_calls_are_the_reference_error => PagedMalformed,
             paged_cache_fork_and_free_never_change_another_sequence => PagedCacheIsolation,
+            dropout_matches_reference_for_a_fixed_seed => DropoutMatchesReference,
+            dropout_gradients_match_reference_for_a_fixed_seed => DropoutGradientsMatchReference,
+            dropout_keeps_the_contracts_weights_at_rate_one_minus_p => DropoutKeepRate,
+            mean_of_dropped_outputs_is_the_undropped_output => DropoutMeanIsUndropped,
+            zero_dropout_is_no_dropout_bit_for_bit => ZeroDropoutIsNoDropout,
         );
     };
     (@tests $engine:expr; $($name:ident => $prop:ident,)*) => {

@@ -140,11 +140,26 @@ pub enum Property {
     ///     pages lie ([`Engine::paged_bits_ignore_placement`](crate::Engine::paged_bits_ignore_placement)),
     ///     those of a fresh cache holding only them.
     PagedCacheIsolation,
+    /// 19. With attention dropout (any `p`, any seed), the forward pass ≡ the reference's,
+    ///     which materialises the same mask from the same generator, within the derived
+    ///     bound: single head and batched (every mask, GQA, both layouts).
+    DropoutMatchesReference,
+    /// 19. With attention dropout, the gradients ≡ the reference's within the derived
+    ///     backward bound, single head and batched.
+    DropoutGradientsMatchReference,
+    /// 19. The engine drops exactly the weights the contract's generator drops (V = I),
+    ///     and keeps a share within 4σ of `1 − p`.
+    DropoutKeepRate,
+    /// 19. The mean of the outputs of many seeds is the undropped output (within 5σ of the
+    ///     mean, from the reference's weights).
+    DropoutMeanIsUndropped,
+    /// 19. `p = 0` is no dropout, bit for bit: batched forward and backward.
+    ZeroDropoutIsNoDropout,
 }
 
 impl Property {
     /// Every property, in the order of the issue.
-    pub const ALL: [Property; 40] = [
+    pub const ALL: [Property; 45] = [
         Property::RowsSumToOne,
         Property::MaskedWeightsAreZero,
         Property::HiddenKeysNeverLeak,
@@ -185,6 +200,11 @@ impl Property {
         Property::PagedIsPacked,
         Property::PagedMalformed,
         Property::PagedCacheIsolation,
+        Property::DropoutMatchesReference,
+        Property::DropoutGradientsMatchReference,
+        Property::DropoutKeepRate,
+        Property::DropoutMeanIsUndropped,
+        Property::ZeroDropoutIsNoDropout,
     ];
 
     /// The test name: what the property proves.
@@ -239,6 +259,13 @@ impl Property {
             Property::PagedCacheIsolation => {
                 "paged_cache_fork_and_free_never_change_another_sequence"
             }
+            Property::DropoutMatchesReference => "dropout_matches_reference_for_a_fixed_seed",
+            Property::DropoutGradientsMatchReference => {
+                "dropout_gradients_match_reference_for_a_fixed_seed"
+            }
+            Property::DropoutKeepRate => "dropout_keeps_the_contracts_weights_at_rate_one_minus_p",
+            Property::DropoutMeanIsUndropped => "mean_of_dropped_outputs_is_the_undropped_output",
+            Property::ZeroDropoutIsNoDropout => "zero_dropout_is_no_dropout_bit_for_bit",
         }
     }
 
@@ -265,6 +292,12 @@ impl Property {
             // of its operations, in its cache, in a fresh one and in the reference.
             Property::PagedEquivalence | Property::PagedIsPacked | Property::PagedMalformed => 256,
             Property::PagedCacheIsolation => 128,
+            // Each case runs dozens of seeds.
+            Property::DropoutMeanIsUndropped => 24,
+            Property::DropoutGradientsMatchReference => 32,
+            Property::DropoutMatchesReference
+            | Property::DropoutKeepRate
+            | Property::ZeroDropoutIsNoDropout => 96,
             // Every other forward property draws modifiers too; these target
             // one identity each, two or four engine calls per case.
             Property::SoftCapBoundsScores
@@ -303,6 +336,7 @@ impl Property {
                 | Property::BackwardDeterminism
                 | Property::PerHeadMaskGradients
                 | Property::PackedGradients
+                | Property::DropoutGradientsMatchReference
         )
     }
 }

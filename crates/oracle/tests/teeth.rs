@@ -50,6 +50,12 @@ enum Bug {
     /// The user's mask is asked about each block of 4 × 4 entries, and a block it calls
     /// hidden is computed anyway (asked entry by entry), not skipped.
     UnskippedUserBlocks,
+    /// Dropout keeps weights without scaling them by `1/(1 − p)`.
+    DropoutUnscaled,
+    /// Dropout draws every head's mask as head 0's.
+    DropoutFirstHead,
+    /// The backward pass forgets the dropout (the forward applies it).
+    DropoutForgottenInBackward,
 }
 
 /// Online softmax over key blocks of 4, in f32.
@@ -137,6 +143,12 @@ impl Toy {
         }
         if self.0 == Bug::IgnoreSink {
             mods.sink = None;
+        }
+        if self.0 == Bug::DropoutFirstHead {
+            mods.dropout = options.head_dropout(0, 0, h_q);
+        }
+        if let (Bug::DropoutUnscaled, Some(d)) = (self.0, &mut mods.dropout) {
+            d.scale = 1.0;
         }
         mods
     }
@@ -235,8 +247,13 @@ impl Toy {
                     }
                     let p = (sj - shift).exp();
                     l += p;
+                    // Dropout after the softmax: the sum keeps the weight.
+                    let z = mods.dropout.map_or(1.0, |d| d.factor(i, j));
+                    if z == 0.0 {
+                        continue;
+                    }
                     for (c, a) in acc.iter_mut().enumerate() {
-                        *a += p * v[(j, c)];
+                        *a += p * z * v[(j, c)];
                     }
                 }
                 m = m_new;
@@ -284,9 +301,14 @@ impl Toy {
         lse: &[f32],
         options: &Options<'_>,
         key_len: Option<usize>,
+        at: (usize, usize, usize),
     ) -> Result<Gradients> {
         let (n_q, n_k, d_k, d_v) = (q.nrows(), k.nrows(), q.ncols(), v.ncols());
         let scale = options.scale_for(d_k)?;
+        let dropout = self
+            .modifiers(options, at, n_q, n_k)
+            .dropout
+            .filter(|_| self.0 != Bug::DropoutForgottenInBackward);
         let visible = if self.0 == Bug::MaskSkippedInRecompute {
             Mat::from_fn(n_q, n_k, |_, _| true)
         } else {
@@ -317,10 +339,12 @@ impl Toy {
                     }
                     let dot: f32 = (0..d_k).map(|t| q[(i, t)] * k[(j, t)]).sum();
                     let p = (scale * dot + bias(i, j) - lse[i]).exp();
-                    for c in 0..d_v {
-                        dv[(j, c)] += p * grad_out[(i, c)];
+                    let z = dropout.map_or(1.0, |d| d.factor(i, j));
+                    for c in (0..d_v).filter(|_| z != 0.0) {
+                        dv[(j, c)] += p * z * grad_out[(i, c)];
                     }
                     let dp: f32 = (0..d_v).map(|c| grad_out[(i, c)] * v[(j, c)]).sum();
+                    let dp = if z == 0.0 { 0.0 } else { z * dp };
                     ds[(i, j)] = p * (dp - d[i]);
                     seen[(i, j)] = true;
                 }
@@ -424,7 +448,8 @@ impl Engine for Toy {
                 let run = || {
                     validate_head_backward(q, k, v, grad_out, out, lse.len(), options)?;
                     let key_length = options.key_length(0);
-                    self.head_backward(grad_out, q, k, v, out, lse, options, key_length)
+                    let at = (0, 0, 1);
+                    self.head_backward(grad_out, q, k, v, out, lse, options, key_length, at)
                 };
                 Some(run().map(Grads::Head))
             }
@@ -513,6 +538,7 @@ impl Toy {
                     &lse[at..at + n_q],
                     &single,
                     options.key_length(b),
+                    (b, h, shape.h_q),
                 )?;
                 dq.as_mut().head_mut(b, h)?.copy_from(&g.dq);
                 heads.push(g);
@@ -542,6 +568,8 @@ impl Bug {
                 | Bug::ForgottenScale
                 | Bug::MaskSkippedInRecompute
                 | Bug::GroupSumInThreadOrder
+                | Bug::DropoutFirstHead
+                | Bug::DropoutForgottenInBackward
         )
     }
 }
@@ -629,6 +657,12 @@ caught! {
     an_ignored_sink_is_caught: IgnoreSink => [SinkTakesItsShare, Equivalence, RowsSumToOne];
     unskipped_hidden_user_blocks_are_caught: UnskippedUserBlocks => [UserCausalMaskIsTopLeft];
     group_sum_in_thread_order_is_caught: GroupSumInThreadOrder => [BackwardDeterminism];
+    unscaled_dropout_is_caught: DropoutUnscaled =>
+        [DropoutMatchesReference, DropoutMeanIsUndropped, DropoutKeepRate];
+    dropout_of_the_wrong_head_is_caught: DropoutFirstHead =>
+        [DropoutMatchesReference, DropoutGradientsMatchReference];
+    dropout_forgotten_in_the_backward_is_caught: DropoutForgottenInBackward =>
+        [DropoutGradientsMatchReference];
 }
 
 /// Fails unless at least one of `any` catches `bug`: for bugs that only cases of some

@@ -13,6 +13,9 @@
 //! `dS_mod` sums to `Σ_j P_ij dP_ij − D_i (1 − p_sink,i) = p_sink,i · D_i` (the share of row
 //! `i` in `−dσ`: shifting a row's scores and `σ` together changes nothing).
 //!
+//! Dropout: `O = (P ∘ Z) V` with `Z` the dropout factors, so `dV = (P ∘ Z)ᵀ dO` and
+//! `dP = (dO Vᵀ) ∘ Z`; `D_i = dO_i · O_i` is still `Σ_j P_ij dP_ij`.
+//!
 //! The reference differentiates the formula, not the saturation of scores beyond f32
 //! (`docs/conventions.md`): a saturated score is differentiated as if it were not.
 
@@ -33,7 +36,8 @@ pub struct MaterializedBackward {
     pub forward: Materialized,
     /// `D_i = Σ_t dO_it · O_it : [n_q]`.
     pub d: Vec<f64>,
-    /// `dP = dO Vᵀ : [n_q, n_k]`; 0 where the key is hidden from the row.
+    /// `dP = (dO Vᵀ) ∘ dropout : [n_q, n_k]`, the gradient of the softmax's weights; 0
+    /// where the key is hidden from the row (or its weight dropped).
     pub dp: Mat<f64>,
     /// `dS_mod = P ∘ (dP − D) : [n_q, n_k]`, the gradient of the modified scores (what the
     /// softmax sees); 0 where hidden. Without score modifiers it is `ds`.
@@ -51,7 +55,7 @@ pub struct MaterializedBackward {
     pub dq: Mat<f64>,
     /// `dK = scale · dSᵀ Q : [n_k, d_k]`.
     pub dk: Mat<f64>,
-    /// `dV = Pᵀ dO : [n_k, d_v]`.
+    /// `dV = (P ∘ dropout)ᵀ dO : [n_k, d_v]`.
     pub dv: Mat<f64>,
 }
 
@@ -80,9 +84,12 @@ pub(crate) fn attend_backward(
                 .sum()
         })
         .collect();
+    // Through the dropout: O_i = Σ_j A_ij z_ij V_j, so ∂/∂A_ij = z_ij (dO_i · V_j); D is
+    // still dO_i · O_i = Σ_j A_ij dP_ij.
+    let dropout = &forward.dropout;
     let dp = Mat::from_fn(n_q, n_k, |i, j| {
-        if visible(i, j) {
-            (0..d_v).map(|t| grad_out[(i, t)] * v[(j, t)]).sum()
+        if visible(i, j) && dropout[(i, j)] != 0.0 {
+            dropout[(i, j)] * (0..d_v).map(|t| grad_out[(i, t)] * v[(j, t)]).sum::<f64>()
         } else {
             0.0
         }
@@ -133,8 +140,9 @@ pub(crate) fn attend_backward(
     let mut dv = Mat::<f64>::zeros(n_k, d_v);
     for i in 0..n_q {
         for j in (0..n_k).filter(|&j| visible(i, j)) {
-            let (p, s) = (forward.weights[(i, j)], ds[(i, j)]);
-            for c in 0..d_v {
+            let (p, s) = (forward.weights[(i, j)] * dropout[(i, j)], ds[(i, j)]);
+            // A dropped weight contributes nothing (not 0·dO, NaN for a non-finite dO).
+            for c in (0..d_v).filter(|_| p != 0.0) {
                 dv[(j, c)] += p * grad_out[(i, c)];
             }
             for c in 0..d_k {

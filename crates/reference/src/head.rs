@@ -16,7 +16,10 @@ pub struct Materialized {
     pub scores: Mat<f64>,
     /// `A = softmax(S)` along keys: `[n_q, n_k]`; rows with no visible key are 0.
     pub weights: Mat<f64>,
-    /// `O = AV : [n_q, d_v]`; rows with no visible key are 0.
+    /// The dropout factors `Z_ij/(1 − p)` (`Z_ij` 1 where the weight is kept, 0 where it is
+    /// dropped): `[n_q, n_k]`, 1 everywhere without dropout.
+    pub dropout: Mat<f64>,
+    /// `O = (A ∘ dropout) V : [n_q, d_v]`; rows with no visible key are 0.
     pub output: Mat<f64>,
     /// `LSE_i = ln Σ_j exp(S_ij)`; `-inf` for rows with no visible key.
     pub lse: Vec<f64>,
@@ -100,15 +103,21 @@ pub(crate) fn attend(
         lse[i] = max + sum.ln();
     }
 
-    // O = AV over the visible keys: a hidden key contributes nothing (not 0·V_j, so a
-    // non-finite value in a hidden row of V does not leak into the output).
+    // The dropout mask, materialised from the same generator as the engines'.
+    let dropout = Mat::from_fn(n_q, n_k, |i, j| {
+        mods.dropout.map_or(1.0, |d| f64::from(d.factor(i, j)))
+    });
+
+    // O = (A ∘ dropout) V over the visible keys: a hidden (or dropped) key contributes
+    // nothing (not 0·V_j, so a non-finite value in its row of V does not leak into the
+    // output).
     let mut output = Mat::<f64>::zeros(n_q, d_v);
     for i in 0..n_q {
         for j in 0..n_k {
-            if scores[(i, j)] == f64::NEG_INFINITY {
+            if scores[(i, j)] == f64::NEG_INFINITY || dropout[(i, j)] == 0.0 {
                 continue;
             }
-            let a = weights[(i, j)];
+            let a = weights[(i, j)] * dropout[(i, j)];
             for c in 0..d_v {
                 output[(i, c)] += a * v[(j, c)];
             }
@@ -117,6 +126,7 @@ pub(crate) fn attend(
     Materialized {
         scores,
         weights,
+        dropout,
         output,
         lse,
     }

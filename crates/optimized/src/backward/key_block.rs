@@ -18,6 +18,7 @@ use super::{Group, QueryHead};
 use crate::exact::{rescore, row_top};
 use crate::kernel::Products;
 use crate::kernel::amx::{self, CacheLines, LineWords, TileRows};
+use crate::kernel::dropout::score_gradient_dropped;
 use crate::kernel::element::{Element, f32_rows, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
 use crate::kernel::online_softmax::saturate;
@@ -578,7 +579,14 @@ impl Scratch {
                         Par::Seq,
                     );
                 }
-                score_gradient(ds, p, br, nr, nc, &terms.d[rows.clone()]);
+                match &head.mods.dropout {
+                    // dS from the kept dP, and P dropped for dV (in one pass, one mask).
+                    Some(dropout) => {
+                        let terms = (&terms.d[rows.clone()], dropout);
+                        score_gradient_dropped(ds, p, br, (rows.clone(), cols.clone()), terms);
+                    }
+                    None => score_gradient(ds, p, br, nr, nc, &terms.d[rows.clone()]),
+                }
                 if chain {
                     chain_rule(ds, dmod, br, nr, nc);
                 }

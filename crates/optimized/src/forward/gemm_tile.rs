@@ -13,6 +13,7 @@ use super::packed_head::PackedHead;
 use super::{Pairs, Scratch};
 use crate::exact::rescore;
 use crate::kernel::Products;
+use crate::kernel::dropout::drop_weights;
 use crate::kernel::element::{Element, f32_rows};
 use crate::kernel::exp2::exp2_approx;
 use crate::kernel::finite::tile_is_finite;
@@ -121,8 +122,11 @@ impl Scratch {
             // mask or modify, P written by the softmax): the softmax applies the scale as
             // it reads them, saving a pass over the tile. Values with a non-finite row take
             // the same softmax (a row's bits must not depend on a value it does not see).
-            let in_pairs =
-                matches!(values, Values::Exact | Values::WithoutNonFinite) && !products.split();
+            // Dropout takes P from the tile (it drops weights after the softmax).
+            let dropout = head.mods.dropout;
+            let in_pairs = matches!(values, Values::Exact | Values::WithoutNonFinite)
+                && !products.split()
+                && dropout.is_none();
             let scale_in_softmax =
                 products == Products::Tiles && k_native && in_pairs && check && !modified;
             // A block that straddles a structural boundary with nothing else to apply: the
@@ -214,6 +218,9 @@ impl Scratch {
                     (again.unwrap_or(false), false)
                 }
             };
+            if let Some(d) = &dropout {
+                drop_weights(&mut self.s, br, (rows.clone(), cols.clone()), d);
+            }
             if rescale {
                 scale_rows(&mut self.acc, br, nr, d_v, &self.alpha);
             }
@@ -253,7 +260,9 @@ impl Scratch {
             let mut acc =
                 MatMut::from_column_major_slice_with_stride_mut(&mut self.acc, nr, d_v, br);
             let v_tile = vb.to_f32(&mut self.v_wide);
-            let masked = coverage == TileCoverage::Partial || head.mask.has_elementwise();
+            let masked = coverage == TileCoverage::Partial
+                || head.mask.has_elementwise()
+                || dropout.is_some();
             let zero_weight = |jj: usize| (0..nr).any(|i| self.s[jj * br + i] == 0.0);
             if masked && zero_weight_meets_non_finite(v_tile, zero_weight) {
                 // A hidden key must contribute nothing, not 0·V_j (NaN for a non-finite V_j):
@@ -276,10 +285,11 @@ impl Scratch {
                 matmul(acc, Accum::Add, p, v_tile, 1.0, Par::Seq);
             }
         }
-        if native {
+        if native && head.mods.dropout.is_none() {
             // The weights P·V multiplied are the rounded ones, whose sum is l + delta: the
             // row is rescaled to that sum, so the output stays a convex combination of the
-            // values it sees (the LSE keeps the exact l).
+            // values it sees (the LSE keeps the exact l). Dropped weights are no convex
+            // combination: their rounding stays a relative error of each.
             for ((f, &l), &d) in self.alpha[..nr].iter_mut().zip(&self.l).zip(&self.l_delta) {
                 let sum = l + d;
                 *f = if d == 0.0 || sum == 0.0 || !sum.is_finite() {

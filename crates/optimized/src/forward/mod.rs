@@ -492,7 +492,8 @@ impl Scratch {
         };
         // A tile of few rows takes the row kernels whatever the plan: in a call that also
         // has long tiles (a continuous batch) its decoding steps stream as they do alone.
-        let few_rows = rows.len() <= DECODE_ROWS;
+        // Dropout is applied to the GEMM tiles' weights only (training calls, not decoding).
+        let few_rows = rows.len() <= DECODE_ROWS && head.mods.dropout.is_none();
         self.row_tile = few_rows && lends(&head.k) && lends(&head.v);
         if self.row_tile {
             self.attend_rows(head, rows, keys);

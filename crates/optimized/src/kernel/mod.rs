@@ -15,8 +15,10 @@
 //! - [`pair_dot`]: bf16 tile products on AVX512_BF16 (native precision) and the packing of
 //!   operands in bf16 pairs.
 //! - [`amx`]: bf16 tile products on AMX (native precision on Intel Xeons).
+//! - [`dropout`]: the dropout mask, generated and applied on score tiles.
 
 pub mod amx;
+pub mod dropout;
 pub mod element;
 pub mod exp2;
 pub mod finite;

@@ -366,7 +366,22 @@ impl BatchRun {
     fn of(engine: &dyn Engine, case: &BatchGradCase) -> Result<Self, TestCaseError> {
         let inputs = case.batch.build(engine.storage());
         let grad_out = batch_grad_out(case, &inputs, engine.storage());
-        let (out, lse) = batched_forward(engine, &inputs)?;
+        // Dropout keys its mask by (batch entry, head): a single-head call would draw
+        // another, so a call with dropout runs batched.
+        let (out, lse) = if inputs.options().dropout.is_some() {
+            required(
+                Call::batched(
+                    inputs.q.view(),
+                    inputs.k.view(),
+                    inputs.v.view(),
+                    &inputs.options(),
+                )
+                .forward_batch(engine),
+            )
+            .map_err(|e| engine_err("batched call", e))?
+        } else {
+            batched_forward(engine, &inputs)?
+        };
         let reference = Attention::batched(
             inputs.q.view(),
             inputs.k.view(),

@@ -19,12 +19,16 @@
 //! - `packed`: packed batches of sequences of different lengths
 //!   ([`Engine::forward`] and [`Engine::backward`] of packed calls),
 //!   skipped for engines without them;
+//! - `dropout`: attention dropout's own cases and checks (the keep mask, the mean of many
+//!   seeds, `p = 0`); its equivalence and determinism run the checks of `forward` and
+//!   `backward` on cases with dropout, dispatched here;
 //! - `paged`: packed queries against keys and values in pages ([`Engine::forward`] of
 //!   paged calls) and paged caches ([`Engine::paged_cache`]), skipped for engines without
 //!   them.
 
 mod backward;
 mod common;
+mod dropout;
 mod forward;
 mod modifiers;
 mod packed;
@@ -38,6 +42,8 @@ pub use packed::PackedCase;
 pub use paged::{CacheCase, CacheOp, PagedCase, PagedDefect, PoolLayout};
 pub use per_head::{Mask4Case, Mask4Recipe};
 pub use robustness::Defect;
+
+use proptest::prelude::*;
 
 use crate::case::{adversarial_case, batch_case, head_case};
 use crate::suite::{Failure, Property, SuiteConfig, run};
@@ -176,8 +182,47 @@ pub fn check_property(
             engine,
             property,
             config,
-            forward::determinism_case(&shapes),
+            dropout::with_dropout(
+                forward::determinism_case(&shapes),
+                0.5,
+                dropout::set_forward,
+            ),
             forward::determinism,
+        ),
+        Property::DropoutMatchesReference => run(
+            engine,
+            property,
+            config,
+            dropout::with_dropout(
+                (head_case(&shapes), batch_case(&batch_shapes(&shapes))).boxed(),
+                1.0,
+                dropout::set_forward,
+            ),
+            |engine, (head, batch)| {
+                forward::equivalence(engine, head)?;
+                forward::batched_equivalence(engine, batch)
+            },
+        ),
+        Property::DropoutKeepRate => run(
+            engine,
+            property,
+            config,
+            dropout::keep_rate_case(&shapes),
+            dropout::keep_rate,
+        ),
+        Property::DropoutMeanIsUndropped => run(
+            engine,
+            property,
+            config,
+            dropout::mean_case(&shapes),
+            dropout::mean_is_undropped,
+        ),
+        Property::ZeroDropoutIsNoDropout => run(
+            engine,
+            property,
+            config,
+            (batch_case(&batch_shapes(&shapes)), any::<u64>()),
+            dropout::zero_is_none,
         ),
         Property::Adversarial => run(
             engine,
@@ -336,8 +381,30 @@ fn check_backward(
             engine,
             property,
             config,
-            backward::determinism_case(&shapes),
+            dropout::with_dropout(
+                backward::determinism_case(&shapes),
+                0.5,
+                dropout::set_backward,
+            ),
             backward::determinism,
+        ),
+        Property::DropoutGradientsMatchReference => run(
+            engine,
+            property,
+            config,
+            dropout::with_dropout(
+                (
+                    backward::grad_case(&shapes),
+                    backward::batch_grad_case(&batch_shapes, 1..=3),
+                )
+                    .boxed(),
+                1.0,
+                dropout::set_backward,
+            ),
+            |engine, (head, batch)| {
+                backward::equivalence(engine, head)?;
+                backward::batched_equivalence(engine, batch)
+            },
         ),
         Property::PerHeadMaskGradients => run(
             engine,
