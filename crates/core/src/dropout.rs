@@ -6,14 +6,17 @@
 //! Whether `(batch entry, head, query, key)` is kept comes from a counter-based generator,
 //! Philox4x32-10 (what PyTorch and FlashAttention use), keyed by the call's seed: the
 //! backward pass regenerates the forward's mask, and any tiling or thread count gives the
-//! same bits. One Philox call gives the words of four consecutive keys of one query:
+//! same bits. One Philox call gives the random bits of eight consecutive keys of one query:
 //!
 //! - key `(seed_lo, seed_hi)`,
-//! - counter `(query, key / 4, stream, offset)`, where `stream = batch · h_q + head`
+//! - counter `(query, key / 8, stream, offset)`, where `stream = batch · h_q + head`
 //!   (a packed call's sequence is its batch entry; grouped-query heads count as query
 //!   heads) and `offset` a second index the caller may advance between calls,
-//! - word `key % 4` of the output; the weight is kept when the word is at least
-//!   `round(p · 2³²)` (so the keep rate is `1 − p` within `2⁻³³`).
+//! - of output word `(key % 8) / 2`, the low 16 bits for an even key, the high ones for an
+//!   odd key; the weight is kept when they are at least `round(p · 2¹⁶)`. `p` is thereby
+//!   rounded to a multiple of `2⁻¹⁶` (the keep rate is `1 − p` within `2⁻¹⁷`; the kept
+//!   weights are scaled by the exact `1/(1 − p)`): sixteen bits a decision halve the
+//!   generator's work, which is all of dropout's cost.
 //!
 //! Queries and keys are a sequence's own positions (0 for its first).
 
@@ -124,7 +127,7 @@ impl Dropout {
         }
         // Validated: the stream fits in a counter word (`check`).
         let stream = (b * h_q + h) as u32;
-        let threshold = (f64::from(self.p) * 4_294_967_296.0).round() as u64;
+        let threshold = (f64::from(self.p) * 65_536.0).round() as u32;
         Some(HeadDropout {
             threshold,
             scale: if self.p < 1.0 {
@@ -149,7 +152,7 @@ impl Dropout {
                 limit,
             ),
             ("dropout queries", n_q, limit),
-            ("dropout keys", n_k, limit.saturating_mul(4)),
+            ("dropout keys", n_k, limit.saturating_mul(8)),
         ] {
             if n > cap {
                 return Err(Error::capacity(what, n, cap));
@@ -162,8 +165,9 @@ impl Dropout {
 /// What one head drops: [`Dropout`] resolved for its batch entry and query head.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HeadDropout {
-    /// A weight is kept when its word is at least this (`round(p · 2³²)`, up to `2³²`).
-    pub threshold: u64,
+    /// A weight is kept when its 16 bits are at least this (`round(p · 2¹⁶)`, up to
+    /// `2¹⁶`, which keeps nothing).
+    pub threshold: u32,
     /// What a kept weight is multiplied by: `1/(1 − p)` in f32 (0 when `p = 1`).
     pub scale: f32,
     /// Philox's key: the seed's low and high words.
@@ -175,16 +179,22 @@ pub struct HeadDropout {
 }
 
 impl HeadDropout {
-    /// The four words of query `i`'s keys `4·quad .. 4·quad + 4`.
+    /// The four words of query `i`'s keys `8·octet .. 8·octet + 8` (two keys a word).
     #[inline]
-    pub fn words(&self, i: usize, quad: usize) -> [u32; 4] {
-        philox([i as u32, quad as u32, self.stream, self.offset], self.key)
+    pub fn words(&self, i: usize, octet: usize) -> [u32; 4] {
+        philox([i as u32, octet as u32, self.stream, self.offset], self.key)
+    }
+
+    /// The 16 random bits of key `j` in the word that holds them.
+    #[inline]
+    pub fn bits(word: u32, j: usize) -> u32 {
+        (word >> (16 * (j % 2))) & 0xFFFF
     }
 
     /// Whether the weight of query `i` and key `j` is kept.
     #[inline]
     pub fn keeps(&self, i: usize, j: usize) -> bool {
-        u64::from(self.words(i, j / 4)[j % 4]) >= self.threshold
+        Self::bits(self.words(i, j / 8)[j % 8 / 2], j) >= self.threshold
     }
 
     /// What the weight of query `i` and key `j` is multiplied by: `1/(1 − p)` or 0.

@@ -1,11 +1,11 @@
 //! Attention dropout on column-major tiles: the keep mask of [`attn_core::HeadDropout`]
-//! generated sixteen queries at a time (one Philox block per query and four keys, the
+//! generated sixteen queries at a time (one Philox block per query and eight keys, the
 //! sixteen blocks side by side in vector lanes) and applied as it is generated — the mask
 //! is never stored.
 
 use core::ops::Range;
 
-use attn_core::{HeadDropout, PHILOX_MULTIPLIERS, PHILOX_ROUNDS, PHILOX_WEYL};
+use attn_core::HeadDropout;
 
 use super::multiversion;
 
@@ -13,60 +13,161 @@ use super::multiversion;
 const LANES: usize = 16;
 
 /// The Philox words of queries `first .. first + LANES` (a tile's rows; the lanes past its
-/// last row are computed and ignored) for keys `4·quad .. 4·quad + 4`: word `w` of lane
-/// `l` is [`HeadDropout::words`]`(first + l, quad)[w]`.
+/// last row are computed and ignored) for keys `8·octet .. 8·octet + 8`: word `w` of lane
+/// `l` is [`HeadDropout::words`]`(first + l, octet)[w]`. In the vector registers of the
+/// process's path: the ten rounds are all of dropout's cost.
 #[inline(always)]
-fn words(d: &HeadDropout, first: usize, quad: usize) -> [[u32; LANES]; 4] {
-    let [m0, m1] = PHILOX_MULTIPLIERS.map(u64::from);
-    let mut c0: [u32; LANES] = core::array::from_fn(|l| (first + l) as u32);
-    let mut c1 = [quad as u32; LANES];
-    let mut c2 = [d.stream; LANES];
-    let mut c3 = [d.offset; LANES];
-    let [mut k0, mut k1] = d.key;
-    for _ in 0..PHILOX_ROUNDS {
-        for l in 0..LANES {
-            let p0 = m0 * u64::from(c0[l]);
-            let p1 = m1 * u64::from(c2[l]);
-            (c0[l], c1[l], c2[l], c3[l]) = (
-                (p1 >> 32) as u32 ^ c1[l] ^ k0,
-                p1 as u32,
-                (p0 >> 32) as u32 ^ c3[l] ^ k1,
-                p0 as u32,
-            );
-        }
-        k0 = k0.wrapping_add(PHILOX_WEYL[0]);
-        k1 = k1.wrapping_add(PHILOX_WEYL[1]);
+fn words(d: &HeadDropout, first: usize, octet: usize) -> [[u32; LANES]; 4] {
+    #[cfg(target_arch = "x86_64")]
+    match super::Isa::current().vectors() {
+        // SAFETY: the AVX-512 path runs only where the CPU has AVX-512F.
+        super::Isa::Avx512 => return unsafe { x86::words_avx512(d, first, octet) },
+        // SAFETY: the AVX2 path runs only where the CPU has AVX2.
+        super::Isa::Avx2 => return unsafe { x86::words_avx2(d, first, octet) },
+        _ => {}
     }
-    [c0, c1, c2, c3]
+    portable_words(d, first, octet)
 }
 
-/// Calls `f(col, first_row, rows, kept)` for every column of a tile over queries `rows`
-/// and keys `cols` (global positions; tile row `r` is query `rows.start + r`, tile column
-/// `c` key `cols.start + c`), sixteen rows at a time: `kept[l]` says whether the weight of
-/// row `first_row + l` (`l < rows`) is kept.
+/// [`words`] one lane at a time.
+fn portable_words(d: &HeadDropout, first: usize, octet: usize) -> [[u32; LANES]; 4] {
+    let mut out = [[0; LANES]; 4];
+    for l in 0..LANES {
+        let w = d.words(first + l, octet);
+        for (o, x) in out.iter_mut().zip(w) {
+            o[l] = x;
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use core::arch::x86_64::*;
+
+    use attn_core::{HeadDropout, PHILOX_MULTIPLIERS, PHILOX_ROUNDS, PHILOX_WEYL};
+
+    use super::LANES;
+
+    /// The high and low words of `a · m` lane by lane (`m` broadcast): the even lanes'
+    /// products and the odd lanes' (shifted down) side by side, their halves blended.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn mulhilo512(a: __m512i, m: __m512i) -> (__m512i, __m512i) {
+        let even = _mm512_mul_epu32(a, m);
+        let odd = _mm512_mul_epu32(_mm512_srli_epi64::<32>(a), m);
+        let hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64::<32>(even), odd);
+        let lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64::<32>(odd));
+        (hi, lo)
+    }
+
+    /// [`super::words`] in sixteen 32-bit lanes.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn words_avx512(d: &HeadDropout, first: usize, octet: usize) -> [[u32; LANES]; 4] {
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let mut c0 = _mm512_add_epi32(_mm512_set1_epi32(first as i32), lanes);
+        let mut c1 = _mm512_set1_epi32(octet as i32);
+        let mut c2 = _mm512_set1_epi32(d.stream as i32);
+        let mut c3 = _mm512_set1_epi32(d.offset as i32);
+        let m0 = _mm512_set1_epi64(i64::from(PHILOX_MULTIPLIERS[0]));
+        let m1 = _mm512_set1_epi64(i64::from(PHILOX_MULTIPLIERS[1]));
+        let [mut k0, mut k1] = d.key;
+        for _ in 0..PHILOX_ROUNDS {
+            let (hi0, lo0) = mulhilo512(c0, m0);
+            let (hi1, lo1) = mulhilo512(c2, m1);
+            // 0x96: a ^ b ^ c.
+            c0 = _mm512_ternarylogic_epi32::<0x96>(hi1, c1, _mm512_set1_epi32(k0 as i32));
+            c2 = _mm512_ternarylogic_epi32::<0x96>(hi0, c3, _mm512_set1_epi32(k1 as i32));
+            (c1, c3) = (lo1, lo0);
+            k0 = k0.wrapping_add(PHILOX_WEYL[0]);
+            k1 = k1.wrapping_add(PHILOX_WEYL[1]);
+        }
+        // SAFETY: a vector of sixteen 32-bit lanes is sixteen u32 (any bits are valid).
+        [c0, c1, c2, c3].map(|v| unsafe { core::mem::transmute::<__m512i, [u32; LANES]>(v) })
+    }
+
+    /// [`mulhilo512`] in eight lanes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn mulhilo256(a: __m256i, m: __m256i) -> (__m256i, __m256i) {
+        let even = _mm256_mul_epu32(a, m);
+        let odd = _mm256_mul_epu32(_mm256_srli_epi64::<32>(a), m);
+        let hi = _mm256_blend_epi32::<0xAA>(_mm256_srli_epi64::<32>(even), odd);
+        let lo = _mm256_blend_epi32::<0xAA>(even, _mm256_slli_epi64::<32>(odd));
+        (hi, lo)
+    }
+
+    /// [`super::words`] in two vectors of eight 32-bit lanes.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn words_avx2(d: &HeadDropout, first: usize, octet: usize) -> [[u32; LANES]; 4] {
+        let mut out = [[0u32; LANES]; 4];
+        let m0 = _mm256_set1_epi64x(i64::from(PHILOX_MULTIPLIERS[0]));
+        let m1 = _mm256_set1_epi64x(i64::from(PHILOX_MULTIPLIERS[1]));
+        for half in 0..2 {
+            let base = (first + 8 * half) as i32;
+            let mut c0 = _mm256_add_epi32(
+                _mm256_set1_epi32(base),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            );
+            let mut c1 = _mm256_set1_epi32(octet as i32);
+            let mut c2 = _mm256_set1_epi32(d.stream as i32);
+            let mut c3 = _mm256_set1_epi32(d.offset as i32);
+            let [mut k0, mut k1] = d.key;
+            for _ in 0..PHILOX_ROUNDS {
+                let (hi0, lo0) = mulhilo256(c0, m0);
+                let (hi1, lo1) = mulhilo256(c2, m1);
+                let x0 = _mm256_xor_si256(hi1, c1);
+                let x2 = _mm256_xor_si256(hi0, c3);
+                c0 = _mm256_xor_si256(x0, _mm256_set1_epi32(k0 as i32));
+                c2 = _mm256_xor_si256(x2, _mm256_set1_epi32(k1 as i32));
+                (c1, c3) = (lo1, lo0);
+                k0 = k0.wrapping_add(PHILOX_WEYL[0]);
+                k1 = k1.wrapping_add(PHILOX_WEYL[1]);
+            }
+            for (o, v) in out.iter_mut().zip([c0, c1, c2, c3]) {
+                // SAFETY: a vector of eight 32-bit lanes is eight u32 (any bits are valid).
+                let w = unsafe { core::mem::transmute::<__m256i, [u32; 8]>(v) };
+                o[8 * half..8 * half + 8].copy_from_slice(&w);
+            }
+        }
+        out
+    }
+}
+
+/// All ones where the weight of key `j` is kept, its 16 bits in `word` at `shift`
+/// ([`HeadDropout::bits`]), else 0. A mask rather than a `bool`: the loops below AND it
+/// into the bits (branch-free, so they vectorise).
 #[inline(always)]
-fn for_each_mask(
+fn kept(word: u32, shift: u32, threshold: u32) -> u32 {
+    u32::from((word >> shift) & 0xFFFF >= threshold).wrapping_neg()
+}
+
+/// `x` where `mask` is all ones, +0 where it is 0.
+#[inline(always)]
+fn select(x: f32, mask: u32) -> f32 {
+    f32::from_bits(x.to_bits() & mask)
+}
+
+/// Calls `f(col, first_row, words, shift)` for every column of a tile over queries `rows`
+/// and keys `cols` (global positions; tile row `r` is query `rows.start + r`, tile column
+/// `c` key `cols.start + c`), sixteen rows at a time: the 16 bits at `shift` of `words[l]`
+/// decide the weight of row `first_row + l` ([`kept`]); the last group of a tile may have
+/// fewer than sixteen rows (the callers stop at the tile's last row).
+#[inline(always)]
+fn for_each_column(
     d: &HeadDropout,
     (rows, cols): (Range<usize>, Range<usize>),
-    mut f: impl FnMut(usize, usize, usize, &[bool; LANES]),
+    mut f: impl FnMut(usize, usize, &[u32; LANES], u32),
 ) {
     if cols.is_empty() {
         return;
     }
-    // p = 1 (threshold 2³²) keeps nothing; below, the threshold fits a word.
-    let none = d.threshold > u64::from(u32::MAX);
-    let threshold = d.threshold as u32;
     for first in rows.clone().step_by(LANES) {
-        let n = LANES.min(rows.end - first);
-        for quad in cols.start / 4..=(cols.end - 1) / 4 {
-            let w = words(d, first, quad);
-            for (lane_word, word) in w.iter().enumerate() {
-                let j = quad * 4 + lane_word;
-                if !cols.contains(&j) {
-                    continue;
-                }
-                let kept: [bool; LANES] = core::array::from_fn(|l| !none && word[l] >= threshold);
-                f(j - cols.start, first - rows.start, n, &kept);
+        for octet in cols.start / 8..=(cols.end - 1) / 8 {
+            let w = words(d, first, octet);
+            for j in (octet * 8..octet * 8 + 8).filter(|j| cols.contains(j)) {
+                let shift = 16 * (j % 2) as u32;
+                f(j - cols.start, first - rows.start, &w[j % 8 / 2], shift);
             }
         }
     }
@@ -79,11 +180,19 @@ fn drop_weights_body<const FMA: bool>(
     at: (Range<usize>, Range<usize>),
     d: &HeadDropout,
 ) {
-    let scale = d.scale;
-    for_each_mask(d, at, |c, r, n, kept| {
+    let (scale, threshold, nr) = (d.scale, d.threshold, at.0.len());
+    for_each_column(d, at, |c, r, words, shift| {
+        let n = LANES.min(nr - r);
         let col = &mut p[c * ld + r..c * ld + r + n];
-        for (x, &k) in col.iter_mut().zip(kept) {
-            *x = if k { *x * scale } else { 0.0 };
+        if let Ok(col) = <&mut [f32; LANES]>::try_from(&mut col[..]) {
+            // A whole group: a fixed trip count, which vectorises to a compare and a blend.
+            for (x, &w) in col.iter_mut().zip(words) {
+                *x = select(*x * scale, kept(w, shift, threshold));
+            }
+        } else {
+            for (x, &w) in col.iter_mut().zip(words) {
+                *x = select(*x * scale, kept(w, shift, threshold));
+            }
         }
     });
 }
@@ -94,6 +203,16 @@ multiversion! {
     pub(crate) fn drop_weights(p: &mut [f32], ld: usize, at: (Range<usize>, Range<usize>), d: &HeadDropout) = drop_weights_body
 }
 
+/// One entry of [`score_gradient_dropped`]: `(dS, P ∘ Z·s)` from `dO·V_j`, `P` and `D_i`,
+/// `kept` a [`kept`] mask.
+#[inline(always)]
+fn dropped_gradient(dp: f32, p: f32, di: f32, kept: u32, scale: f32) -> (f32, f32) {
+    let g = p * (select(dp * scale, kept) - di);
+    // Weight 0 (hidden) has gradient 0, even where dP or D is not finite.
+    let nonzero = u32::from(p != 0.0).wrapping_neg();
+    (select(g, nonzero), select(p * scale, kept))
+}
+
 #[inline(always)]
 fn score_gradient_body<const FMA: bool>(
     dp: &mut [f32],
@@ -102,15 +221,26 @@ fn score_gradient_body<const FMA: bool>(
     at: (Range<usize>, Range<usize>),
     (d, dropout): (&[f32], &HeadDropout),
 ) {
-    let scale = dropout.scale;
-    for_each_mask(dropout, at, |c, r, n, kept| {
+    let (scale, threshold, nr) = (dropout.scale, dropout.threshold, at.0.len());
+    for_each_column(dropout, at, |c, r, words, shift| {
+        let n = LANES.min(nr - r);
         let range = c * ld + r..c * ld + r + n;
-        let (dcol, pcol) = (&mut dp[range.clone()], &mut p[range]);
-        for (((x, pij), &k), &di) in dcol.iter_mut().zip(pcol).zip(kept).zip(&d[r..r + n]) {
-            let dp = if k { *x * scale } else { 0.0 };
-            let g = *pij * (dp - di);
-            *x = if *pij == 0.0 { 0.0 } else { g };
-            *pij = if k { *pij * scale } else { 0.0 };
+        let (dcol, pcol, d) = (&mut dp[range.clone()], &mut p[range], &d[r..r + n]);
+        let whole = (
+            <&mut [f32; LANES]>::try_from(&mut dcol[..]),
+            <&mut [f32; LANES]>::try_from(&mut pcol[..]),
+            <&[f32; LANES]>::try_from(d),
+        );
+        if let (Ok(dcol), Ok(pcol), Ok(d)) = whole {
+            for l in 0..LANES {
+                let kept = kept(words[l], shift, threshold);
+                (dcol[l], pcol[l]) = dropped_gradient(dcol[l], pcol[l], d[l], kept, scale);
+            }
+        } else {
+            for l in 0..n {
+                let kept = kept(words[l], shift, threshold);
+                (dcol[l], pcol[l]) = dropped_gradient(dcol[l], pcol[l], d[l], kept, scale);
+            }
         }
     });
 }
@@ -178,6 +308,25 @@ mod tests {
                     p0[e] * (dp0[e] * z - terms[i])
                 };
                 assert_eq!(dp[e], want);
+            }
+        }
+    }
+
+    #[test]
+    fn every_path_draws_the_contracts_words() {
+        let d = Dropout::new(0.5, 0xfeed_beef_0000_0001)
+            .unwrap()
+            .with_offset(3)
+            .for_head(2, 1, 4)
+            .unwrap();
+        for (first, octet) in [(0, 0), (13, 7), (u32::MAX as usize - 20, 1 << 29)] {
+            let want = portable_words(&d, first, octet);
+            assert_eq!(words(&d, first, octet), want);
+            for (w, lanes) in want.iter().enumerate() {
+                for (l, &x) in lanes.iter().enumerate() {
+                    let i = (first + l) as u32 as usize;
+                    assert_eq!(x, d.words(i, octet)[w]);
+                }
             }
         }
     }

@@ -112,9 +112,9 @@ pub(crate) fn keep_rate(engine: &dyn Engine, case: HeadCase) -> Check {
         return Ok(());
     }
     let rate = kept as f64 / n;
-    // The threshold rounds p to 2⁻³²: the rate's mean is 1 − p within 2⁻³³.
+    // The threshold rounds p to 2⁻¹⁶: the rate's mean is 1 − p within 2⁻¹⁷.
     let sigma = (p * (1.0 - p) / n).sqrt();
-    if (rate - (1.0 - p)).abs() > 4.0 * sigma + 1e-9 {
+    if (rate - (1.0 - p)).abs() > 4.0 * sigma + 2f64.powi(-17) {
         return Err(fail(format!(
             "{kept} of {visible} weights kept: rate {rate:.4}, not within 4σ = {:.4} of 1 − p = {:.4}",
             4.0 * sigma,
