@@ -81,6 +81,9 @@ pub struct Dropout {
     p: f32,
     seed: u64,
     offset: u32,
+    /// Where this call's heads sit in a larger call ([`Dropout::within`]): its first batch
+    /// entry and head, and the larger call's query heads.
+    origin: Option<(usize, usize, usize)>,
 }
 
 impl Dropout {
@@ -95,13 +98,37 @@ impl Dropout {
                 "in [0, 1]",
             ));
         }
-        Ok(Self { p, seed, offset: 0 })
+        Ok(Self {
+            p,
+            seed,
+            offset: 0,
+            origin: None,
+        })
     }
 
     /// The same dropout at a different `offset` (the counter's last word): successive
     /// calls with one seed draw different masks at different offsets.
     pub fn with_offset(mut self, offset: u32) -> Self {
         self.offset = offset;
+        self
+    }
+
+    /// The dropout of a call that computes part of a larger one: its batch entry (or
+    /// packed sequence) `b` is the larger call's `batch + b`, its head `h` the larger call's
+    /// `head + h` of `heads` query heads — so that each of its heads draws the mask the
+    /// larger call would (a binding that splits a call into several keeps its bits).
+    ///
+    /// ```
+    /// use attn_core::Dropout;
+    /// let whole = Dropout::new(0.5, 3)?;
+    /// let part = whole.within(1, 2, 4); // batch entry 1, heads 2.. of 4
+    /// assert_eq!(part.for_head(0, 1, 2), whole.for_head(1, 3, 4));
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn within(mut self, batch: usize, head: usize, heads: usize) -> Self {
+        let (b0, h0, _) = self.origin.unwrap_or((0, 0, heads));
+        // Nested: the larger call's origin shifts by this one's.
+        self.origin = Some((b0 + batch, h0 + head, self.origin.map_or(heads, |o| o.2)));
         self
     }
 
@@ -126,7 +153,10 @@ impl Dropout {
             return None;
         }
         // Validated: the stream fits in a counter word (`check`).
-        let stream = (b * h_q + h) as u32;
+        let stream = match self.origin {
+            None => b * h_q + h,
+            Some((b0, h0, heads)) => (b0 + b) * heads + h0 + h,
+        } as u32;
         let threshold = (f64::from(self.p) * 65_536.0).round() as u32;
         Some(HeadDropout {
             threshold,
@@ -141,22 +171,33 @@ impl Dropout {
         })
     }
 
-    /// Checks that every position of a call with `streams` (batch entries × query heads),
-    /// `n_q` queries and `n_k` keys has its own counter.
-    pub fn check(&self, streams: usize, n_q: usize, n_k: usize) -> Result<()> {
-        let limit = 1usize << 32;
-        for (what, n, cap) in [
-            (
+    /// Checks that every head of a call of `batch` entries of `h_q` query heads has its own
+    /// stream (a counter word).
+    pub fn check_streams(&self, batch: usize, h_q: usize) -> Result<()> {
+        let (b0, h0, heads) = self.origin.unwrap_or((0, 0, h_q));
+        let last = (b0 + batch)
+            .checked_mul(heads.max(h_q))
+            .and_then(|x| x.checked_add(h0 + h_q));
+        let cap = 1usize << 32;
+        match last {
+            Some(n) if n <= cap => Ok(()),
+            _ => Err(Error::capacity(
                 "dropout streams (batch entries × query heads)",
-                streams,
-                limit,
-            ),
-            ("dropout queries", n_q, limit),
-            ("dropout keys", n_k, limit.saturating_mul(8)),
-        ] {
-            if n > cap {
-                return Err(Error::capacity(what, n, cap));
-            }
+                last.unwrap_or(usize::MAX),
+                cap,
+            )),
+        }
+    }
+
+    /// Checks that every query and key of a sequence of `n_q` queries and `n_k` keys has
+    /// its own counter.
+    pub fn check_positions(&self, n_q: usize, n_k: usize) -> Result<()> {
+        let cap = 1usize << 32;
+        if n_q > cap {
+            return Err(Error::capacity("dropout queries", n_q, cap));
+        }
+        if n_k > cap.saturating_mul(8) {
+            return Err(Error::capacity("dropout keys", n_k, cap.saturating_mul(8)));
         }
         Ok(())
     }

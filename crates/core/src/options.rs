@@ -368,7 +368,7 @@ impl<'a> Options<'a> {
     /// Checks the modifiers' lengths and values for `batch` entries of `h_q` query heads.
     pub fn check_modifiers(&self, batch: usize, h_q: usize) -> Result<()> {
         if let Some(d) = self.dropout {
-            d.check(batch.saturating_mul(h_q), 0, 0)?;
+            d.check_streams(batch, h_q)?;
         }
         if let Some(a) = self.alibi {
             let n = a.slopes().len();
@@ -538,7 +538,7 @@ impl<'a> Options<'a> {
     fn validate_common(&self, batch: usize, n_q: usize, n_k: usize, d_k: usize) -> Result<f32> {
         let scale = self.scale_for(d_k)?;
         if let Some(d) = self.dropout {
-            d.check(0, n_q, n_k)?;
+            d.check_positions(n_q, n_k)?;
         }
         let rule = "n_q × n_k, the shape of the scores";
         if let Some(m) = self.bool_mask {

@@ -180,7 +180,7 @@ pub fn validate_packed<T>(
     }
     options.check_modifiers(seqs.batch(), shape.h_q)?;
     if let Some(d) = options.dropout {
-        d.check(0, shape.head.n_q, shape.head.n_k)?;
+        d.check_positions(shape.head.n_q, shape.head.n_k)?;
     }
     let scale = options.scale_for(shape.head.d_k)?;
     Ok((shape, scale))
