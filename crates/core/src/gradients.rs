@@ -47,6 +47,10 @@ pub struct Gradients<T> {
     /// `∂loss/∂σ` of the sink logits (`Options::with_sinks`), one entry per query head
     /// (`[1]` for one head; 0 where the sink is `-inf`); `None` without sinks.
     pub dsinks: Option<Vec<f32>>,
+    /// The gradient of the additive mask (`[n_q, n_k]`), when the call was asked for it
+    /// (the engines' `with_bias_gradient`): `dS`, the gradient of the scores the softmax
+    /// sees; 0 where a key is hidden.
+    pub dbias: Option<Mat<f32>>,
 }
 
 impl<T> Gradients<T> {
@@ -57,6 +61,7 @@ impl<T> Gradients<T> {
             dk,
             dv,
             dsinks: None,
+            dbias: None,
         }
     }
 
@@ -71,6 +76,19 @@ impl<T> Gradients<T> {
     /// ```
     pub fn with_dsinks(self, dsinks: Option<Vec<f32>>) -> Self {
         Self { dsinks, ..self }
+    }
+
+    /// The same gradients with the additive mask's.
+    ///
+    /// ```
+    /// use attn_core::Gradients;
+    /// use faer::Mat;
+    /// let g = Gradients::new(Mat::<f32>::zeros(2, 4), Mat::zeros(3, 4), Mat::zeros(3, 4))
+    ///     .with_dbias(Some(Mat::zeros(2, 3)));
+    /// assert_eq!(g.dbias.map(|d| d.ncols()), Some(3));
+    /// ```
+    pub fn with_dbias(self, dbias: Option<Mat<f32>>) -> Self {
+        Self { dbias, ..self }
     }
 }
 
@@ -102,6 +120,11 @@ pub struct BatchGradients<T> {
     /// `∂loss/∂σ` of the sink logits (`Options::with_sinks`), `[h_q]`, summed over the
     /// batch entries (0 where the sink is `-inf`); `None` without sinks.
     pub dsinks: Option<Vec<f32>>,
+    /// The gradient of the additive mask, when the call was asked for it (the engines'
+    /// `with_bias_gradient`): `dS` summed over the axes the mask broadcasts on, shaped
+    /// like the values it holds ([`crate::Mask4Ref::own_dims`]; a `[n_q, n_k]` mask's is
+    /// `[1, 1, n_q, n_k]`), each entry summed over batch entries and heads in order.
+    pub dbias: Option<Tensor4<f32>>,
 }
 
 impl<T> BatchGradients<T> {
@@ -112,6 +135,7 @@ impl<T> BatchGradients<T> {
             dk,
             dv,
             dsinks: None,
+            dbias: None,
         }
     }
 
@@ -125,6 +149,18 @@ impl<T> BatchGradients<T> {
     /// ```
     pub fn with_dsinks(self, dsinks: Option<Vec<f32>>) -> Self {
         Self { dsinks, ..self }
+    }
+
+    /// The same gradients with the additive mask's.
+    ///
+    /// ```
+    /// use attn_core::{BatchGradients, Tensor4};
+    /// let z = || Tensor4::<f32>::zeros([1, 2, 3, 4]);
+    /// let g = BatchGradients::new(z(), z(), z()).with_dbias(Some(Tensor4::zeros([1, 2, 3, 3])));
+    /// assert_eq!(g.dbias.map(|d| d.dims()), Some([1, 2, 3, 3]));
+    /// ```
+    pub fn with_dbias(self, dbias: Option<Tensor4<f32>>) -> Self {
+        Self { dbias, ..self }
     }
 }
 

@@ -140,6 +140,28 @@ impl<'a, T> Mask4Ref<'a, T> {
         self.dims.iter().zip(dims).all(|(&m, d)| m == d || m == 1)
     }
 
+    /// The dims of the values the mask holds: its dims, with 1 along each axis it
+    /// broadcasts on (length 1 or stride 0) — what the gradient of an additive mask is
+    /// shaped like (the sum over the axes it broadcasts on).
+    ///
+    /// ```
+    /// use attn_core::Mask4Ref;
+    /// let bias = vec![0.0f32; 4 * 3 * 5];
+    /// // One [3, 5] bias per head, shared by 2 batch entries through a stride of 0.
+    /// let m = Mask4Ref::new(&bias, [2, 4, 3, 5], [0, 15, 5, 1])?;
+    /// assert_eq!(m.own_dims(), [1, 4, 3, 5]);
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn own_dims(&self) -> [usize; 4] {
+        let mut dims = self.dims;
+        for (d, &s) in dims.iter_mut().zip(&self.strides) {
+            if effective(*d, s) == 0 {
+                *d = 1;
+            }
+        }
+        dims
+    }
+
     /// Whether two query heads of one batch entry may see different masks.
     pub fn varies_over_heads(&self) -> bool {
         effective(self.dims[1], self.strides[1]) != 0

@@ -132,6 +132,40 @@ impl<'a> Options<'a> {
         }
     }
 
+    /// The dims of the gradient of the additive mask in a call of dims `[batch, h_q, n_q,
+    /// n_k]`: the mask's own values ([`Mask4Ref::own_dims`]; a `[n_q, n_k]` mask's are
+    /// `[1, 1, n_q, n_k]`). [`Error::Unsupported`] without an additive mask, or for one
+    /// constant along the key axis (a constant per row does not change the softmax).
+    ///
+    /// ```
+    /// use attn_core::{Mask4Ref, Options};
+    /// let bias = vec![0.0f32; 2 * 3 * 4];
+    /// let m = Mask4Ref::contiguous(&bias, [1, 2, 3, 4])?;
+    /// let opts = Options::default().with_additive_mask_4d(m);
+    /// assert_eq!(opts.bias_gradient_dims([5, 2, 3, 4])?, [1, 2, 3, 4]);
+    /// assert!(Options::default().bias_gradient_dims([5, 2, 3, 4]).is_err());
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    pub fn bias_gradient_dims(&self, dims: [usize; 4]) -> Result<[usize; 4]> {
+        let own = match (self.additive_mask_4d, self.additive_mask) {
+            (Some(m), _) => m.own_dims(),
+            (None, Some(m)) => [1, 1, m.nrows(), m.ncols()],
+            (None, None) => {
+                return Err(Error::unsupported(
+                    "bias gradient",
+                    "the call has no additive mask to differentiate",
+                ));
+            }
+        };
+        if own[3] != dims[3] && dims[3] > 1 {
+            return Err(Error::unsupported(
+                "bias gradient",
+                "the additive mask is constant along the key axis: a constant per row does not change the softmax; give it a key axis",
+            ));
+        }
+        Ok(own)
+    }
+
     /// Sets the score scale (validated when the call runs: see [`Options::scale_for`]).
     pub fn with_scale(mut self, scale: f32) -> Self {
         self.scale = Some(scale);

@@ -596,6 +596,9 @@ pub struct GradientBound {
     /// f64 in key order (the exact sum is 0 for every row: softmax is invariant to a
     /// constant added to a row of scores); 0 for a row that sees no key.
     pub reference_ds_row_sum: Vec<f64>,
+    /// `|dŜ_ij − dS_ij|` allowed for the score gradient itself (the gradient of an
+    /// additive mask, before any sum over heads), `[n_q, n_k]`; 0 where hidden.
+    pub ds: Mat<f64>,
     /// The forward bound of the same head ([`head_bound`]): the `O` and LSE an engine's
     /// backward pass is given must be within it for this bound to hold.
     pub forward: HeadBound,
@@ -639,6 +642,8 @@ struct GradTerms {
     dv_abs: Mat<f64>,
     /// `Σ_j σ_ij`, row by row.
     ds_row: Vec<f64>,
+    /// `σ_ij`, the error of each `dS_ij` (before the chain rule through the modifiers).
+    ds: Mat<f64>,
 }
 
 /// `a · |b|` (`transpose_a`: `aᵀ · |b|`), in f64.
@@ -767,6 +772,7 @@ fn grad_terms(
         dv_err: times_abs(pi.as_ref(), true, x.grad_out),
         dv_abs: times_abs(p_abs.as_ref(), true, x.grad_out),
         ds_row,
+        ds: sigma,
     }
 }
 
@@ -970,11 +976,21 @@ pub fn head_backward_bound(
             SAFETY * (h.reference.ds_row[i] + gamma(n_k as f64, U64) * abs)
         })
         .collect();
+    let ds = Mat::from_fn(q.nrows(), n_k, |i, j| {
+        let e = h.engine.as_ref().map(|t| t.ds[(i, j)]);
+        finish(
+            model,
+            e,
+            h.reference.ds[(i, j)],
+            reference.ds_modified[(i, j)],
+        )
+    });
     GradientBound {
         dq: head_dq(model, &h, reference),
         dk,
         dv,
         reference_ds_row_sum,
+        ds,
         forward: h.forward,
     }
 }

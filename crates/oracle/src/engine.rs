@@ -244,6 +244,9 @@ pub struct Call<'a> {
     /// For a batched, packed or paged call: whether the engine may split a head's keys
     /// ([`KeySplit::Auto`] unless [`Call::with_split`] says otherwise).
     pub split: KeySplit,
+    /// For a batched call's backward pass: whether the gradients carry the additive mask's
+    /// (`dbias`, [`Call::with_bias_gradient`]).
+    pub bias_gradient: bool,
 }
 
 /// An output of [`Engine::forward`] or an upstream gradient: one head's matrix or a
@@ -291,6 +294,7 @@ impl<'a> Call<'a> {
             options: *options,
             plan: None,
             split: KeySplit::Auto,
+            bias_gradient: false,
         }
     }
 
@@ -338,6 +342,16 @@ impl<'a> Call<'a> {
     /// The same call with the key split `split` ([`KeySplit`]).
     pub fn with_split(self, split: KeySplit) -> Self {
         Self { split, ..self }
+    }
+
+    /// The same call whose backward pass returns the additive mask's gradient too (in
+    /// [`BatchGradients::dbias`](attn_core::BatchGradients::dbias)); an engine without
+    /// one leaves it `None`.
+    pub fn with_bias_gradient(self) -> Self {
+        Self {
+            bias_gradient: true,
+            ..self
+        }
     }
 
     /// The same call computed by parts as `plan` says (one head only).
@@ -739,9 +753,17 @@ impl Engine for ReferenceEngine {
                     .map(Grads::Head)
             }
             (Operands::Batched([q, k, v]), View::Batch(d_out), View::Batch(out)) => {
-                Attention::batched(q, k, v, options)
-                    .and_then(|c| c.backward(ForwardRef::batch(out, lse)?, d_out))
-                    .map(Grads::Batch)
+                Attention::batched(q, k, v, options).and_then(|c| {
+                    let g = c.backward(ForwardRef::batch(out, lse)?, d_out)?;
+                    let dbias = if call.bias_gradient {
+                        let t = c.bias_gradient(d_out)?;
+                        let values = t.as_slice().iter().map(|&x| x as f32).collect();
+                        Some(Tensor4::from_vec(values, t.dims())?)
+                    } else {
+                        None
+                    };
+                    Ok(Grads::Batch(g.with_dbias(dbias)))
+                })
             }
             (Operands::Packed([q, k, v], seqs), View::Batch(d_out), View::Batch(out)) => {
                 Attention::packed(q, k, v, &seqs, options)

@@ -75,6 +75,7 @@
 //! | `dropout_keeps_the_contracts_weights_at_rate_one_minus_p` | with `V = I`, the engine's zero weights are exactly the ones the generator drops, and the share kept is within 4σ of `1 − p` |
 //! | `mean_of_dropped_outputs_is_the_undropped_output` | the mean over 48 seeds is the undropped output within 5σ of the mean (`Var = Σ_j A_ij² v_jc² · p/(1 − p)`) |
 //! | `zero_dropout_is_no_dropout_bit_for_bit` | `p = 0` computes the bits of a call without dropout, batched forward and backward; `output_bits_do_not_depend_on_thread_count` and its backward twin draw dropout in half their cases |
+//! | `bias_gradient_matches_reference_and_ignores_thread_count` | the gradient of an additive mask (`Call::with_bias_gradient`; one bias per head shared by the batch as T5's, per (batch, head), per batch entry, one for all, key biases; broadcast by a length of 1 or a stride of 0; `-inf` entries; dropout on top sometimes) within the sum of each head's derived `dS` bound plus the f32 sum, against the reference's f64 sum of `dS`; the same bits with 1, 2 and 3 threads; skipped for an engine that returns none |
 //!
 //! The backward properties ([`Property::is_backward`]) run for an engine whose
 //! [`Engine::backward`] returns `Some` for a head call (the batched ones for a batched
@@ -144,9 +145,9 @@ pub use engine::{
     MergePlan, Operands, Output, ReferenceEngine, Saved, View, edge_magnitude,
 };
 pub use properties::{
-    BatchGradCase, CacheCase, CacheOp, Defect, GradCase, KeyHider, Mask4Case, Mask4Recipe,
-    PackedCase, PagedCase, PagedDefect, PoolLayout, RowHider, assert_property, check_engine,
-    check_property, compare_head,
+    BatchGradCase, BiasCase, CacheCase, CacheOp, Defect, GradCase, KeyHider, Mask4Case,
+    Mask4Recipe, PackedCase, PagedCase, PagedDefect, PoolLayout, RowHider, assert_property,
+    check_engine, check_property, compare_head,
 };
 pub use suite::{Failure, Property, SuiteConfig};
 
@@ -204,6 +205,7 @@ macro_rules! engine_suite {
             dropout_keeps_the_contracts_weights_at_rate_one_minus_p => DropoutKeepRate,
             mean_of_dropped_outputs_is_the_undropped_output => DropoutMeanIsUndropped,
             zero_dropout_is_no_dropout_bit_for_bit => ZeroDropoutIsNoDropout,
+            bias_gradient_matches_reference_and_ignores_thread_count => BiasGradientMatchesReference,
         );
     };
     (@tests $engine:expr; $($name:ident => $prop:ident,)*) => {

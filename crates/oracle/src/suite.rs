@@ -155,11 +155,15 @@ pub enum Property {
     DropoutMeanIsUndropped,
     /// 19. `p = 0` is no dropout, bit for bit: batched forward and backward.
     ZeroDropoutIsNoDropout,
+    /// 20. The gradient of an additive mask (per head, per batch entry, shared, key biases;
+    ///     by a length of 1 or a stride of 0; dropout on top sometimes) ≡ the reference's
+    ///     sum of `dS` within the derived bound, the same bits with 1, 2 and 3 threads.
+    BiasGradientMatchesReference,
 }
 
 impl Property {
     /// Every property, in the order of the issue.
-    pub const ALL: [Property; 45] = [
+    pub const ALL: [Property; 46] = [
         Property::RowsSumToOne,
         Property::MaskedWeightsAreZero,
         Property::HiddenKeysNeverLeak,
@@ -205,6 +209,7 @@ impl Property {
         Property::DropoutKeepRate,
         Property::DropoutMeanIsUndropped,
         Property::ZeroDropoutIsNoDropout,
+        Property::BiasGradientMatchesReference,
     ];
 
     /// The test name: what the property proves.
@@ -266,6 +271,9 @@ impl Property {
             Property::DropoutKeepRate => "dropout_keeps_the_contracts_weights_at_rate_one_minus_p",
             Property::DropoutMeanIsUndropped => "mean_of_dropped_outputs_is_the_undropped_output",
             Property::ZeroDropoutIsNoDropout => "zero_dropout_is_no_dropout_bit_for_bit",
+            Property::BiasGradientMatchesReference => {
+                "bias_gradient_matches_reference_and_ignores_thread_count"
+            }
         }
     }
 
@@ -294,7 +302,7 @@ impl Property {
             Property::PagedCacheIsolation => 128,
             // Each case runs dozens of seeds.
             Property::DropoutMeanIsUndropped => 24,
-            Property::DropoutGradientsMatchReference => 32,
+            Property::DropoutGradientsMatchReference | Property::BiasGradientMatchesReference => 32,
             Property::DropoutMatchesReference
             | Property::DropoutKeepRate
             | Property::ZeroDropoutIsNoDropout => 96,
@@ -337,6 +345,7 @@ impl Property {
                 | Property::PerHeadMaskGradients
                 | Property::PackedGradients
                 | Property::DropoutGradientsMatchReference
+                | Property::BiasGradientMatchesReference
         )
     }
 }

@@ -314,3 +314,31 @@ pub(crate) fn batched_gradients<T: Element + Default>(
     });
     Ok(BatchGradients::new(dq, dk, dv).with_dsinks(dsinks))
 }
+
+/// The gradient of the additive mask of `options` from every head's backward pass
+/// (`[batch][h_q]`): `dS_mod` (the gradient of the scores the softmax sees) summed in f64
+/// over the axes the mask broadcasts on, shaped like its values
+/// ([`Options::bias_gradient_dims`]).
+pub(crate) fn bias_gradient(
+    heads: &[Vec<MaterializedBackward>],
+    options: &Options<'_>,
+    dims: [usize; 4],
+) -> Result<Tensor4<f64>> {
+    let own = options.bias_gradient_dims(dims)?;
+    let mut out = Tensor4::<f64>::zeros(own);
+    for (b, per_head) in heads.iter().enumerate() {
+        for (h, m) in per_head.iter().enumerate() {
+            let (bb, hh) = (b.min(own[0] - 1), h.min(own[1] - 1));
+            let mut plane = out.as_mut();
+            let mut plane = plane.head_mut(bb, hh)?;
+            let ds = &m.ds_modified;
+            for i in 0..ds.nrows() {
+                let ii = i.min(own[2] - 1);
+                for j in 0..ds.ncols() {
+                    plane[(ii, j)] += ds[(i, j)];
+                }
+            }
+        }
+    }
+    Ok(out)
+}

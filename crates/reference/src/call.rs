@@ -208,6 +208,28 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         let (q, k, v) = self.head_operands()?;
         backward::head_backward_materialized(q, k, v, d_out, &self.options)
     }
+
+    /// The gradient of the additive mask (`[n_q, n_k]`) for the upstream gradient `d_out`,
+    /// in f64: `dS_mod`, the gradient of the scores the softmax sees.
+    ///
+    /// ```
+    /// use attn_reference::{Attention, Options};
+    /// use faer::{mat, Mat};
+    /// let x = mat![[1.0f32, 0.0], [0.0, 1.0], [1.0, 1.0]];
+    /// let bias = Mat::<f32>::from_fn(3, 3, |i, j| (i as f32 - j as f32) * 0.5);
+    /// let opts = Options::default().with_additive_mask(bias.as_ref());
+    /// let call = Attention::head(x.as_ref(), x.as_ref(), x.as_ref(), &opts)?;
+    /// let d_out = mat![[1.0f32, -1.0], [0.5, 0.0], [0.0, 2.0]];
+    /// let db = call.bias_gradient(d_out.as_ref())?;
+    /// assert_eq!(db, call.backward_materialized(d_out.as_ref())?.ds_modified);
+    /// # Ok::<(), attn_reference::Error>(())
+    /// ```
+    pub fn bias_gradient(&self, d_out: MatRef<'_, T>) -> Result<Mat<f64>> {
+        let m = self.backward_materialized(d_out)?;
+        let (n_q, n_k) = (m.ds.nrows(), m.ds.ncols());
+        let t = backward::bias_gradient(&[vec![m]], &self.options, [1, 1, n_q, n_k])?;
+        Ok(t.as_ref().head(0, 0)?.to_owned())
+    }
 }
 
 impl<'a, T: Element + Default> Attention<'a, T, Batch> {
@@ -414,5 +436,18 @@ impl<'a, T: Element + Default> Attention<'a, T, Batch> {
                 "build a head call per sequence",
             )),
         }
+    }
+
+    /// The gradient of the additive mask for the upstream gradient `d_out`, in f64: `dS_mod`
+    /// summed over the axes the mask broadcasts on, shaped like its values
+    /// ([`Options::bias_gradient_dims`](attn_core::Options::bias_gradient_dims)).
+    pub fn bias_gradient(&self, d_out: Tensor4Ref<'_, T>) -> Result<Tensor4<f64>> {
+        let heads = self.backward_materialized(d_out)?;
+        let [b, h, n_q, _] = d_out.dims();
+        let n_k = match self.ops {
+            Operands::Batched { k, .. } => k.dims()[2],
+            _ => 0,
+        };
+        backward::bias_gradient(&heads, &self.options, [b, h, n_q, n_k])
     }
 }

@@ -14,7 +14,7 @@ use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par, RowMut};
 use half::bf16;
 
-use super::{Group, QueryHead};
+use super::{BiasGradient, Group, QueryHead};
 use crate::exact::{rescore, row_top};
 use crate::kernel::Products;
 use crate::kernel::amx::{self, CacheLines, LineWords, TileRows};
@@ -444,6 +444,7 @@ impl Scratch {
         cols: Range<usize>,
         dq: &mut [f32],
         head_len: usize,
+        bias: Option<(&BiasGradient, &[usize])>,
     ) {
         let TilePlan { br, bc } = self.plan;
         let (d_k, d_v, nc) = (self.d_k, self.d_v, cols.len());
@@ -586,6 +587,11 @@ impl Scratch {
                         score_gradient_dropped(ds, p, br, (rows.clone(), cols.clone()), terms);
                     }
                     None => score_gradient(ds, p, br, nr, nc, &terms.d[rows.clone()]),
+                }
+                // The bias's gradient is that of the scores the softmax sees: before the
+                // chain rule through the modifiers (the bias is added after them).
+                if let Some((bias, planes)) = bias {
+                    bias.add_tile(planes[h], ds, br, (rows.clone(), cols.clone()));
                 }
                 if chain {
                     chain_rule(ds, dmod, br, nr, nc);

@@ -23,6 +23,7 @@
 //! `C` depends on the shape alone, so the bits never depend on the thread count, and there
 //! are no atomics.
 
+mod bias;
 mod key_block;
 
 use core::ops::Range;
@@ -36,6 +37,7 @@ use attn_core::{
 use faer::reborrow::{Reborrow, ReborrowMut};
 use faer::{MatRef, Par, RowMut};
 
+pub(crate) use self::bias::BiasGradient;
 use self::key_block::dq_row;
 use crate::exact;
 use crate::kernel::Products;
@@ -66,6 +68,8 @@ struct Group<'a, T, K = Dense<'a, T>> {
     k: K,
     v: K,
     heads: Vec<QueryHead<'a, T>>,
+    /// Its batch entry (a packed call's sequence) and kv head.
+    at: (usize, usize),
 }
 
 impl<T, K> Group<'_, T, K> {
@@ -87,6 +91,8 @@ pub(crate) struct Backward<'a, T, K = Dense<'a, T>> {
     sinks: Option<usize>,
     /// How the tiles multiply: AMX tiles, AVX512_BF16 pairs or f32.
     products: Products,
+    /// The gradient of the additive mask, when asked for ([`Backward::with_bias_gradient`]).
+    bias: Option<BiasGradient>,
 }
 
 /// Where a task writes: the dK and dV rows of each of its key blocks.
@@ -99,6 +105,8 @@ struct BlockRows<'s, 'o, G> {
 /// One task: some key blocks of one group.
 struct Task<'s, 'o, G> {
     group: usize,
+    /// Which of the group's key chunks it holds.
+    chunk: usize,
     blocks: Vec<BlockRows<'s, 'o, G>>,
     /// This task's f32 partial of the group's dQ, `[heads][n_q][d_k]` row-major.
     dq: &'s mut [f32],
@@ -130,6 +138,7 @@ impl<'a, T: Element> Backward<'a, T> {
                 mods: options.head_modifiers(0, 0, 1, shape.n_q, shape.n_k),
                 head: 0,
             }],
+            at: (0, 0),
         };
         let plan = TilePlan::for_backward(shape.n_q, shape.n_k);
         let sinks = options.sinks.map(|_| 1);
@@ -192,6 +201,7 @@ impl<'a, T: Element> Backward<'a, T> {
                     k: Dense(k.head(b, kv)?),
                     v: Dense(v.head(b, kv)?),
                     heads,
+                    at: (b, kv),
                 });
             }
         }
@@ -256,6 +266,7 @@ impl<'a, T: Element> Backward<'a, T> {
                     k: Dense(sub(k.head(0, kv)?, &keys)),
                     v: Dense(sub(v.head(0, kv)?, &keys)),
                     heads,
+                    at: (s, kv),
                 });
             }
         }
@@ -316,7 +327,20 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
             groups,
             sinks,
             products,
+            bias: None,
         }
+    }
+
+    /// The same call computing the gradient of its additive mask as well, for a call of
+    /// dims `[batch, h_q, n_q, n_k]` ([`BiasGradient::new`] says which masks have one).
+    pub fn with_bias_gradient(mut self, options: &Options<'_>, dims: [usize; 4]) -> Result<Self> {
+        self.bias = Some(BiasGradient::new(options, dims)?);
+        Ok(self)
+    }
+
+    /// The gradient of the additive mask, after [`Backward::run`].
+    pub fn into_bias_gradient(self) -> Option<BiasGradient> {
+        self.bias
     }
 
     /// The shape of each head.
@@ -342,9 +366,24 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         // group of a batched call; a packed call's sequences differ.
         let mut layout = Vec::with_capacity(self.groups.len());
         let mut total = Some(0usize);
+        // The groups whose tasks run side by side: every group, or with a bias gradient
+        // one per set of groups that share bias planes (their tasks run in turn).
+        let parallel = match &self.bias {
+            None => self.groups.len(),
+            Some(bias) => {
+                let mut keys: Vec<_> = self
+                    .groups
+                    .iter()
+                    .map(|g| bias.bundle(g.at.0, g.at.1))
+                    .collect();
+                keys.sort_unstable();
+                keys.dedup();
+                keys.len()
+            }
+        };
         for g in &self.groups {
             let blocks = g.k.len().div_ceil(bc);
-            let chunks = key_chunks(self.groups.len(), blocks);
+            let chunks = key_chunks(parallel, blocks);
             let per_task = element_count(&[g.heads.len(), g.n_q(), d_k]);
             let start = total.unwrap_or(usize::MAX);
             total = total
@@ -362,11 +401,12 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         let (mut dk_rest, mut dv_rest) = (&mut *dk, &mut *dv);
         for (g, &(blocks, chunks, per_task, _)) in layout.iter().enumerate() {
             let first = tasks.len();
-            for _ in 0..chunks {
+            for chunk in 0..chunks {
                 let (part, rest) = core::mem::take(&mut parts_rest).split_at_mut(per_task);
                 parts_rest = rest;
                 tasks.push(Task {
                     group: g,
+                    chunk,
                     blocks: Vec::with_capacity(blocks.div_ceil(chunks)),
                     dq: part,
                     work: 0,
@@ -384,21 +424,44 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
                 task.blocks.push(BlockRows { block: b, dk, dv });
             }
         }
+        // Bundles of tasks that run in turn, in group order: one task each, or with a bias
+        // gradient those of one key chunk whose groups share bias planes.
+        let bundle_of = |t: &Task<'_, '_, G>| {
+            let g = &self.groups[t.group];
+            let shared = self.bias.as_ref().map(|b| b.bundle(g.at.0, g.at.1));
+            (shared, t.chunk, shared.is_none().then_some(t.group))
+        };
+        tasks.sort_by_key(|t| (bundle_of(t), t.group));
+        let mut bundles: Vec<(usize, Vec<Task<'_, '_, G>>)> = Vec::new();
+        for task in tasks {
+            match bundles.last_mut() {
+                Some((work, list)) if bundle_of(&list[0]) == bundle_of(&task) => {
+                    *work += task.work;
+                    list.push(task);
+                }
+                _ => bundles.push((task.work, vec![task])),
+            }
+        }
         // Heaviest first, so that no core idles at the end.
-        tasks.sort_by_key(|t| core::cmp::Reverse(t.work));
-        let tasks: Vec<Mutex<Option<Task<'_, '_, G>>>> =
-            tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
+        bundles.sort_by_key(|b| core::cmp::Reverse(b.0));
+        let bundles: Vec<Mutex<Option<Vec<Task<'_, '_, G>>>>> = bundles
+            .into_iter()
+            .map(|(_, b)| Mutex::new(Some(b)))
+            .collect();
         let failure = Mutex::new(None);
-        for_each_index(tasks.len(), Order::Front, par, |i| {
-            let Some(task) = tasks[i].lock().ok().and_then(|mut t| t.take()) else {
+        for_each_index(bundles.len(), Order::Front, par, |i| {
+            let Some(bundle) = bundles[i].lock().ok().and_then(|mut t| t.take()) else {
                 return;
             };
-            if let Err(e) = self.run_task(task)
-                && let Ok(mut f) = failure.lock()
-            {
-                f.get_or_insert(e);
+            for task in bundle {
+                if let Err(e) = self.run_task(task)
+                    && let Ok(mut f) = failure.lock()
+                {
+                    f.get_or_insert(e);
+                }
             }
         });
+        let tasks = bundles;
         drop(tasks);
         if let Some(e) = failure.into_inner().ok().flatten() {
             return Err(e);
@@ -583,9 +646,19 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         let mut scratch = key_block::Scratch::new(self.plan, &shape, group, &heads, products)?;
         let HeadShape { n_q, d_k, .. } = shape;
         let bc = self.plan.bc;
+        // Each head's plane of the bias gradient.
+        let planes: Vec<usize> = match &self.bias {
+            Some(bias) => group
+                .heads
+                .iter()
+                .map(|h| bias.plane(group.at.0, h.head))
+                .collect(),
+            None => Vec::new(),
+        };
+        let bias = self.bias.as_ref().map(|b| (b, &planes[..]));
         for BlockRows { block, dk, dv } in task.blocks {
             let cols = block * bc..block * bc + dk.len();
-            scratch.key_block(group, &heads, cols, task.dq, n_q * d_k);
+            scratch.key_block(group, &heads, cols, task.dq, n_q * d_k, bias);
             scratch.write_block(self.scale, dk, dv);
         }
         Ok(())

@@ -7,7 +7,7 @@ use attn_core::{
 use faer::{Par, RowMut};
 
 use super::{Attention, Batch, check_lse_view, lse_rows};
-use crate::backward::Backward;
+use crate::backward::{Backward, BiasGradient};
 use crate::forward;
 use crate::kernel::element::Element;
 use crate::problem::{Batched, Packed, PagedBatch, filled, zeroed};
@@ -335,8 +335,11 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
             dk: dk.as_mut(),
             dv: dv.as_mut(),
         };
-        let dsinks = self.backward_into(fwd, d_out, grads, par)?;
-        Ok(BatchGradients::new(dq, dk, dv).with_dsinks(dsinks))
+        let (dsinks, dbias) = self.run_backward(fwd, d_out, grads, par, self.bias_gradient)?;
+        let dbias = dbias.map(BiasGradient::into_tensor).transpose()?;
+        Ok(BatchGradients::new(dq, dk, dv)
+            .with_dsinks(dsinks)
+            .with_dbias(dbias))
     }
 
     /// [`backward`](Attention::backward) written in place into caller views (any layout
@@ -367,6 +370,21 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         grads: GradientsMut<Tensor4Mut<'_, G>>,
         par: Par,
     ) -> Result<Option<Vec<f32>>> {
+        if self.bias_gradient {
+            return Err(bias_gradient_owned());
+        }
+        Ok(self.run_backward(fwd, d_out, grads, par, false)?.0)
+    }
+
+    /// The backward pass into `grads`; with `bias`, the additive mask's gradient too.
+    fn run_backward<'f, G: Element>(
+        &self,
+        fwd: impl Into<ForwardRef<Tensor4Ref<'f, T>, Tensor4Ref<'f, f32>>>,
+        d_out: Tensor4Ref<'_, T>,
+        grads: GradientsMut<Tensor4Mut<'_, G>>,
+        par: Par,
+        bias: bool,
+    ) -> Result<(Option<Vec<f32>>, Option<BiasGradient>)> {
         let (q, k, v) = self.operands()?;
         let fwd = fwd.into();
         let want = self.out_dims();
@@ -389,22 +407,34 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         }
         match &self.ops.0 {
             Operands::Packed { seqs, .. } => {
+                if bias {
+                    return Err(Error::unsupported(
+                        "bias gradient",
+                        "a packed call has no additive mask",
+                    ));
+                }
                 let call = Backward::packed(d_out, q, k, v, fwd.output, &lse, seqs, &self.options)?;
                 let (h_q, h_kv) = (dq.dims()[1], dk.dims()[1]);
                 let (dq_order, dk_order) = Backward::<T>::packed_row_order(seqs, h_q, h_kv);
-                call.run(
+                let dsinks = call.run(
                     &mut reorder(dq, &dq_order)?,
                     &mut reorder(dk, &dk_order)?,
                     &mut reorder(dv, &dk_order)?,
                     par,
-                )
+                )?;
+                Ok((dsinks, None))
             }
             _ => {
-                let call = Backward::batched(d_out, q, k, v, fwd.output, &lse, &self.options)?;
+                let mut call = Backward::batched(d_out, q, k, v, fwd.output, &lse, &self.options)?;
+                if bias {
+                    let dims = [b, h, n, k.dims()[2]];
+                    call = call.with_bias_gradient(&self.options, dims)?;
+                }
                 fn rows<G>(t: Tensor4Mut<'_, G>) -> Result<Vec<RowMut<'_, G>>> {
                     forward::row_list(t.into_rows()?.into_iter().map(RowMut::from_slice_mut))
                 }
-                call.run(&mut rows(dq)?, &mut rows(dk)?, &mut rows(dv)?, par)
+                let dsinks = call.run(&mut rows(dq)?, &mut rows(dk)?, &mut rows(dv)?, par)?;
+                Ok((dsinks, call.into_bias_gradient()))
             }
         }
     }
@@ -445,4 +475,12 @@ fn reorder<'t, G>(t: Tensor4Mut<'t, G>, order: &[usize]) -> Result<Vec<RowMut<'t
         }
     }
     Ok(list)
+}
+
+/// What `backward_into` says to a call built [`with_bias_gradient`](Attention::with_bias_gradient).
+pub(super) fn bias_gradient_owned() -> Error {
+    Error::unsupported(
+        "bias gradient",
+        "backward_into writes dQ, dK and dV only: call backward, which returns dbias too",
+    )
 }

@@ -76,6 +76,8 @@ pub struct Attention<'a, T: 'a, H: Heads = OneHead> {
     ops: H::Operands<'a, T>,
     options: Options<'a>,
     split: SplitKv,
+    /// Whether the backward pass also returns the additive mask's gradient.
+    bias_gradient: bool,
 }
 
 impl<'a, T: 'a, H: Heads> core::fmt::Debug for Attention<'a, T, H> {
@@ -83,6 +85,7 @@ impl<'a, T: 'a, H: Heads> core::fmt::Debug for Attention<'a, T, H> {
         f.debug_struct("Attention")
             .field("options", &self.options)
             .field("split", &self.split)
+            .field("bias_gradient", &self.bias_gradient)
             .finish_non_exhaustive()
     }
 }
@@ -93,6 +96,7 @@ impl<'a, T: 'a, H: Heads> Attention<'a, T, H> {
             ops,
             options: *options,
             split: SplitKv::Auto,
+            bias_gradient: false,
         }
     }
 
@@ -116,6 +120,39 @@ impl<'a, T: 'a, H: Heads> Attention<'a, T, H> {
     /// ```
     pub fn split_kv(self, split: SplitKv) -> Self {
         Self { split, ..self }
+    }
+
+    /// The same call whose [`backward`](Attention::backward) also returns the gradient of
+    /// its additive mask (`dbias`: a learnable bias, T5's relative positions, a bias
+    /// another network predicts): `dS`, the gradient of the scores the softmax sees, summed
+    /// over the axes the mask broadcasts on, each entry over its batch entries and heads
+    /// in order (the bits do not depend on the thread count). The pass streams it into one
+    /// buffer shaped like the mask's values: memory the gradient itself. A mask constant
+    /// along the key axis has none (`Error::Unsupported`), nor does `backward_into`
+    /// return one.
+    ///
+    /// ```
+    /// use attn_optimized::{Attention, Layout, Mask4Ref, Options, Par, Tensor4Ref};
+    /// let x: Vec<f32> = (0..2 * 3 * 5 * 8).map(|i| ((i % 11) as f32 - 5.0) * 0.1).collect();
+    /// let x = Tensor4Ref::from_layout(&x, [2, 3, 5, 8], Layout::Bhsd)?;
+    /// let bias: Vec<f32> = (0..3 * 5 * 5).map(|i| (i % 4) as f32 * 0.25).collect();
+    /// let bias = Mask4Ref::contiguous(&bias, [1, 3, 5, 5])?; // per head, shared by the batch
+    /// let opts = Options::default().with_additive_mask_4d(bias);
+    /// let call = Attention::batched(x, x, x, &opts)?.with_bias_gradient();
+    /// let fwd = call.forward(Par::rayon(0))?;
+    /// let g = call.backward(&fwd, fwd.output().as_ref(), Par::rayon(0))?;
+    /// let dbias = g.dbias.expect("asked for");
+    /// assert_eq!(dbias.dims(), [1, 3, 5, 5]);
+    /// // A bias shifted by a constant along a row changes nothing: each row sums to 0.
+    /// let row: f32 = dbias.as_ref().head(0, 1)?.row(2).iter().sum();
+    /// assert!(row.abs() < 1e-5);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn with_bias_gradient(self) -> Self {
+        Self {
+            bias_gradient: true,
+            ..self
+        }
     }
 
     /// The options the call was built with.

@@ -9,7 +9,7 @@ use faer::reborrow::ReborrowMut;
 use faer::{ColMut, ColRef, Mat, MatMut, MatRef, Par};
 
 use super::{Attention, OneHead};
-use crate::backward::Backward;
+use crate::backward::{Backward, BiasGradient};
 use crate::forward;
 use crate::kernel::element::Element;
 use crate::problem::{HeadInputs, Problem, filled, zeroed_mat};
@@ -264,8 +264,14 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
             dk: dk.as_mut(),
             dv: dv.as_mut(),
         };
-        let dsinks = self.backward_into(fwd, d_out, grads, par)?;
-        Ok(Gradients::new(dq, dk, dv).with_dsinks(dsinks))
+        let (dsinks, dbias) = self.run_backward(fwd, d_out, grads, par, self.bias_gradient)?;
+        let dbias = match dbias.map(BiasGradient::into_tensor).transpose()? {
+            Some(t) => Some(t.as_ref().head(0, 0)?.to_owned()),
+            None => None,
+        };
+        Ok(Gradients::new(dq, dk, dv)
+            .with_dsinks(dsinks)
+            .with_dbias(dbias))
     }
 
     /// [`backward`](Attention::backward) written into caller views of any strides and any
@@ -293,6 +299,21 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         grads: GradientsMut<MatMut<'_, G>>,
         par: Par,
     ) -> Result<Option<Vec<f32>>> {
+        if self.bias_gradient {
+            return Err(super::batch::bias_gradient_owned());
+        }
+        Ok(self.run_backward(fwd, d_out, grads, par, false)?.0)
+    }
+
+    /// The backward pass into `grads`; with `bias`, the additive mask's gradient too.
+    fn run_backward<'f, G: Element>(
+        &self,
+        fwd: impl Into<ForwardRef<MatRef<'f, T>, ColRef<'f, f32>>>,
+        d_out: MatRef<'_, T>,
+        grads: GradientsMut<MatMut<'_, G>>,
+        par: Par,
+        bias: bool,
+    ) -> Result<(Option<Vec<f32>>, Option<BiasGradient>)> {
         let HeadOperands { inputs, shard, .. } = &self.ops;
         if *shard {
             return Err(Error::unsupported(
@@ -314,8 +335,11 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
             }
         };
         let (q, k, v) = (inputs.q, inputs.k.0, inputs.v.0);
-        let call = Backward::head(d_out, q, k, v, fwd.output, &lse, &self.options)?;
+        let mut call = Backward::head(d_out, q, k, v, fwd.output, &lse, &self.options)?;
         let s = call.shape();
+        if bias {
+            call = call.with_bias_gradient(&self.options, [1, 1, s.n_q, s.n_k])?;
+        }
         let GradientsMut { dq, dk, dv } = grads;
         check_shape("dQ", dq.nrows(), dq.ncols(), s.n_q, s.d_k, "n_q × d_k")?;
         check_shape("dK", dk.nrows(), dk.ncols(), s.n_k, s.d_k, "n_k × d_k")?;
@@ -323,7 +347,8 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         let mut dq = forward::row_list(dq.row_iter_mut())?;
         let mut dk = forward::row_list(dk.row_iter_mut())?;
         let mut dv = forward::row_list(dv.row_iter_mut())?;
-        call.run(&mut dq, &mut dk, &mut dv, par)
+        let dsinks = call.run(&mut dq, &mut dk, &mut dv, par)?;
+        Ok((dsinks, call.into_bias_gradient()))
     }
 
     /// `(n_q, n_k, d_k, d_v)` of the call (`n_k` the shard's keys for a shard).

@@ -215,7 +215,14 @@ fn batch_call<'c, U: Element>(
         Operands::Packed(_, seqs) => Attention::packed(q, k, v, &seqs, &call.options),
         _ => Attention::batched(q, k, v, &call.options),
     };
-    c.map(|c| c.split_kv(split_kv(call.split)))
+    c.map(|c| {
+        let c = c.split_kv(split_kv(call.split));
+        if call.bias_gradient {
+            c.with_bias_gradient()
+        } else {
+            c
+        }
+    })
 }
 
 /// The engine's paged call over operands in `U`, widened.
@@ -485,11 +492,14 @@ impl<T: Element> Engine for OptimizedEngine<T> {
                             Par::rayon(0),
                         )
                     })?;
-                    Ok(Grads::Batch(BatchGradients::new(
-                        widen_tensor(g.dq)?,
-                        widen_tensor(g.dk)?,
-                        widen_tensor(g.dv)?,
-                    )))
+                    Ok(Grads::Batch(
+                        BatchGradients::new(
+                            widen_tensor(g.dq)?,
+                            widen_tensor(g.dk)?,
+                            widen_tensor(g.dv)?,
+                        )
+                        .with_dbias(g.dbias),
+                    ))
                 }
                 _ => Err(attn_core::Error::unsupported(
                     "engine call",

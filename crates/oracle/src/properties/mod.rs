@@ -19,6 +19,7 @@
 //! - `packed`: packed batches of sequences of different lengths
 //!   ([`Engine::forward`] and [`Engine::backward`] of packed calls),
 //!   skipped for engines without them;
+//! - `bias`: the gradient of an additive mask (a learnable bias), batched;
 //! - `dropout`: attention dropout's own cases and checks (the keep mask, the mean of many
 //!   seeds, `p = 0`); its equivalence and determinism run the checks of `forward` and
 //!   `backward` on cases with dropout, dispatched here;
@@ -27,6 +28,7 @@
 //!   them.
 
 mod backward;
+mod bias;
 mod common;
 mod dropout;
 mod forward;
@@ -37,6 +39,7 @@ mod per_head;
 mod robustness;
 
 pub use backward::{BatchGradCase, GradCase, KeyHider};
+pub use bias::BiasCase;
 pub use common::{RowHider, compare_head};
 pub use packed::PackedCase;
 pub use paged::{CacheCase, CacheOp, PagedCase, PagedDefect, PoolLayout};
@@ -387,6 +390,13 @@ fn check_backward(
                 dropout::set_backward,
             ),
             backward::determinism,
+        ),
+        Property::BiasGradientMatchesReference => run(
+            engine,
+            property,
+            config,
+            bias::bias_case(&batch_shapes),
+            bias::bias_gradient,
         ),
         Property::DropoutGradientsMatchReference => run(
             engine,
