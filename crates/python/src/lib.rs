@@ -63,6 +63,7 @@ macro_rules! typed {
 mod array;
 mod cache;
 mod dlpack;
+mod dropout;
 mod output;
 mod packed;
 mod paged;
@@ -104,6 +105,7 @@ fn attn_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sdpa::attention_with_lse, m)?)?;
     m.add_function(wrap_pyfunction!(sdpa::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(paged::flash_attn_with_kvcache, m)?)?;
+    m.add_function(wrap_pyfunction!(dropout::dropout_mask, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_class::<cache::PyKvCache>()?;

@@ -49,6 +49,16 @@ impl Seqlens {
     fn get(&self) -> attn_core::Result<CuSeqlens<'_>> {
         CuSeqlens::new(&self.q, &self.k)
     }
+
+    /// The query offsets (`batch + 1`, from 0).
+    pub(crate) fn q(&self) -> &[usize] {
+        &self.q
+    }
+
+    /// The key offsets (`batch + 1`, from 0).
+    pub(crate) fn k(&self) -> &[usize] {
+        &self.k
+    }
 }
 
 /// A 1-D sequence of non-negative integers (a NumPy array, a torch tensor, a list), named

@@ -3,7 +3,7 @@
 //! ([`Plan`]), allocates its results, and computes with the GIL released.
 
 use attn_core::{
-    BoolMask4, Causal, ForwardRef, GradientsMut, Mask4Ref, Options, Tensor4Mut, Tensor4Ref,
+    BoolMask4, Causal, Dropout, ForwardRef, GradientsMut, Mask4Ref, Options, Tensor4Mut, Tensor4Ref,
 };
 
 use half::{bf16, f16};
@@ -22,16 +22,37 @@ use crate::plan::{Call, Plan, Strides};
 use crate::to_py_err;
 
 /// The keyword arguments every entry point shares, validated: attn's options (the scale
-/// and the causal mask; each engine call adds its mask) and torch's `enable_gqa`.
+/// and the causal mask; each engine call adds its mask, and the dropout once seeded:
+/// [`Flags::seeded`]), torch's `enable_gqa` and `dropout_p`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Flags {
     pub options: Options<'static>,
     pub enable_gqa: bool,
+    /// torch's `dropout_p`, in `[0, 1]`.
+    pub dropout_p: f64,
+}
+
+impl Flags {
+    /// The flags with their dropout keyed by `seed` (the caller's, or drawn for `query`'s
+    /// kind: [`crate::dropout::seed_for`]); unchanged, and nothing drawn, without dropout.
+    pub(crate) fn seeded(
+        mut self,
+        query: &Bound<'_, PyAny>,
+        seed: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        if self.dropout_p > 0.0 {
+            let seed = crate::dropout::seed_for(query, seed)?;
+            let d = Dropout::new(self.dropout_p as f32, seed).map_err(to_py_err)?;
+            self.options = self.options.with_dropout(d);
+        }
+        Ok(self)
+    }
 }
 
 /// Checks torch's rules for `dropout_p`, `is_causal` with a mask, the alignment keyword and
 /// the scale.
 pub(crate) fn flags(
+    py: Python<'_>,
     dropout_p: f64,
     is_causal: bool,
     has_mask: bool,
@@ -39,11 +60,7 @@ pub(crate) fn flags(
     enable_gqa: bool,
     causal_alignment: &str,
 ) -> PyResult<Flags> {
-    if dropout_p != 0.0 {
-        return Err(PyValueError::new_err(format!(
-            "dropout_p={dropout_p}: attn does not implement attention dropout; pass dropout_p=0.0"
-        )));
-    }
+    crate::dropout::check_p(py, dropout_p)?;
     let align = match causal_alignment {
         "top_left" => Causal::TopLeft,
         "bottom_right" => Causal::BottomRight,
@@ -74,6 +91,7 @@ pub(crate) fn flags(
     Ok(Flags {
         options,
         enable_gqa,
+        dropout_p,
     })
 }
 
@@ -157,6 +175,7 @@ fn via_autograd<'py>(
     key: &Bound<'py, PyAny>,
     value: &Bound<'py, PyAny>,
     attn_mask: Option<&Bound<'py, PyAny>>,
+    (dropout_p, seed): (f64, Option<&Bound<'py, PyAny>>),
     is_causal: bool,
     scale: Option<f64>,
     enable_gqa: bool,
@@ -176,6 +195,8 @@ fn via_autograd<'py>(
             enable_gqa,
             causal_alignment,
             with_lse,
+            dropout_p,
+            seed,
         ))
 }
 
@@ -535,14 +556,20 @@ impl<T> Operands<T> {
         );
         // SAFETY: the caller's guarantee; the plan's offsets and strides reach only elements
         // of each operand (and of the mask), as it checked them against their shapes.
-        unsafe {
-            Ok((
+        let (q, k, v, mut opts) = unsafe {
+            (
                 view(self.q, qo, [bc, hc, l, e], qs)?,
                 view(self.k, ko, [bc, hkc, s, e], ks)?,
                 view(self.v, vo, [bc, hkc, s, ev], vs)?,
                 options(plan, self.mask, mask_off)?,
-            ))
-        }
+            )
+        };
+        // The call's batch entries are the whole call's `call.lin / heads ..` (the axes
+        // before the head axis flattened): each call draws the masks one call of the whole
+        // shape would.
+        let heads = plan.heads.max(1);
+        opts.dropout = opts.dropout.map(|d| d.within(call.lin / heads, 0, heads));
+        Ok((q, k, v, opts))
     }
 }
 
@@ -712,7 +739,7 @@ fn no_autograd_when_packed(packed: bool) -> PyResult<()> {
 /// go through ``attn.torch``'s autograd function, so ``loss.backward()`` works. The GIL is
 /// released while attn computes.
 #[pyfunction]
-#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", cu_seqlens_q=None, cu_seqlens_k=None))]
+#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", seed=None, cu_seqlens_q=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn scaled_dot_product_attention<'py>(
     query: &Bound<'py, PyAny>,
@@ -724,10 +751,12 @@ pub(crate) fn scaled_dot_product_attention<'py>(
     scale: Option<f64>,
     enable_gqa: bool,
     causal_alignment: &str,
+    seed: Option<&Bound<'py, PyAny>>,
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let f = flags(
+        query.py(),
         dropout_p,
         is_causal,
         attn_mask.is_some(),
@@ -743,6 +772,7 @@ pub(crate) fn scaled_dot_product_attention<'py>(
             key,
             value,
             attn_mask,
+            (dropout_p, seed),
             is_causal,
             scale,
             enable_gqa,
@@ -750,6 +780,7 @@ pub(crate) fn scaled_dot_product_attention<'py>(
             false,
         );
     }
+    let f = f.seeded(query, seed)?;
     forward(query, key, value, attn_mask, f, seqs.as_ref(), false).map(|(o, _)| o)
 }
 
@@ -759,7 +790,7 @@ pub(crate) fn scaled_dot_product_attention<'py>(
 /// ``scaled_dot_product_attention``. With torch tensors that require grad, ``out`` is
 /// differentiable and ``lse`` is not.
 #[pyfunction]
-#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", cu_seqlens_q=None, cu_seqlens_k=None))]
+#[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", seed=None, cu_seqlens_q=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_with_lse<'py>(
     query: &Bound<'py, PyAny>,
@@ -771,11 +802,13 @@ pub(crate) fn attention_with_lse<'py>(
     scale: Option<f64>,
     enable_gqa: bool,
     causal_alignment: &str,
+    seed: Option<&Bound<'py, PyAny>>,
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
     let f = flags(
+        py,
         dropout_p,
         is_causal,
         attn_mask.is_some(),
@@ -791,6 +824,7 @@ pub(crate) fn attention_with_lse<'py>(
             key,
             value,
             attn_mask,
+            (dropout_p, seed),
             is_causal,
             scale,
             enable_gqa,
@@ -800,6 +834,7 @@ pub(crate) fn attention_with_lse<'py>(
         .cast_into::<PyTuple>()
         .map_err(Into::into);
     }
+    let f = f.seeded(query, seed)?;
     let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
     PyTuple::new(py, [o, lse.expect("asked for the LSE")])
 }
@@ -1021,7 +1056,7 @@ fn backward_typed<'py, T: Storage>(
 /// (never NaN). Gradients are accumulated in float32 and rounded once. The GIL is released
 /// while attn computes.
 #[pyfunction]
-#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask=None, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", cu_seqlens_q=None, cu_seqlens_k=None))]
+#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask=None, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward<'py>(
     grad_out: &Bound<'py, PyAny>,
@@ -1035,18 +1070,27 @@ pub(crate) fn attention_backward<'py>(
     scale: Option<f64>,
     enable_gqa: bool,
     causal_alignment: &str,
+    dropout_p: f64,
+    seed: Option<&Bound<'py, PyAny>>,
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
     let f = flags(
-        0.0,
+        py,
+        dropout_p,
         is_causal,
         attn_mask.is_some(),
         scale,
         enable_gqa,
         causal_alignment,
     )?;
+    if dropout_p > 0.0 && seed.is_none() {
+        return Err(PyValueError::new_err(format!(
+            "attention_backward with dropout_p={dropout_p} needs seed=, the seed of the forward call (pass the same seed= to both)"
+        )));
+    }
+    let f = f.seeded(query, seed)?;
     let (q, k, v, m) = read_operands(query, key, value, attn_mask)?;
     let go = Array::extract("grad_out", grad_out)?;
     let o = Array::extract("out", out)?;

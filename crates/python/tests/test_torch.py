@@ -170,12 +170,12 @@ def test_mask_that_requires_grad_is_rejected():
         attn.scaled_dot_product_attention(q, q, q, bias)
 
 
-def test_dropout_is_rejected_on_the_autograd_path():
+def test_a_dropout_probability_outside_0_1_is_rejected_on_the_autograd_path():
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
-    with pytest.raises(ValueError, match="dropout_p=0.5"):
-        attn.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
-    with pytest.raises(ValueError, match="dropout_p=0.5"):
-        attn_torch.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1, but got 1.5"):
+        attn.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
+    with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1, but got -0.5"):
+        attn_torch.scaled_dot_product_attention(q, q, q, dropout_p=-0.5)
 
 
 def test_kv_cache_with_tensors():

@@ -1,8 +1,9 @@
 """attn as torch operators: ``torch.compile`` (``fullgraph=True``, inductor on the CPU) and
 ``torch.export`` of a small Llama-style block whose attention is attn's, meta and fake
-tensors, ``torch.library.opcheck`` of ``attn::sdpa_forward`` and ``attn::sdpa_backward``,
-and torch's scale semantics (any finite scale, 0 and negative included) against torch's own
-function, forward and backward.
+tensors, ``torch.library.opcheck`` of ``attn::sdpa_forward`` and ``attn::sdpa_backward``
+(with dropout too: its seed a tensor input of both), attention dropout compiled, exported
+and routed, and torch's scale semantics (any finite scale, 0 and negative included) against
+torch's own function, forward and backward.
 
 Inductor compiles C++ (a compiler and Python's headers: ``cargo xtask test`` installs them
 when missing)."""
@@ -55,9 +56,10 @@ class Block(nn.Module):
     """One Llama decoder layer: RMSNorm, q/k/v projections (grouped-query: fewer K/V heads),
     RoPE, causal attention, o-projection, RMSNorm and a SwiGLU MLP, both residual."""
 
-    def __init__(self, sdpa, dim=32, heads=4, kv_heads=2, hidden=64, use_rope=True):
+    def __init__(self, sdpa, dim=32, heads=4, kv_heads=2, hidden=64, use_rope=True, dropout_p=0.0):
         super().__init__()
         self.sdpa, self.heads, self.kv_heads, self.use_rope = sdpa, heads, kv_heads, use_rope
+        self.dropout_p = dropout_p
         self.head_dim = dim // heads
         self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
         self.q = nn.Linear(dim, heads * self.head_dim, bias=False)
@@ -77,15 +79,18 @@ class Block(nn.Module):
         if self.use_rope:
             pos = torch.arange(s)
             q, k = rope(q, pos), rope(k, pos)
-        a = self.sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        if self.dropout_p:
+            a = self.sdpa(q, k, v, dropout_p=self.dropout_p, is_causal=True, enable_gqa=True)
+        else:
+            a = self.sdpa(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-def block(sdpa=attn_torch.scaled_dot_product_attention, use_rope=True):
+def block(sdpa=attn_torch.scaled_dot_product_attention, use_rope=True, dropout_p=0.0):
     torch.manual_seed(0)
-    return Block(sdpa, use_rope=use_rope)
+    return Block(sdpa, use_rope=use_rope, dropout_p=dropout_p)
 
 
 @pytest.mark.parametrize("entry", ["attn.torch", "attn"])
@@ -198,10 +203,16 @@ OPCHECK_CALLS = [
     dict(is_causal=True, scale=-0.5, enable_gqa=False, causal_alignment="bottom_right", mask=None),
     dict(is_causal=False, scale=0.0, enable_gqa=False, causal_alignment="top_left", mask="float"),
     dict(is_causal=False, scale=2.0, enable_gqa=False, causal_alignment="top_left", mask="bool"),
+    dict(is_causal=True, scale=None, enable_gqa=True, causal_alignment="top_left", mask=None, dropout_p=0.3),
+    dict(is_causal=False, scale=None, enable_gqa=False, causal_alignment="top_left", mask="bool", dropout_p=0.5),
 ]
 
 
-@pytest.mark.parametrize("call", OPCHECK_CALLS, ids=lambda c: f"causal{c['is_causal']}-scale{c['scale']}-gqa{c['enable_gqa']}-{c['mask']}")
+def _opcheck_id(c):
+    return f"causal{c['is_causal']}-scale{c['scale']}-gqa{c['enable_gqa']}-{c['mask']}-p{c.get('dropout_p', 0.0)}"
+
+
+@pytest.mark.parametrize("call", OPCHECK_CALLS, ids=_opcheck_id)
 def test_opcheck(call):
     kv_heads = 2 if call["enable_gqa"] else 4
     q = randn(2, 4, 5, 8, seed=1, requires_grad=True)
@@ -209,16 +220,106 @@ def test_opcheck(call):
     v = randn(2, kv_heads, 7, 8, seed=3, requires_grad=True)
     mask = {None: None, "float": randn(5, 7, seed=4), "bool": randn(5, 7, seed=4) > -1}[call["mask"]]
     opts = (call["is_causal"], call["scale"], call["enable_gqa"], call["causal_alignment"])
-    torch.library.opcheck(torch.ops.attn.sdpa_forward.default, (q, k, v, mask, 0.0, *opts))
-    out, lse = torch.ops.attn.sdpa_forward(q, k, v, mask, 0.0, *opts)
-    args = (randn(*out.shape, seed=5), q.detach(), k.detach(), v.detach(), out.detach(), lse, mask, *opts)
+    p = call.get("dropout_p", 0.0)
+    if p == 0.0:
+        torch.library.opcheck(torch.ops.attn.sdpa_forward.default, (q, k, v, mask, 0.0, *opts))
+        out, lse = torch.ops.attn.sdpa_forward(q, k, v, mask, 0.0, *opts)
+        args = (randn(*out.shape, seed=5), q.detach(), k.detach(), v.detach(), out.detach(), lse, mask, *opts)
+        torch.library.opcheck(torch.ops.attn.sdpa_backward.default, args)
+        return
+    seed = torch.tensor(-1234567890123, dtype=torch.int64)  # a seed's bits, as an int64
+    torch.library.opcheck(torch.ops.attn.sdpa_forward.default, (q, k, v, mask, p, *opts, seed))
+    out, lse = torch.ops.attn.sdpa_forward(q, k, v, mask, p, *opts, seed)
+    args = (randn(*out.shape, seed=5), q.detach(), k.detach(), v.detach(), out.detach(), lse, mask, *opts, p, seed)
     torch.library.opcheck(torch.ops.attn.sdpa_backward.default, args)
 
 
-def test_dropout_must_be_zero():
+def test_the_operators_take_a_probability_and_a_seed_with_dropout():
     q = randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match="dropout_p=0.1"):
+    with pytest.raises(ValueError, match="dropout_p=0.1 without a seed"):
         torch.ops.attn.sdpa_forward(q, q, q, None, 0.1, False, None, False, "top_left")
+    with pytest.raises(ValueError, match="between 0 and 1, but got 1.5"):
+        torch.ops.attn.sdpa_forward(q, q, q, None, 1.5, False, None, False, "top_left", torch.tensor(1))
+    out, lse = torch.ops.attn.sdpa_forward(q, q, q, None, 0.1, False, None, False, "top_left", torch.tensor(1))
+    with pytest.raises(ValueError, match="dropout_p=0.1 without a seed"):
+        torch.ops.attn.sdpa_backward(out, q, q, q, out, lse, None, False, None, False, "top_left", 0.1)
+    # The seed's bits are the seed: 2**64 - 1 and the int64 -1 are one seed.
+    want = attn.scaled_dot_product_attention(q, q, q, dropout_p=0.1, seed=2**64 - 1)
+    got, _ = torch.ops.attn.sdpa_forward(q, q, q, None, 0.1, False, None, False, "top_left", torch.tensor(-1))
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# Dropout through the compiler and export.
+
+
+@pytest.mark.parametrize("entry", ["attn.torch", "attn"])
+def test_a_block_with_dropout_compiles_whole(entry):
+    torch._dynamo.reset()
+    sdpa = attn_torch.scaled_dot_product_attention if entry == "attn.torch" else attn.scaled_dot_product_attention
+    model = block(sdpa, dropout_p=0.25)
+    x = randn(2, 12, 32, seed=1)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        first = compiled(x)
+        again = compiled(x)
+        torch.manual_seed(3)
+        replay = compiled(x)
+        undropped = block(sdpa)(x)
+    # The seed is drawn in the graph from torch's default generator: torch.manual_seed
+    # replays a run, successive calls differ. (Inductor draws with its own generator
+    # seeded from torch's, so a compiled run's seeds are not eager's.)
+    assert torch.equal(first, replay)
+    assert not torch.equal(first, again)
+    assert not torch.equal(first, undropped)
+
+
+def test_gradients_with_dropout_through_the_compiled_block_match_eager():
+    torch._dynamo.reset()
+
+    def sdpa(q, k, v, **kw):  # a fixed seed: eager and compiled drop the same weights
+        return attn_torch.scaled_dot_product_attention(q, k, v, seed=2024, **kw)
+
+    eager, compiled_model = block(sdpa, dropout_p=0.3), block(sdpa, dropout_p=0.3)
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    x = randn(2, 10, 32, seed=2)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w = randn(2, 10, 32, seed=3)
+    (eager(xe) * w).sum().backward()
+    (compiled(xc) * w).sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad, atol=1e-4, rtol=1e-4)
+    for (name, pe), pc in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(pc.grad, pe.grad, atol=1e-4, rtol=1e-4, msg=name)
+    undropped = block()
+    xu = x.clone().requires_grad_()
+    (undropped(xu) * w).sum().backward()
+    assert not torch.allclose(xu.grad, xe.grad, atol=1e-3)
+
+
+def test_export_of_a_block_with_dropout():
+    model = block(dropout_p=0.2)
+    x = randn(2, 12, 32, seed=4)
+    exported = torch.export.export(model, (x,))
+    targets = [str(n.target) for n in exported.graph.nodes]
+    assert any("sdpa_forward" in t for t in targets) and any("randint" in t for t in targets), targets
+    with torch.no_grad():
+        # The exported graph draws its seed as eager attn does: one torch.randint.
+        torch.manual_seed(9)
+        got = exported.module()(x)
+        torch.manual_seed(9)
+        want = model(x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_meta_tensors_with_dropout():
+    q = torch.empty(2, 4, 5, 8, device="meta")
+    out, lse = attn_torch.attention_with_lse(q, q, q, dropout_p=0.5)
+    assert out.shape == (2, 4, 5, 8) and lse.shape == (2, 4, 5) and out.device.type == "meta"
+    assert attn.scaled_dot_product_attention(q, q, q, dropout_p=0.5, seed=1).shape == (2, 4, 5, 8)
 
 
 # ---------------------------------------------------------------------------------------
@@ -303,12 +404,24 @@ def test_routing_falls_back_to_torch_with_one_warning():
             F.scaled_dot_product_attention(q, q, q)
         assert len(record) == 1
         torch.testing.assert_close(out, want, atol=0, rtol=0)  # torch's own, in float64
-        with pytest.warns(UserWarning, match="dropout"):
-            F.scaled_dot_product_attention(q.float(), q.float(), q.float(), dropout_p=0.5)
+        bias = torch.zeros(4, 4, requires_grad=True)
+        with pytest.warns(UserWarning, match="a mask that requires grad"):
+            F.scaled_dot_product_attention(q.float(), q.float(), q.float(), bias)
     with pytest.raises(RuntimeError):  # the block was left by an exception: restored all the same
         with attn_torch.routing():
             raise RuntimeError
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_routing_keeps_dropout():
+    q, k, v = randn(1, 2, 6, 8, seed=1), randn(1, 2, 6, 8, seed=2), randn(1, 2, 6, 8, seed=3)
+    with attn_torch.routing():
+        torch.manual_seed(5)
+        routed = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(5)
+    want = attn.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(routed, want)
+    assert not torch.equal(routed, attn.scaled_dot_product_attention(q, k, v))
 
 
 def test_routing_a_transformers_sdpa_model():

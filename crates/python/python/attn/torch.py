@@ -6,9 +6,10 @@ formula between them, so that ``torch.compile`` (``fullgraph=True``), ``torch.ex
 meta or fake tensors see attn as one opaque node::
 
     torch.ops.attn.sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                enable_gqa, causal_alignment) -> (out, lse)
+                                enable_gqa, causal_alignment, seed=None) -> (out, lse)
     torch.ops.attn.sdpa_backward(grad_out, query, key, value, out, lse, attn_mask,
-                                 is_causal, scale, enable_gqa, causal_alignment)
+                                 is_causal, scale, enable_gqa, causal_alignment,
+                                 dropout_p=0.0, seed=None)
         -> (grad_query, grad_key, grad_value)
 
 The forward pass is attn's, recording the output and the log-sum-exp; the backward pass is
@@ -24,10 +25,20 @@ attn's too (dQ, dK, dV recomputed from the LSE, accumulated in float32 and round
 Meta and fake tensors given to ``attn.scaled_dot_product_attention`` come here too.
 Differences from torch's function: those of ``attn.scaled_dot_product_attention``, and the
 gradient of ``attn_mask`` is not computed (a mask that requires grad is a ValueError).
-``dropout_p`` must be 0.0 (a ValueError otherwise, from the operator too).
+
+Dropout (``dropout_p > 0``) is torch's: each weight after the softmax kept with probability
+``1 - p`` and scaled by ``1/(1 - p)``. Its mask is a pure function of a 64-bit seed (and of
+the batch entry, head, query and key), so the backward operator regenerates the forward's:
+``seed`` is a 0-d int64 tensor (its bits the seed), which the operators take as an input
+and the autograd formula hands from the forward to the backward. The functions here draw it
+from torch's default CPU generator (``torch.randint``, one draw per call: ``torch.manual_seed``
+reproduces a run, successive calls differ; under ``torch.compile`` the draw is a node of the
+graph) unless ``seed=`` is given (an int or an integer tensor). The operators themselves
+draw nothing: ``dropout_p > 0`` without a seed is a ValueError there.
 """
 
 import contextlib
+import operator
 import warnings
 from typing import Optional
 
@@ -68,10 +79,48 @@ def _check_tensors(query, key, value, attn_mask):
 
 
 def _check_dropout(dropout_p):
-    if dropout_p != 0.0:
+    """torch's check (and message) of a dropout probability."""
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {float(dropout_p)!r}")
+
+
+def _check_seed(dropout_p, seed):
+    _check_dropout(dropout_p)
+    if dropout_p > 0.0 and seed is None:
         raise ValueError(
-            f"dropout_p={dropout_p}: attn does not implement attention dropout; pass dropout_p=0.0"
+            f"dropout_p={dropout_p} without a seed: the operators take the seed as a 0-d int64 tensor "
+            "(attn.torch's functions draw one)"
         )
+
+
+_SEED_LOW, _SEED_HIGH = -(2**63), 2**63 - 1
+
+
+def _draw_seed():
+    """One 64-bit seed from torch's default CPU generator: a 0-d int64 tensor (its bits the
+    seed). ``attn.scaled_dot_product_attention`` draws the same way for torch tensors."""
+    return torch.randint(_SEED_LOW, _SEED_HIGH, (), dtype=torch.int64)
+
+
+def _seed_tensor(seed):
+    """The caller's seed as the operators take it: a 0-d int64 tensor on the CPU."""
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype.is_complex or seed.dtype == torch.bool:
+            raise TypeError(f"seed must be an integer or a one-element integer tensor, not a {seed.dtype} tensor of shape {tuple(seed.shape)}")
+        return seed.reshape(()).to(device="cpu", dtype=torch.int64)
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"seed must be an integer, not {type(seed).__name__}") from None
+    if not -(2**63) <= value < 2**64:
+        raise ValueError(f"seed={value}: a 64-bit seed is an integer from -2**63 to 2**64 - 1")
+    if value >= 2**63:
+        value -= 2**64  # the same bits as an int64
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def _seed_int(seed):
+    return None if seed is None else int(seed)
 
 
 def _check_mask(attn_mask):
@@ -97,19 +146,22 @@ def sdpa_forward(
     scale: Optional[float],
     enable_gqa: bool,
     causal_alignment: str,
+    seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """attn's forward pass: ``(out, lse)``, ``lse`` float32 ``(..., L)``."""
-    _check_dropout(dropout_p)
+    """attn's forward pass: ``(out, lse)``, ``lse`` float32 ``(..., L)`` (the undropped
+    softmax's). With ``dropout_p > 0``, ``seed`` (a 0-d int64 tensor) keys the mask."""
+    _check_seed(dropout_p, seed)
     return _attn.attention_with_lse(
         query.detach(),
         key.detach(),
         value.detach(),
         None if attn_mask is None else attn_mask.detach(),
-        0.0,
+        dropout_p,
         is_causal,
         scale=scale,
         enable_gqa=enable_gqa,
         causal_alignment=causal_alignment,
+        seed=_seed_int(seed),
     )
 
 
@@ -126,8 +178,8 @@ def _batch_shape(query, key, value, enable_gqa):
 
 
 @sdpa_forward.register_fake
-def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
-    _check_dropout(dropout_p)
+def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed=None):
+    _check_seed(dropout_p, seed)
     lead = _batch_shape(query, key, value, enable_gqa)
     n_q = query.shape[-2]
     out = query.new_empty((*lead, n_q, value.shape[-1]))
@@ -148,8 +200,12 @@ def sdpa_backward(
     scale: Optional[float],
     enable_gqa: bool,
     causal_alignment: str,
+    dropout_p: float = 0.0,
+    seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """attn's backward pass: ``(dq, dk, dv)``, shaped and typed like the operands."""
+    """attn's backward pass: ``(dq, dk, dv)``, shaped and typed like the operands. With
+    ``dropout_p > 0``, ``seed`` must be the forward's: the mask is regenerated from it."""
+    _check_seed(dropout_p, seed)
     return _attn.attention_backward(
         grad_out.detach().contiguous(),
         query.detach(),
@@ -162,11 +218,17 @@ def sdpa_backward(
         scale=scale,
         enable_gqa=enable_gqa,
         causal_alignment=causal_alignment,
+        dropout_p=dropout_p,
+        seed=_seed_int(seed),
     )
 
 
 @sdpa_backward.register_fake
-def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment):
+def _sdpa_backward_fake(
+    grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment,
+    dropout_p=0.0, seed=None,
+):
+    _check_seed(dropout_p, seed)
     return (
         query.new_empty(query.shape),
         key.new_empty(key.shape),
@@ -175,29 +237,29 @@ def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, is_cau
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, _dropout_p, is_causal, scale, enable_gqa, causal_alignment = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment = inputs[:9]
+    seed = inputs[9] if len(inputs) > 9 else None
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask)
-    ctx.options = (is_causal, scale, enable_gqa, causal_alignment)
+    # The seed goes to the backward pass: it regenerates the forward's dropout mask.
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, seed)
+    ctx.options = (is_causal, scale, enable_gqa, causal_alignment, dropout_p)
     ctx.mark_non_differentiable(lse)
 
 
+_NO_GRADS = (None,) * 7  # attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed
+
+
 def _backward(ctx, grad_out, _grad_lse):
-    query, key, value, out, lse, attn_mask = ctx.saved_tensors
+    query, key, value, out, lse, attn_mask, seed = ctx.saved_tensors
     needs = ctx.needs_input_grad[:3]
     if not any(needs):
-        return None, None, None, None, None, None, None, None, None
-    dq, dk, dv = sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, *ctx.options)
+        return (None, None, None, *_NO_GRADS)
+    dq, dk, dv = sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, *ctx.options, seed)
     return (
         dq if needs[0] else None,
         dk if needs[1] else None,
         dv if needs[2] else None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
+        *_NO_GRADS,
     )
 
 
@@ -208,14 +270,17 @@ sdpa_forward.register_autograd(_backward, setup_context=_setup_context)
 # The calls.
 
 
-def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
+def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed=None):
     _check_tensors(query, key, value, attn_mask)
+    dropout_p = float(dropout_p)
     _check_dropout(dropout_p)
     _check_mask(attn_mask)
     if scale is not None:
         scale = float(scale)
+    # One seed per call with dropout: the caller's, or a draw from torch's default generator.
+    seed = None if dropout_p == 0.0 else _draw_seed() if seed is None else _seed_tensor(seed)
     return sdpa_forward(
-        query, key, value, attn_mask, 0.0, bool(is_causal), scale, bool(enable_gqa), causal_alignment
+        query, key, value, attn_mask, dropout_p, bool(is_causal), scale, bool(enable_gqa), causal_alignment, seed
     )
 
 
@@ -230,11 +295,15 @@ class ScaledDotProductAttention:
         return _attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, causal_alignment)
 
 
-def _autograd_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, with_lse):
+def _autograd_attention(
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, with_lse, dropout_p=0.0, seed=None
+):
     """The route of ``attn.scaled_dot_product_attention`` for torch tensors that require
     grad, and for those the plain path cannot read in place (meta tensors, tensor
     subclasses such as fake tensors)."""
-    out, lse = _attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, causal_alignment)
+    out, lse = _attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed
+    )
     return (out, lse) if with_lse else out
 
 
@@ -249,6 +318,7 @@ def scaled_dot_product_attention(
     scale=None,
     enable_gqa=False,
     causal_alignment="top_left",
+    seed=None,
 ):
     """``torch.nn.functional.scaled_dot_product_attention``, differentiable, by attn, through
     the operator ``attn::sdpa_forward`` (so ``torch.compile`` and ``torch.export`` take it
@@ -256,8 +326,10 @@ def scaled_dot_product_attention(
 
     The arguments and the differences from torch are those of
     ``attn.scaled_dot_product_attention``; the gradient of ``attn_mask`` is not computed.
+    ``dropout_p > 0`` drops weights as torch does, keyed by ``seed`` (an int, or drawn from
+    torch's default generator: see the module's docstring); the backward pass drops the same.
     """
-    out, _ = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+    out, _ = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed)
     return out
 
 
@@ -272,9 +344,10 @@ def attention_with_lse(
     scale=None,
     enable_gqa=False,
     causal_alignment="top_left",
+    seed=None,
 ):
     """``(out, lse)`` as ``attn.attention_with_lse``, with ``out`` differentiable."""
-    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,11 +375,12 @@ def _compiled_sdpa(
     scale=None,
     enable_gqa=False,
     causal_alignment="top_left",
+    seed=None,
     cu_seqlens_q=None,
     cu_seqlens_k=None,
 ):
     _no_packed(cu_seqlens_q, cu_seqlens_k)
-    out, _ = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+    out, _ = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed)
     return out
 
 
@@ -322,11 +396,12 @@ def _compiled_attention_with_lse(
     scale=None,
     enable_gqa=False,
     causal_alignment="top_left",
+    seed=None,
     cu_seqlens_q=None,
     cu_seqlens_k=None,
 ):
     _no_packed(cu_seqlens_q, cu_seqlens_k)
-    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed)
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,7 +410,7 @@ def _compiled_attention_with_lse(
 _TAKEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _fallback_reason(query, key, value, attn_mask, dropout_p):
+def _fallback_reason(query, key, value, attn_mask):
     """Why attn does not take a call (``None`` when it does)."""
     for x in (query, key, value):
         if not isinstance(x, torch.Tensor):
@@ -344,8 +419,6 @@ def _fallback_reason(query, key, value, attn_mask, dropout_p):
             return f"tensors on {x.device.type}"
         if x.dtype not in _TAKEN_DTYPES:
             return f"dtype {x.dtype}"
-    if dropout_p != 0.0:
-        return "dropout (dropout_p != 0)"
     if attn_mask is not None and isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
         return "a mask that requires grad"
     return None
@@ -362,9 +435,11 @@ def routing():
             logits = model(input_ids).logits
 
     What attn does not take goes to torch's function, with one warning per reason and block:
-    tensors not on the CPU, dtypes other than float32, float16 and bfloat16, ``dropout_p``
-    other than 0, a mask that requires grad. attn's semantics hold for the rest (a fully
-    masked row is 0, not NaN). The function is restored on leaving the block; blocks nest.
+    tensors not on the CPU, dtypes other than float32, float16 and bfloat16, a mask that
+    requires grad. attn's semantics hold for the rest (a fully masked row is 0, not NaN;
+    ``dropout_p > 0`` is attn's dropout, its seed drawn from torch's default generator, so a
+    model in ``train()`` mode keeps its attention dropout). The function is restored on
+    leaving the block; blocks nest.
     The module attribute is swapped, so the routing holds for every thread meanwhile.
     """
     functional = torch.nn.functional
@@ -372,7 +447,7 @@ def routing():
     warned = set()
 
     def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        reason = _fallback_reason(query, key, value, attn_mask, dropout_p)
+        reason = _fallback_reason(query, key, value, attn_mask)
         if reason is not None:
             if reason not in warned:
                 warned.add(reason)
@@ -386,7 +461,7 @@ def routing():
                 scale=scale, enable_gqa=enable_gqa,
             )
         return scaled_dot_product_attention(
-            query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
 
     functional.scaled_dot_product_attention = routed
