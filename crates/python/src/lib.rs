@@ -9,6 +9,10 @@
 //!   (`sdpa.rs`), planned as batched engine calls over strided views (`plan.rs`), or as one
 //!   packed call for a batch of sequences of different lengths (`cu_seqlens_q`,
 //!   `cu_seqlens_k`: `packed.rs`);
+//! - attention dropout (`dropout_p`, torch's): each call's seed (given, or drawn from
+//!   torch's or NumPy's generator) and `dropout_mask`, attn-core's keep mask as a NumPy
+//!   array for tests (`sdpa.rs`); a call split into several engine calls keys each by
+//!   its place in the whole ([`attn_core::Dropout::within`]);
 //! - `KVCache`, the engine's [`attn_optimized::KvCache`] for decoding (`cache.rs`);
 //! - `PagedKVCache`, the engine's [`attn_optimized::PagedKvCache`] for serving
 //!   (`paged_cache.rs`), and `flash_attn_with_kvcache`, flash-attn's call over paged (or
@@ -63,7 +67,6 @@ macro_rules! typed {
 mod array;
 mod cache;
 mod dlpack;
-mod dropout;
 mod output;
 mod packed;
 mod paged;
@@ -105,7 +108,7 @@ fn attn_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sdpa::attention_with_lse, m)?)?;
     m.add_function(wrap_pyfunction!(sdpa::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(paged::flash_attn_with_kvcache, m)?)?;
-    m.add_function(wrap_pyfunction!(dropout::dropout_mask, m)?)?;
+    m.add_function(wrap_pyfunction!(sdpa::dropout_mask, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_class::<cache::PyKvCache>()?;

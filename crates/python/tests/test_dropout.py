@@ -23,6 +23,7 @@ torch = optional_import(
     "torch is not installed: the dropout tests are skipped (cargo xtask test installs it)",
 )
 import attn.torch as attn_torch  # noqa: E402
+from math_path import keep_mask, math_sdpa  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -32,37 +33,14 @@ def randn(*shape, seed=0, dtype=torch.float32):
 
 
 def keep_of(seed, p, lead, n_q, n_k, offset=0):
-    """attn's keep mask of a call whose output has leading axes ``lead``: the head axis is
-    the last, the axes before it flattened into batch entries."""
-    lead = tuple(lead)
-    heads = lead[-1] if lead else 1
-    batch = math.prod(lead[:-1]) if lead else 1
-    mask = attn.dropout_mask(seed, offset, (batch, heads, n_q, n_k), p)
-    assert mask.dtype == np.bool_ and mask.shape == (batch, heads, n_q, n_k)
-    return torch.from_numpy(mask.reshape(lead + (n_q, n_k)))
+    keep = keep_mask(seed, p, lead, n_q, n_k, offset)
+    assert keep.dtype == torch.bool and keep.shape == tuple(lead) + (n_q, n_k)
+    return keep
 
 
 def math_path(q, k, v, keep, p, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, alignment="top_left"):
-    """torch's math path (``torch.nn.functional.scaled_dot_product_attention``'s documented
-    reference) with the dropout mask given, in the operands' dtype (float64 here)."""
-    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ k.transpose(-1, -2) * scale
-    if is_causal:
-        shift = 0 if alignment == "top_left" else n_k - n_q
-        allowed = torch.ones(n_q, n_k, dtype=torch.bool).tril(shift)
-        scores = scores.masked_fill(~allowed, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, -math.inf)
-        else:
-            scores = scores + attn_mask.to(scores.dtype)
-    weights = torch.softmax(scores, dim=-1)
-    weights = weights * keep.to(weights.dtype) / (1 - p)
-    return weights @ v
+    """torch's math path given attn's mask ``keep``, in the operands' dtype (float64 here)."""
+    return math_sdpa(q, k, v, attn_mask, p, is_causal, scale, enable_gqa, keep=keep, alignment=alignment)
 
 
 def assert_near(got, want, rel=1e-5):
@@ -351,7 +329,6 @@ def test_packed_calls_drop_per_sequence():
         assert not block[:, rq, : cu_k[i]].any() and not block[:, rq, cu_k[i + 1] :].any()
         qs, ks, vs = (x.transpose(0, 1) for x in (theirs[0][rq], theirs[1][rk], theirs[2][rk]))
         o = math_path(qs, ks, vs, torch.from_numpy(keep), p, is_causal=True, enable_gqa=True, alignment="bottom_right")
-        o = o.nan_to_num(0.0)  # torch's NaN for rows that see no key; attn's 0
         assert_near(torch.from_numpy(out[rq]), o.transpose(0, 1))
         total = total + (o.transpose(0, 1) * go[rq].double()).sum()
     total.backward()

@@ -7,10 +7,18 @@ The models are built from configs alone (random weights, nothing downloaded) wit
 looks up at every call: GPT-2 with left padding, Llama with grouped-query attention, Mistral with a sliding
 window, Qwen2 with one K/V head, BERT with padding, BART and Whisper with cross-attention.
 For each: the logits in eval mode, every parameter's gradient after one backward pass in
-train mode (the hidden dropout layers seeded alike, attention dropout 0: attn refuses
-``dropout_p != 0``), and for the decoders the logits of each step of a teacher-forced
+train mode (the hidden dropout layers seeded alike, attention dropout 0 so that torch's and
+attn's runs compare), and for the decoders the logits of each step of a teacher-forced
 generation with a KV cache (greedy tokens of random weights flip on near-ties, so the
 tokens are fixed and the logits compared).
+
+Training with attention dropout (GPT-2, BERT, BART, Whisper with their attention dropout at
+0.1, in ``train()`` mode, through attn): the loss and every gradient finite,
+``torch.manual_seed`` replaying a training step bit for bit, another seed another step; and
+each model's loss and gradients equal to the same model in float64 whose attention is
+torch's math path given attn's keep masks (``attn.dropout_mask`` of the seeds attn draws:
+one ``torch.randint`` a call from torch's default generator, which the float64 run draws
+alike, interleaved with the hidden dropout layers' draws).
 
 The bound (docs/accuracy.md, "Inside models"): every attention call is checked against the
 same call in float64 within attn's derived f32 bound; the model's outputs are compared
@@ -42,6 +50,7 @@ transformers = optional_import(
 )
 
 import attn  # noqa: E402
+from math_path import math_sdpa  # noqa: E402
 
 # Tiny tensors: one thread is fastest for torch's own ops, and keeps the runs' rounding
 # independent of the machine's core count (attn's results never depend on it).
@@ -196,7 +205,7 @@ def llama_like(config_cls, **extra):
     )
 
 
-def bert():
+def bert(attention_dropout=0.0):
     config = transformers.BertConfig(
         **SMALL,
         hidden_size=64,
@@ -204,7 +213,7 @@ def bert():
         num_attention_heads=4,
         intermediate_size=128,
         max_position_embeddings=64,
-        attention_probs_dropout_prob=0.0,
+        attention_probs_dropout_prob=attention_dropout,
         hidden_dropout_prob=0.1,
         initializer_range=INIT,
     )
@@ -215,7 +224,7 @@ def bert():
     return model, {"input_ids": ids(BATCH, LEN, seed=1), "attention_mask": mask}, labels
 
 
-def bart():
+def bart(attention_dropout=0.0):
     config = transformers.BartConfig(
         **SMALL,
         d_model=64,
@@ -226,7 +235,7 @@ def bart():
         encoder_ffn_dim=128,
         decoder_ffn_dim=128,
         max_position_embeddings=64,
-        attention_dropout=0.0,
+        attention_dropout=attention_dropout,
         dropout=0.1,
         init_std=INIT,
     )
@@ -238,7 +247,7 @@ def bart():
     return model, inputs, ids(BATCH, 8, seed=2)
 
 
-def whisper():
+def whisper(attention_dropout=0.0):
     config = transformers.WhisperConfig(
         **SMALL,
         d_model=64,
@@ -251,7 +260,7 @@ def whisper():
         num_mel_bins=8,
         max_source_positions=16,
         max_target_positions=32,
-        attention_dropout=0.0,
+        attention_dropout=attention_dropout,
         dropout=0.1,
         init_std=INIT,
         pad_token_id=0,
@@ -265,21 +274,25 @@ def whisper():
     return model, inputs, ids(BATCH, 8, seed=2)
 
 
-MODELS = {
-    "gpt2_left_padding": decoder_only(
+def gpt2(attention_dropout=0.0):
+    return decoder_only(
         transformers.GPT2Config,
         left_padding=3,
         n_embd=64,
         n_layer=2,
         n_head=4,
         n_positions=64,
-        attn_pdrop=0.0,
+        attn_pdrop=attention_dropout,
         resid_pdrop=0.1,
         embd_pdrop=0.1,
         initializer_range=INIT,
         bos_token_id=1,
         eos_token_id=2,
-    ),
+    )()
+
+
+MODELS = {
+    "gpt2_left_padding": gpt2,
     "llama_gqa": llama_like(transformers.LlamaConfig, num_key_value_heads=2),
     "mistral_sliding_window": llama_like(transformers.MistralConfig, num_key_value_heads=2, sliding_window=4),
     "qwen2_one_kv_head": llama_like(transformers.Qwen2Config, num_key_value_heads=1),
@@ -290,10 +303,10 @@ MODELS = {
 DECODERS = [name for name in MODELS if name != "bert_padding"]
 
 
-def build(name):
+def build(name, **kw):
     """The model in f32 and in f64 with the same weights, its inputs and labels."""
     torch.manual_seed(0)
-    model, inputs, labels = MODELS[name]()
+    model, inputs, labels = MODELS[name](**kw)
     assert model.config._attn_implementation == "sdpa"
     return model, copy.deepcopy(model).double(), inputs, labels
 
@@ -447,3 +460,64 @@ def test_a_wrong_attention_fails(name, bug):
     assert route.calls > 0
     share = excess(broken, theirs, truth, k)["logits"]
     assert share > 1, f"a wrong attention ({bug.__name__}) passes: {share:.3g} × the bound"
+
+
+# ---------------------------------------------------------------------------------------
+# Training with attention dropout: the models keep their configured attention dropout.
+
+ATTENTION_DROPOUT = 0.1
+DROPOUT_MODELS = ["gpt2_left_padding", "bert_padding", "bart_cross_attention", "whisper_cross_attention"]
+
+
+def dropout_step(model, inputs, labels, impl, seed=7):
+    """One training step of ``model`` (train mode) with attention computed by ``impl``:
+    the loss and every parameter's gradient, and the dropout probabilities it was called
+    with."""
+    ps = []
+
+    def traced(query, key, value, attn_mask=None, dropout_p=0.0, **kw):
+        ps.append(dropout_p)
+        return impl(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, **kw)
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with Route(traced, check=False):
+        torch.manual_seed(seed)  # hidden dropout and attention seeds: one stream
+        loss = model(**as_dtype(inputs, model), labels=labels).loss
+        loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.detach(), **grads}, ps
+
+
+@pytest.mark.parametrize("name", DROPOUT_MODELS)
+def test_training_with_attention_dropout(name):
+    model, _, inputs, labels = build(name, attention_dropout=ATTENTION_DROPOUT)
+    step, ps = dropout_step(model, inputs, labels, attn_sdpa)
+    assert ps and all(p == ATTENTION_DROPOUT for p in ps), ps  # every attention drops
+    for key, t in step.items():
+        assert torch.isfinite(t).all(), f"{key} is not finite"
+    assert len(step) > 10
+    replay, _ = dropout_step(model, inputs, labels, attn_sdpa)
+    for key, t in step.items():
+        assert torch.equal(replay[key], t), f"torch.manual_seed does not replay {key}"
+    other, _ = dropout_step(model, inputs, labels, attn_sdpa, seed=8)
+    assert not torch.equal(other["loss"], step["loss"])
+
+
+@pytest.mark.parametrize("name", DROPOUT_MODELS)
+def test_training_with_attention_dropout_is_the_math_path_with_attns_masks(name):
+    model, model64, inputs, labels = build(name, attention_dropout=ATTENTION_DROPOUT)
+    ours, _ = dropout_step(model, inputs, labels, attn_sdpa)
+    truth, _ = dropout_step(model64, inputs, labels, math_sdpa)
+    # torch's math path in float32 with the same masks: the rounding of an f32 model.
+    theirs, _ = dropout_step(model, inputs, labels, math_sdpa)
+    for key, t in truth.items():
+        size = t.abs().max().item()
+        err = (ours[key].double() - t).abs().max().item()
+        noise = (theirs[key].double() - t).abs().max().item()
+        # Within f32 rounding of the float64 run: 1e-5 of the tensor's largest entry, or
+        # a few times what torch's f32 math path is off by.
+        assert err <= max(1e-5 * size, 8 * noise), f"{key}: off by {err:.3g} (largest {size:.3g}, torch's f32 {noise:.3g})"
+    # Without the masks the models part: the comparison has teeth.
+    undropped, _ = dropout_step(model64, inputs, labels, lambda q, k, v, dropout_p=0.0, **kw: math_sdpa(q, k, v, **kw))
+    assert (undropped["loss"] - truth["loss"]).abs().item() > 1e-4

@@ -308,10 +308,13 @@ def arrays(*shapes, dtype=np.float32):
     return [ref.randn(rng, s, dtype) for s in shapes]
 
 
-def test_dropout_is_rejected():
+def test_a_dropout_probability_outside_0_1_is_rejected():
     q, = arrays((2, 3, 4))
-    with pytest.raises(ValueError, match="dropout_p=0.1: attn does not implement"):
-        attn.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1, but got 1.1"):
+        attn.scaled_dot_product_attention(q, q, q, dropout_p=1.1)
+    # A probability drops (test_dropout.py holds its semantics); p = 0 is no dropout.
+    assert not np.array_equal(attn.scaled_dot_product_attention(q, q, q, dropout_p=0.5, seed=1),
+                              attn.scaled_dot_product_attention(q, q, q))
 
 
 def test_mask_with_is_causal_is_rejected():
@@ -446,7 +449,7 @@ def test_module_surface():
     assert attn.isa() in {"amx", "avx512bf16", "avx512", "avx2", "baseline"}
     assert attn.num_threads() >= 1
     doc = attn.scaled_dot_product_attention.__doc__
-    for difference in ("never reaches the output", "is 0, never NaN", "No dropout", "attention_with_lse"):
+    for difference in ("never reaches the output", "is 0, never NaN", "Dropout, torch's", "attention_with_lse"):
         assert difference in doc
     import inspect
 
@@ -454,6 +457,7 @@ def test_module_surface():
     assert list(params)[:6] == ["query", "key", "value", "attn_mask", "dropout_p", "is_causal"]
     assert params["scale"].kind is inspect.Parameter.KEYWORD_ONLY
     assert params["enable_gqa"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["seed"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_import_does_not_import_torch():

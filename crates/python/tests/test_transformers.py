@@ -1,7 +1,10 @@
 """``attn_implementation="attn"``: ``import attn.transformers`` registers attn with
 transformers' ``AttentionInterface``; tiny random-weight Llama models (grouped-query heads,
 left padding) built with it against the same models with ``"sdpa"``: logits, gradients of a
-training step, and ``generate()`` with transformers' own cache."""
+training step, and ``generate()`` with transformers' own cache; a training step with the
+configured attention dropout (grouped-query heads handed to attn as they are): replayed by
+``torch.manual_seed``, and equal to the ``"sdpa"`` model whose attention is torch's math path
+given attn's keep masks."""
 
 import os
 
@@ -22,6 +25,7 @@ transformers = optional_import(
 
 import attn  # noqa: E402
 import attn.transformers as attn_transformers  # noqa: E402
+from math_path import math_sdpa  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -109,6 +113,46 @@ def test_training_step_gradients_match_sdpa():
     theirs(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def _dropout_step(model, seed, route=None):
+    ids, mask = inputs(3)
+    labels = ids.clone()
+    labels[1, :3] = -100
+    model.train()
+    model.zero_grad(set_to_none=True)
+    original = torch.nn.functional.scaled_dot_product_attention
+    if route is not None:
+        torch.nn.functional.scaled_dot_product_attention = route
+    try:
+        torch.manual_seed(seed)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    return {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def test_training_with_attention_dropout():
+    ours, theirs = pair(attention_dropout=0.1)
+    with Calls() as calls:
+        first = _dropout_step(ours, 7)
+    assert calls.count == 2
+    assert all(torch.isfinite(t).all() for t in first.values())
+    replay = _dropout_step(ours, 7)
+    assert all(torch.equal(replay[n], t) for n, t in first.items())
+    assert not torch.equal(_dropout_step(ours, 8)["loss"], first["loss"])
+    undropped, _ = pair()
+    assert not torch.equal(_dropout_step(undropped, 7)["loss"], first["loss"])
+    # The "sdpa" model with torch's math path given attn's masks: the seeds drawn alike.
+    want = _dropout_step(theirs, 7, route=math_sdpa)
+    for name, t in want.items():
+        torch.testing.assert_close(first[name], t, atol=1e-5, rtol=1e-4, msg=name)
+    # In eval mode nothing is dropped.
+    ours.eval(), undropped.eval()
+    ids, mask = inputs(0)
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, undropped(input_ids=ids).logits)
 
 
 def test_generate_with_transformers_cache():

@@ -15,9 +15,11 @@ scaling, is_causal, position_bias, **kwargs)`` → ``(attn_output (batch, q_len,
 head_dim), None)``; ``is_causal`` is inferred the same way (the module's flag, only for
 more than one query and no mask), grouped-query heads go to attn as they are
 (``enable_gqa``: no ``repeat_kv`` copy), a ``position_bias`` is folded into the mask.
-``dropout`` must be 0 (attn has no attention dropout: a ValueError in training mode with
-``attention_dropout > 0``), ``softcap`` is a ValueError as in ``sdpa``. Tensors attn does
-not take (not on the CPU, float64) go to transformers' ``sdpa`` with one warning.
+``dropout`` (the model's attention dropout in ``train()`` mode, 0 in ``eval()``) is attn's
+torch-semantics dropout, its seed drawn per call from torch's default generator
+(``torch.manual_seed`` replays a training step); ``softcap`` is a ValueError as in ``sdpa``.
+Tensors attn does not take (not on the CPU, float64) go to transformers' ``sdpa`` with one
+warning.
 """
 
 import warnings
