@@ -1,6 +1,8 @@
 //! Training's targets: forward + backward with attention dropout `p = 0.1` over the same
 //! step with `p = 0` (f32 and bf16; 8 heads, n = 4096, d = 64, 2 threads, causal and not;
-//! target ≤ 1.15× in f32, ≤ 1.3× on a native bf16 path).
+//! target ≤ 1.15× in f32, ≤ 1.3× on a native bf16 path); and the backward pass with the
+//! gradient of a per-head `[1, H, n, n]` bias over the same backward without it (f32;
+//! target ≤ 1.3×).
 //!
 //! Criterion times each step; then a loop interleaves them round by round (the dropped
 //! step right after the undropped one) and prints the median of the per-round ratios.
@@ -15,7 +17,7 @@ use attn_benches::protocol::median;
 use attn_benches::roof::pool;
 use attn_benches::runner::case_options;
 use attn_benches::training::Steps;
-use attn_core::{Dropout, Options};
+use attn_core::{Dropout, Mask4Ref, Options};
 use criterion::Criterion;
 
 /// The dropout probability of the target.
@@ -106,6 +108,17 @@ fn main() {
         return;
     }
 
+    // The bias: one [n, n] plane per head, shared by the batch (T5's relative positions).
+    let bias: Vec<f32> = (0..h * n * n)
+        .map(|e| ((e % n) as f32 - (e / n % n) as f32).abs().ln_1p() * -0.25)
+        .collect();
+    let bias = Mask4Ref::contiguous(&bias, [1, h, n, n]).expect("sized");
+    let biased = case_options(false).with_additive_mask_4d(bias);
+    let bias_step = pool
+        .install(|| Steps::random(Dtype::F32, h, n, n, d, 2, &biased))
+        .expect("valid inputs");
+    let mut bias_ratios = Vec::new();
+
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     let mut plain: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     for _ in 0..s.rounds {
@@ -115,6 +128,10 @@ fn main() {
             ratios[i].push(t1 / t0);
             plain[i].push(t0);
         }
+        let t0 = pool.install(|| common::seconds(|| bias_step.backward(&biased).expect("runs")));
+        let t1 = pool
+            .install(|| common::seconds(|| bias_step.backward_with_bias(&biased).expect("runs")));
+        bias_ratios.push((t1 / t0, t0));
     }
     println!(
         "\ndropout: forward + backward with p = {P} ÷ p = 0, interleaved, median of {} rounds (h={h}, n={n}, d={d}, threads={t})",
@@ -130,4 +147,12 @@ fn main() {
             median(&ratios[i]).unwrap_or(f64::NAN),
         );
     }
+    let (r, t): (Vec<f64>, Vec<f64>) = bias_ratios.into_iter().unzip();
+    let (lo, hi) = common::range(&r);
+    println!(
+        "\nbias gradient: backward with dbias of a [1, {h}, {n}, {n}] bias ÷ without, interleaved, median of {} rounds\n  backward_f32_bias              without: {:>8.1} ms   ratio {:.3}  (range {lo:.3}–{hi:.3}, target ≤ 1.3)",
+        s.rounds,
+        median(&t).unwrap_or(f64::NAN) * 1e3,
+        median(&r).unwrap_or(f64::NAN),
+    );
 }

@@ -35,9 +35,24 @@ impl<T: Element> Step<T> {
 
     /// The backward pass; the gradients are dropped.
     pub fn backward(&self, options: &Options<'_>) -> Result<(), Error> {
+        self.backward_of(options, false)
+    }
+
+    /// The backward pass with the additive mask's gradient as well; the gradients are
+    /// dropped.
+    pub fn backward_with_bias(&self, options: &Options<'_>) -> Result<(), Error> {
+        self.backward_of(options, true)
+    }
+
+    fn backward_of(&self, options: &Options<'_>, bias: bool) -> Result<(), Error> {
         let x = &self.x;
         let g =
             attn_optimized::Attention::batched(x.q(), x.k(), x.v(), options).and_then(|call| {
+                let call = if bias {
+                    call.with_bias_gradient()
+                } else {
+                    call
+                };
                 call.backward(
                     attn_optimized::ForwardRef::batch(self.out.as_ref(), &self.lse)?,
                     self.d_out(),
@@ -156,6 +171,15 @@ impl Steps {
             Steps::F32(s) => s.backward(options),
             Steps::F16(s) => s.backward(options),
             Steps::Bf16(s) => s.backward(options),
+        }
+    }
+
+    /// [`Step::backward_with_bias`].
+    pub fn backward_with_bias(&self, options: &Options<'_>) -> Result<(), Error> {
+        match self {
+            Steps::F32(s) => s.backward_with_bias(options),
+            Steps::F16(s) => s.backward_with_bias(options),
+            Steps::Bf16(s) => s.backward_with_bias(options),
         }
     }
 

@@ -12,7 +12,12 @@
 use core::ops::Range;
 use core::sync::atomic::{AtomicU32, Ordering};
 
-use attn_core::{Error, Options, Result, Tensor4};
+use attn_core::{Options, Result, Tensor4};
+
+use crate::kernel::element::{add_into_words, atomics_into_f32, zeroed_atomics};
+
+/// Columns of the block [`BiasGradient::add_tile`] transposes at a time.
+const MAX_COLS: usize = 128;
 
 /// Where a head's bias gradient goes, and the buffer it goes into.
 #[derive(Debug)]
@@ -28,12 +33,8 @@ impl BiasGradient {
     /// n_k]` ([`Options::bias_gradient_dims`] says which masks have one).
     pub fn new(options: &Options<'_>, dims: [usize; 4]) -> Result<Self> {
         let own = options.bias_gradient_dims(dims)?;
-        let n = crate::problem::element_count(&own)
-            .ok_or_else(|| Error::allocation_of::<f32>("bias gradient", None))?;
-        let mut sums = Vec::new();
-        sums.try_reserve_exact(n)
-            .map_err(|_| Error::allocation_of::<f32>("bias gradient", Some(n)))?;
-        sums.extend((0..n).map(|_| AtomicU32::new(0)));
+        let n = crate::problem::element_count(&own);
+        let sums = zeroed_atomics("bias gradient", n)?;
         Ok(Self { sums, dims: own })
     }
 
@@ -44,6 +45,21 @@ impl BiasGradient {
         (b * hh + h) * l * s
     }
 
+    /// Whether each query head `heads` of each group (given by its batch entry) is the first
+    /// to reach its plane, groups and heads in order: the order in which the tasks of a
+    /// bundle run.
+    pub fn firsts(&self, groups: impl Iterator<Item = (usize, Vec<usize>)>) -> Vec<Vec<bool>> {
+        let mut seen = std::collections::BTreeSet::new();
+        groups
+            .map(|(b, heads)| {
+                heads
+                    .iter()
+                    .map(|&h| seen.insert(self.plane(b, h)))
+                    .collect()
+            })
+            .collect()
+    }
+
     /// The bundle of a group of batch entry `b` and kv head `kv`: groups whose heads share
     /// bias planes have the same one (so their tasks run in order).
     pub fn bundle(&self, b: usize, kv: usize) -> (usize, usize) {
@@ -52,44 +68,69 @@ impl BiasGradient {
     }
 
     /// Adds a column-major tile of score gradients (`ld` apart) over queries `rows` and
-    /// keys `cols` into the plane at `plane`: entry by entry, or summed down each column
-    /// first when the bias is one row for every query.
+    /// keys `cols` into the plane at `plane`: row by row along the plane's rows (the tile
+    /// is small and cached; the plane is not), or summed down each column first when the
+    /// bias is one row for every query.
+    ///
+    /// With `first`, the tile is the first to reach its entries (which hold 0): it writes
+    /// them instead of adding (see [`add_into_words`]).
     pub fn add_tile(
         &self,
         plane: usize,
         ds: &[f32],
         ld: usize,
         (rows, cols): (Range<usize>, Range<usize>),
+        first: bool,
     ) {
         let [_, _, l, s] = self.dims;
-        let nr = rows.len();
-        let add = |at: usize, x: f32| {
-            let e = &self.sums[at];
-            let sum = f32::from_bits(e.load(Ordering::Relaxed)) + x;
-            e.store(sum.to_bits(), Ordering::Relaxed);
-        };
-        for (jj, j) in cols.enumerate() {
-            let col = &ds[jj * ld..jj * ld + nr];
-            if l == 1 {
+        let nc = cols.len();
+        if l == 1 {
+            let line = &self.sums[plane + cols.start..plane + cols.end];
+            for (jj, e) in line.iter().enumerate() {
                 // In row order, as the other entries sum.
-                let mut sum = f32::from_bits(self.sums[plane + j].load(Ordering::Relaxed));
-                col.iter().for_each(|&x| sum += x);
-                self.sums[plane + j].store(sum.to_bits(), Ordering::Relaxed);
-            } else {
-                for (ii, &x) in col.iter().enumerate() {
-                    add(plane + (rows.start + ii) * s + j, x);
+                let mut sum = if first {
+                    0.0
+                } else {
+                    f32::from_bits(e.load(Ordering::Relaxed))
+                };
+                ds[jj * ld..jj * ld + rows.len()]
+                    .iter()
+                    .for_each(|&x| sum += x);
+                e.store(sum.to_bits(), Ordering::Relaxed);
+            }
+            return;
+        }
+        // Sixteen rows at a time, transposed into a row-major block first (the tile's
+        // columns are cache lines, the plane's rows are sequential), then added row by row.
+        const ROWS: usize = 16;
+        let mut block = [0.0f32; ROWS * MAX_COLS];
+        for cols_at in (0..nc).step_by(MAX_COLS) {
+            let w = MAX_COLS.min(nc - cols_at);
+            for top in rows.clone().step_by(ROWS) {
+                let n = ROWS.min(rows.end - top);
+                let r0 = top - rows.start;
+                for jj in 0..w {
+                    let c = (cols_at + jj) * ld + r0;
+                    for (r, &x) in ds[c..c + n].iter().enumerate() {
+                        block[r * w + jj] = x;
+                    }
+                }
+                for r in 0..n {
+                    let start = plane + (top + r) * s + cols.start + cols_at;
+                    let (dst, src) = (&self.sums[start..start + w], &block[r * w..(r + 1) * w]);
+                    add_into_words(dst, src, first);
                 }
             }
         }
     }
 
+    /// Whether the bias has one row for every query (its gradient sums over them).
+    pub fn one_row(&self) -> bool {
+        self.dims[2] == 1
+    }
+
     /// The sums, shaped like the bias's values.
     pub fn into_tensor(self) -> Result<Tensor4<f32>> {
-        let values = self
-            .sums
-            .into_iter()
-            .map(|e| f32::from_bits(e.into_inner()))
-            .collect();
-        Tensor4::from_vec(values, self.dims)
+        Tensor4::from_vec(atomics_into_f32(self.sums), self.dims)
     }
 }

@@ -444,7 +444,7 @@ impl Scratch {
         cols: Range<usize>,
         dq: &mut [f32],
         head_len: usize,
-        bias: Option<(&BiasGradient, &[usize])>,
+        bias: Option<(&BiasGradient, &[usize], &[bool])>,
     ) {
         let TilePlan { br, bc } = self.plan;
         let (d_k, d_v, nc) = (self.d_k, self.d_v, cols.len());
@@ -493,6 +493,10 @@ impl Scratch {
 
         for (h, (head, terms)) in heads.iter().zip(terms.iter()).enumerate() {
             let dq_head = &mut dq[h * head_len..(h + 1) * head_len];
+            // Whether this head's next tile is the first to reach its bias entries: every
+            // tile of the first head of a plane, or its first one when the bias has one row
+            // for every query.
+            let mut first_bias = bias.is_some_and(|(_, _, firsts)| firsts[h]);
             let d_out = group.heads[h].d_out;
             for t in 0..n_q.div_ceil(br) {
                 let rows = t * br..((t + 1) * br).min(n_q);
@@ -590,8 +594,9 @@ impl Scratch {
                 }
                 // The bias's gradient is that of the scores the softmax sees: before the
                 // chain rule through the modifiers (the bias is added after them).
-                if let Some((bias, planes)) = bias {
-                    bias.add_tile(planes[h], ds, br, (rows.clone(), cols.clone()));
+                if let Some((bias, planes, _)) = bias {
+                    bias.add_tile(planes[h], ds, br, (rows.clone(), cols.clone()), first_bias);
+                    first_bias &= !bias.one_row();
                 }
                 if chain {
                     chain_rule(ds, dmod, br, nr, nc);

@@ -91,8 +91,10 @@ pub(crate) struct Backward<'a, T, K = Dense<'a, T>> {
     sinks: Option<usize>,
     /// How the tiles multiply: AMX tiles, AVX512_BF16 pairs or f32.
     products: Products,
-    /// The gradient of the additive mask, when asked for ([`Backward::with_bias_gradient`]).
+    /// The gradient of the additive mask, when asked for ([`Backward::with_bias_gradient`]),
+    /// and whether each head of each group is the first to reach its plane.
     bias: Option<BiasGradient>,
+    firsts: Vec<Vec<bool>>,
 }
 
 /// Where a task writes: the dK and dV rows of each of its key blocks.
@@ -328,13 +330,17 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
             sinks,
             products,
             bias: None,
+            firsts: Vec::new(),
         }
     }
 
     /// The same call computing the gradient of its additive mask as well, for a call of
     /// dims `[batch, h_q, n_q, n_k]` ([`BiasGradient::new`] says which masks have one).
     pub fn with_bias_gradient(mut self, options: &Options<'_>, dims: [usize; 4]) -> Result<Self> {
-        self.bias = Some(BiasGradient::new(options, dims)?);
+        let bias = BiasGradient::new(options, dims)?;
+        let heads = |g: &Group<'a, T, K>| (g.at.0, g.heads.iter().map(|h| h.head).collect());
+        self.firsts = bias.firsts(self.groups.iter().map(heads));
+        self.bias = Some(bias);
         Ok(self)
     }
 
@@ -655,7 +661,8 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
                 .collect(),
             None => Vec::new(),
         };
-        let bias = self.bias.as_ref().map(|b| (b, &planes[..]));
+        let firsts = self.firsts.get(task.group).map_or(&[][..], |f| &f[..]);
+        let bias = self.bias.as_ref().map(|b| (b, &planes[..], firsts));
         for BlockRows { block, dk, dv } in task.blocks {
             let cols = block * bc..block * bc + dk.len();
             scratch.key_block(group, &heads, cols, task.dq, n_q * d_k, bias);

@@ -39,6 +39,81 @@ pub(crate) fn zeroed_lazily<T: ZeroBits>(
     Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
+/// `n` words of zero, lazily mapped as [`zeroed_lazily`]'s, that tasks on several threads
+/// may share: the buffer of a sum whose entries each task writes its own of (the bias
+/// gradient). [`atomics_into_f32`] hands it back as f32 values without a copy.
+pub(crate) fn zeroed_atomics(
+    what: &'static str,
+    n: Option<usize>,
+) -> attn_core::Result<Vec<core::sync::atomic::AtomicU32>> {
+    let words = core::mem::ManuallyDrop::new(zeroed_lazily::<f32>(what, n)?);
+    let (ptr, len, cap) = (words.as_ptr().cast_mut(), words.len(), words.capacity());
+    huge_pages(ptr.cast(), len * 4);
+    // SAFETY: `AtomicU32` has the size, alignment and bit validity of `u32`, hence of the
+    // f32 words allocated (all zero); the allocation moves from one vector to the other.
+    Ok(unsafe { Vec::from_raw_parts(ptr.cast::<core::sync::atomic::AtomicU32>(), len, cap) })
+}
+
+/// Asks Linux to back the whole pages of `bytes` bytes at `ptr` with transparent huge
+/// pages: a buffer of hundreds of MiB written once then takes a fault per 2 MiB instead of
+/// per 4 KiB. Advice only: refused or elsewhere, nothing changes.
+fn huge_pages(ptr: *mut u8, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let start = (ptr as usize).next_multiple_of(PAGE);
+        let end = (ptr as usize + bytes) / PAGE * PAGE;
+        if end > start + (2 << 20) {
+            // SAFETY: the range lies within the caller's allocation, on page boundaries;
+            // MADV_HUGEPAGE only advises the kernel (it never changes the contents).
+            let _ = unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE)
+            };
+        }
+    }
+    let _ = (ptr, bytes);
+}
+
+/// The f32 values whose bits `words` hold, in the same allocation.
+pub(crate) fn atomics_into_f32(words: Vec<core::sync::atomic::AtomicU32>) -> Vec<f32> {
+    let words = core::mem::ManuallyDrop::new(words);
+    let (ptr, len, cap) = (words.as_ptr().cast_mut(), words.len(), words.capacity());
+    // SAFETY: as in `zeroed_atomics`, the other way round: every bit pattern is an f32, and
+    // the vector owned the allocation alone.
+    unsafe { Vec::from_raw_parts(ptr.cast::<f32>(), len, cap) }
+}
+
+/// Adds `src` into the f32 values whose bits `dst` holds, entry by entry (as many as both
+/// have), vectorised — or, with `store`, writes it there: the first sum into a page of a
+/// [`zeroed_atomics`] buffer should not read it (a page read while still the zero page, then
+/// written, is copied and flushed from every core's TLB: half the time of a bias gradient
+/// went to those interrupts). For a buffer whose entries `dst` only the calling task
+/// touches while it runs (the bias gradient's tasks write disjoint entries).
+pub(crate) fn add_into_words(dst: &[core::sync::atomic::AtomicU32], src: &[f32], store: bool) {
+    let n = dst.len().min(src.len());
+    // SAFETY: `AtomicU32` is an `UnsafeCell<u32>` of u32's layout, so its words may be
+    // written through a shared reference; no other thread reads or writes these `n`
+    // entries while this task runs (its caller's contract), so the plain accesses race
+    // with nothing, and every bit pattern is an f32.
+    let dst = unsafe { core::slice::from_raw_parts_mut(dst.as_ptr().cast::<f32>().cast_mut(), n) };
+    if store {
+        dst.copy_from_slice(&src[..n]);
+    } else {
+        add_rows(dst, &src[..n]);
+    }
+}
+
+#[inline(always)]
+fn add_rows_body<const FMA: bool>(dst: &mut [f32], src: &[f32]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d += s;
+    }
+}
+
+super::multiversion! {
+    fn add_rows(dst: &mut [f32], src: &[f32]) = add_rows_body
+}
+
 /// Types whose all-zero bits are a value (zero), which [`zeroed_lazily`] may hand out: the
 /// elements, and the code bytes of quantized pages.
 pub(crate) trait ZeroBits: Copy {}
