@@ -207,6 +207,28 @@ impl AttentionOptions {
         self
     }
 
+    /// Drops attention weights with probability `p` (torch's `dropout_p`: each weight kept
+    /// is scaled by `1/(1 − p)`), the keep mask drawn from `seed` by attn's counter-based
+    /// generator ([`attn_optimized::Dropout`]): the op's backward pass regenerates the same
+    /// mask, and a call with the same seed drops the same weights. Draw a new seed per
+    /// training step; `p = 0` is no dropout. `p` outside `[0, 1]` is an error.
+    ///
+    /// ```
+    /// use attn_candle::candle_core::{DType, Device, Tensor};
+    /// use attn_candle::{scaled_dot_product_attention, AttentionOptions};
+    /// let x = Tensor::randn(0f32, 1.0, (1, 2, 16, 8), &Device::Cpu)?;
+    /// let a = scaled_dot_product_attention(&x, &x, &x, &AttentionOptions::default().with_dropout(0.5, 7)?)?;
+    /// let b = scaled_dot_product_attention(&x, &x, &x, &AttentionOptions::default().with_dropout(0.5, 7)?)?;
+    /// assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+    /// assert!(AttentionOptions::default().with_dropout(1.5, 7).is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_dropout(mut self, p: f32, seed: u64) -> Result<Self> {
+        let dropout = attn_optimized::Dropout::new(p, seed).map_err(Error::wrap)?;
+        self.base = self.base.with_dropout(dropout);
+        Ok(self)
+    }
+
     /// Adds a sliding window around the aligned diagonal.
     pub fn with_window(mut self, window: SlidingWindow) -> Self {
         self.base = self.base.with_window(window);

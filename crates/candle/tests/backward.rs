@@ -311,3 +311,64 @@ fn packed_batches_match_their_sequences_run_alone() {
         .with_allow_mask(Tensor::ones((10, 16), DType::U8, &CPU).unwrap());
     assert!(scaled_dot_product_attention(&q, &k, &v, &masked).is_err());
 }
+
+/// Dropout through the op: its forward and gradients are the engine's own with the same
+/// seed (the op's backward regenerates the forward's mask), another seed drops other
+/// weights, and `p = 0` is no dropout, bit for bit.
+#[test]
+fn dropout_is_the_engines_with_the_same_seed() {
+    use attn_candle::attn_optimized::{Attention, Dropout, Options, Par, Tensor4Ref};
+    let (b, h, n, d) = (2, 3, 37, 16);
+    let dims = [b, h, n, d];
+    let leaf = |seed| Var::from_tensor(&tensor(&dims, seed, 2.0)).unwrap();
+    let (q, k, v) = (leaf(1), leaf(2), leaf(3));
+    let w = tensor(&dims, 4, 1.0);
+    let run = |opts: &AttentionOptions| {
+        let out = scaled_dot_product_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), opts)
+            .unwrap();
+        let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = |x: &Var| flat(grads.get(x.as_tensor()).unwrap());
+        (flat(&out), [g(&q), g(&k), g(&v)])
+    };
+    let dropped = AttentionOptions::default()
+        .with_causal(Causal::TopLeft)
+        .with_dropout(0.3, 99)
+        .unwrap();
+    let (out, grads) = run(&dropped);
+
+    // The engine on the same values and options.
+    let f32s = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (qf, kf, vf, wf) = (
+        f32s(q.as_tensor()),
+        f32s(k.as_tensor()),
+        f32s(v.as_tensor()),
+        f32s(&w),
+    );
+    fn view(x: &[f32], dims: [usize; 4]) -> Tensor4Ref<'_, f32> {
+        Tensor4Ref::from_layout(x, dims, Layout::Bhsd).unwrap()
+    }
+    let opts = Options::default()
+        .with_causal(Causal::TopLeft)
+        .with_dropout(Dropout::new(0.3, 99).unwrap());
+    let call =
+        Attention::batched(view(&qf, dims), view(&kf, dims), view(&vf, dims), &opts).unwrap();
+    let fwd = call.forward(Par::rayon(0)).unwrap();
+    let g = call.backward(&fwd, view(&wf, dims), Par::rayon(0)).unwrap();
+    let wide = |x: &[f32]| x.iter().map(|&y| f64::from(y)).collect::<Vec<_>>();
+    assert_eq!(out, wide(fwd.output().as_slice()));
+    for (got, want) in grads.iter().zip([&g.dq, &g.dk, &g.dv]) {
+        assert_eq!(got, &wide(want.as_slice()));
+    }
+
+    let (other, _) = run(&AttentionOptions::default()
+        .with_causal(Causal::TopLeft)
+        .with_dropout(0.3, 100)
+        .unwrap());
+    assert_ne!(out, other);
+    let plain = AttentionOptions::default().with_causal(Causal::TopLeft);
+    let zero = plain.clone().with_dropout(0.0, 5).unwrap();
+    let (a, ga) = run(&plain);
+    let (z, gz) = run(&zero);
+    assert_eq!(a, z);
+    assert_eq!(ga, gz);
+}

@@ -55,10 +55,10 @@ mod problem;
 mod schedule;
 
 pub use attn_core::{
-    Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Error, Forward, ForwardRef,
-    Gradients, GradientsMut, KeyChannels, KeyPadding, KvCodes, KvQuantization, Layout, Mask4Ref,
-    MaskMod, Options, PagedKv, PartialState, Precision, QuantizedKv, Result, ScoreMod, ScoreTile,
-    SlidingWindow, SoftCap, Tensor4, Tensor4Mut, Tensor4Ref, quantize_row,
+    Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Dropout, Error, Forward,
+    ForwardRef, Gradients, GradientsMut, KeyChannels, KeyPadding, KvCodes, KvQuantization, Layout,
+    Mask4Ref, MaskMod, Options, PagedKv, PartialState, Precision, QuantizedKv, Result, ScoreMod,
+    ScoreTile, SlidingWindow, SoftCap, Tensor4, Tensor4Mut, Tensor4Ref, quantize_row,
 };
 pub use call::{Attention, Batch, Heads, OneHead};
 

@@ -506,3 +506,48 @@ fn gradient_descent_on_the_optimized_layer_lowers_the_loss() {
     );
     assert!(losses[40] < 0.25 * losses[0], "{losses:?}");
 }
+
+#[test]
+fn the_layer_trains_with_attention_dropout_as_the_reference_does() {
+    // Dropout in the options of forward_train and backward (the same seed): the forward
+    // and the gradients are the reference's, which draws the same keep mask; another seed
+    // gives another output, and p = 0 is no dropout.
+    let weights = small_layer(4, 2, 31);
+    let x = dyadic(9, 8, 32, 4);
+    let dy = dyadic(9, 8, 33, 4);
+    let dropped = |seed| {
+        Options::default()
+            .with_causal(Causal::TopLeft)
+            .with_dropout(attn_core::Dropout::new(0.25, seed).unwrap())
+    };
+    let opts = dropped(5);
+    let layer = attn_optimized::MultiHeadAttention::new(weights.clone());
+    let reference = attn_reference::MultiHeadAttention::new(weights);
+    let (y, act) = layer.forward_train(x.as_ref(), &opts).unwrap();
+    let (y_ref, act_ref) = reference.forward_train(x.as_ref(), &opts).unwrap();
+    assert!(normwise(y.as_ref(), y_ref.as_ref()) < GRADIENT_TOLERANCE);
+    let got = layer
+        .backward(&act, x.as_ref(), x.as_ref(), dy.as_ref(), &opts)
+        .unwrap();
+    let want = reference
+        .backward(&act_ref, x.as_ref(), x.as_ref(), dy.as_ref(), &opts)
+        .unwrap();
+    for (name, g, w) in [
+        ("x", &got.x_q, &want.x_q),
+        ("W_Q", &got.w_q, &want.w_q),
+        ("W_K", &got.w_k, &want.w_k),
+        ("W_V", &got.w_v, &want.w_v),
+        ("W_O", &got.w_o, &want.w_o),
+    ] {
+        let e = normwise(g.as_ref(), w.as_ref());
+        assert!(e < GRADIENT_TOLERANCE, "{name}: {e:e}");
+    }
+    let (other, _) = layer.forward_train(x.as_ref(), &dropped(6)).unwrap();
+    assert!(normwise(other.as_ref(), y.as_ref()) > 1e-3);
+    let plain = Options::default().with_causal(Causal::TopLeft);
+    let zero = plain.with_dropout(attn_core::Dropout::new(0.0, 5).unwrap());
+    assert_eq!(
+        layer.forward(x.as_ref(), &plain).unwrap(),
+        layer.forward(x.as_ref(), &zero).unwrap()
+    );
+}
