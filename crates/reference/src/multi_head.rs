@@ -1,7 +1,7 @@
 //! Multi-head attention with projections, by the formula: forward, training forward and
 //! backward pass, f64 throughout.
 
-use attn_core::{HeadMask, HeadModifiers, Options, Result};
+use attn_core::{HeadMask, Options, Result};
 pub use attn_core::{MultiHeadActivations, MultiHeadGradients, MultiHeadWeights};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
@@ -220,8 +220,9 @@ impl MultiHeadAttention {
                 dc.subcols(h * d_v, d_v),
                 scale,
                 &mask,
-                // The layer rejects score modifiers (`backward` above).
-                &HeadModifiers::default(),
+                // The layer rejects score modifiers (`backward` above): what is left is the
+                // head's dropout, head `h` of a batch of one.
+                &options.head_modifiers(0, h, w.heads(), n_q, n_k),
             );
             concat
                 .subcols_mut(h * d_v, d_v)
@@ -289,7 +290,8 @@ impl MultiHeadAttention {
                 v.subcols(kv * d_v, d_v),
                 scale,
                 &mask,
-                &HeadModifiers::default(),
+                // No score modifier (rejected above); the head's dropout, if any.
+                &options.head_modifiers(0, h, w.heads(), n_q, n_k),
             );
             concat.subcols_mut(h * d_v, d_v).copy_from(&head.output);
             lse.extend_from_slice(&head.lse);
