@@ -54,6 +54,6 @@ pub use options::{Options, Precision, SCORE_LIMIT, check_shape};
 pub use packed::{CuSeqlens, validate_packed, validate_packed_backward};
 pub use paged::{PagedKv, validate_paged, validate_paged_batched};
 pub use quantized::{KeyChannels, KvCodes, KvQuantization, QuantizedKv, quantize_row};
-pub use score_mod::{MaskMod, ScoreMod, ScoreTile, tanh};
+pub use score_mod::{MaskMod, ScoreGradient, ScoreMod, ScoreTile, tanh};
 pub use shape::{BatchShape, HeadShape, validate_batch, validate_head};
 pub use tensor::{Layout, Tensor4, Tensor4Mut, Tensor4Ref};

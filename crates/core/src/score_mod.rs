@@ -421,6 +421,119 @@ pub trait ScoreMod: Debug + Sync {
             (self.score(s, b, h, i, j), self.derivative(s, b, h, i, j))
         })
     }
+
+    /// The backward pass hands a modifier with learnable parameters the gradient of the
+    /// scores it produced, a tile at a time (default: nothing): `dS_ij = ∂loss/∂score_ij`
+    /// ([`ScoreGradient`]), from which it accumulates `∂loss/∂θ = Σ dS_ij · ∂score_ij/∂θ`.
+    /// Tiles arrive from the backward's tasks on any thread, in any order, each once: sum
+    /// them with a commutative accumulator (in f64, the order's rounding is far below
+    /// f32's), or keep them by position and sum in order afterwards.
+    ///
+    /// ```
+    /// use std::sync::Mutex;
+    /// use attn_core::{ScoreGradient, ScoreMod};
+    /// /// ALiBi with a learnable slope per head: `s + m_h·(j − i)`.
+    /// #[derive(Debug)]
+    /// struct LearnedAlibi { slopes: Vec<f32>, grads: Mutex<Vec<f64>> }
+    /// impl ScoreMod for LearnedAlibi {
+    ///     fn score(&self, s: f32, _: usize, h: usize, i: usize, j: usize) -> f32 {
+    ///         s + self.slopes[h] * (j as f32 - i as f32)
+    ///     }
+    ///     fn derivative(&self, _: f32, _: usize, _: usize, _: usize, _: usize) -> f32 { 1.0 }
+    ///     fn score_gradient(&self, g: &ScoreGradient<'_>) {
+    ///         // ∂score/∂m_h = j − i.
+    ///         let mut sum = 0.0f64;
+    ///         g.for_each(|ds, i, j| sum += f64::from(ds) * (j as f64 - i as f64));
+    ///         self.grads.lock().unwrap()[g.head()] += sum;
+    ///     }
+    /// }
+    /// let alibi = LearnedAlibi { slopes: vec![0.5], grads: Mutex::new(vec![0.0]) };
+    /// let ds = [1.0f32, 2.0, 3.0, 4.0]; // 2 queries × 2 keys, column-major
+    /// alibi.score_gradient(&ScoreGradient::new(&ds, 2, 0..2, 0..2, 0, 0)?);
+    /// assert_eq!(alibi.grads.lock().unwrap()[0], 3.0 - 2.0); // (0,1)·1 + (1,0)·(−1)
+    /// # Ok::<(), attn_core::Error>(())
+    /// ```
+    fn score_gradient(&self, gradient: &ScoreGradient<'_>) {
+        let _ = gradient;
+    }
+}
+
+/// A tile of score gradients for [`ScoreMod::score_gradient`]: queries `queries` against
+/// keys `keys` of query head `head` of batch entry `batch`, column-major (`ld` floats
+/// between keys), each `∂loss/∂score` of the modified score (0 where the key is hidden).
+#[derive(Debug, Clone)]
+pub struct ScoreGradient<'t> {
+    ds: &'t [f32],
+    ld: usize,
+    queries: Range<usize>,
+    keys: Range<usize>,
+    batch: usize,
+    head: usize,
+}
+
+impl<'t> ScoreGradient<'t> {
+    /// The tile over `ds` (column-major, `ld` apart); [`Error::Layout`] when `ds` does not
+    /// hold it.
+    pub fn new(
+        ds: &'t [f32],
+        ld: usize,
+        queries: Range<usize>,
+        keys: Range<usize>,
+        batch: usize,
+        head: usize,
+    ) -> Result<Self> {
+        let fits = keys.is_empty()
+            || queries.is_empty()
+            || (ld >= queries.len()
+                && (keys.len() - 1)
+                    .checked_mul(ld)
+                    .and_then(|x| x.checked_add(queries.len()))
+                    .is_some_and(|end| end <= ds.len()));
+        if !fits {
+            return Err(Error::layout(
+                "score gradient tile",
+                "the buffer does not hold its queries × keys",
+            ));
+        }
+        Ok(Self {
+            ds,
+            ld,
+            queries,
+            keys,
+            batch,
+            head,
+        })
+    }
+
+    /// Calls `f(dS, i, j)` for every entry (query `i`, key `j`), key by key.
+    pub fn for_each(&self, mut f: impl FnMut(f32, usize, usize)) {
+        for (c, j) in self.keys.clone().enumerate() {
+            let col = &self.ds[c * self.ld..c * self.ld + self.queries.len()];
+            for (&x, i) in col.iter().zip(self.queries.clone()) {
+                f(x, i, j);
+            }
+        }
+    }
+
+    /// The batch entry (a packed call's sequence).
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// The query head.
+    pub fn head(&self) -> usize {
+        self.head
+    }
+
+    /// The queries.
+    pub fn queries(&self) -> Range<usize> {
+        self.queries.clone()
+    }
+
+    /// The keys.
+    pub fn keys(&self) -> Range<usize> {
+        self.keys.clone()
+    }
 }
 
 /// A user-defined mask: `visible(b, h, i, j)` says whether query `i` of head `h` of batch

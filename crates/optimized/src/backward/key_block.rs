@@ -8,7 +8,7 @@
 
 use core::ops::Range;
 
-use attn_core::{Error, HeadShape, Result, TileCoverage};
+use attn_core::{Error, HeadShape, Result, ScoreGradient, TileCoverage};
 use faer::linalg::matmul::matmul;
 use faer::reborrow::ReborrowMut;
 use faer::{Accum, MatMut, MatRef, Par, RowMut};
@@ -591,6 +591,14 @@ impl Scratch {
                         score_gradient_dropped(ds, p, br, (rows.clone(), cols.clone()), terms);
                     }
                     None => score_gradient(ds, p, br, nr, nc, &terms.d[rows.clone()]),
+                }
+                // A user modifier with parameters gets the gradient of its scores (before
+                // the chain rule, which takes it to the raw scores).
+                if let Some(user) = head.mods.user {
+                    let (b, hq) = head.mods.position;
+                    if let Ok(g) = ScoreGradient::new(ds, br, rows.clone(), cols.clone(), b, hq) {
+                        user.score_gradient(&g);
+                    }
                 }
                 // The bias's gradient is that of the scores the softmax sees: before the
                 // chain rule through the modifiers (the bias is added after them).
