@@ -517,6 +517,86 @@ impl<'py> Array<'py> {
         Ok(self)
     }
 
+    /// An f32 array broadcast to `shape` (right-aligned, NumPy's rule: the caller has
+    /// checked that it broadcasts) as a compact copy in which every axis is materialised:
+    /// the additive mask whose gradient is asked for, when it repeats values (a stride of
+    /// 0) or is constant along the key axis, so that each of its positions gets its own.
+    pub(crate) fn broadcast_f32(mut self, py: Python<'_>, shape: &[usize]) -> PyResult<Self> {
+        let rank = shape.len();
+        if self.dtype != Dtype::F32 || self.ndim() > rank {
+            return Err(PyValueError::new_err(format!(
+                "{} of shape {} cannot be broadcast to {} as float32",
+                self.name,
+                self.shape_str(),
+                shape_str(shape)
+            )));
+        }
+        let lead = rank - self.ndim();
+        let mut steps = vec![0isize; rank];
+        for a in 0..self.ndim() {
+            let (n, want) = (self.shape[a], shape[lead + a]);
+            if n != want && n != 1 {
+                return Err(PyValueError::new_err(format!(
+                    "{} of shape {} does not broadcast to {}",
+                    self.name,
+                    self.shape_str(),
+                    shape_str(shape)
+                )));
+            }
+            steps[lead + a] = if n == 1 { 0 } else { self.strides[a] };
+        }
+        let count = product(shape).ok_or_else(|| {
+            PyMemoryError::new_err(format!(
+                "{} broadcast to {} has too many elements",
+                self.name,
+                shape_str(shape)
+            ))
+        })?;
+        let src = SendPtr(self.ptr.cast::<f32>());
+        let dims = shape.to_vec();
+        let copy = move || -> PyResult<Vec<u64>> {
+            let src = src; // the whole `SendPtr`, not its field
+            let mut words = zeroed::<u64>(
+                "the mask broadcast for its gradient",
+                Some(count.div_ceil(2)),
+            )?;
+            let dst = words.as_mut_ptr().cast::<f32>();
+            let mut index = vec![0usize; rank];
+            let mut off = 0isize;
+            for i in 0..count {
+                // SAFETY: `off` is the offset of an element of the view (each index within
+                // its axis, the view's strides), which `_keep` keeps alive; `words` holds
+                // `count` f32 slots.
+                unsafe { *dst.add(i) = *src.0.offset(off) };
+                for a in (0..rank).rev() {
+                    index[a] += 1;
+                    off += steps[a];
+                    if index[a] < dims[a] {
+                        break;
+                    }
+                    off -= steps[a] * dims[a] as isize;
+                    index[a] = 0;
+                }
+            }
+            Ok(words)
+        };
+        let words = if count <= DETACH_ABOVE {
+            copy()
+        } else {
+            py.detach(copy)
+        }?;
+        let mut strides = vec![0isize; rank];
+        let mut step = 1isize;
+        for a in (0..rank).rev() {
+            strides[a] = step;
+            step *= shape[a] as isize;
+        }
+        self.shape = shape.to_vec();
+        self.adopt((words, strides));
+        self.zero_unit_strides();
+        Ok(self)
+    }
+
     /// A boolean mask whose bytes are all 0 or 1 (as Rust's `bool` requires), copying and
     /// normalising (`x != 0`) when they are not. Each distinct byte is read once (broadcast
     /// axes are not walked), with the GIL released.

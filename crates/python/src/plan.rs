@@ -290,6 +290,11 @@ impl Plan {
         Ok(())
     }
 
+    /// The leading axes a call spans: its batch axis and its head axis (each if any).
+    pub(crate) fn call_axes(&self) -> (Option<usize>, Option<usize>) {
+        (self.batch_axis, self.head_axis)
+    }
+
     /// Batch entries per call.
     pub(crate) fn call_batch(&self) -> usize {
         self.batch_axis.map_or(1, |b| self.lead[b])

@@ -951,6 +951,7 @@ unsafe fn run_backward<T: Storage>(
     up: Upstream<T>,
     (go_s, o_s, lse_s): (&Strides, &Strides, &Strides),
     (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
+    mut dmask: Option<MaskGrad<'_>>,
 ) -> attn_core::Result<()> {
     let (bc, hc, hkc) = (plan.call_batch(), plan.heads, plan.kv_heads);
     let (l, s, e, ev) = (plan.l, plan.s, plan.e, plan.ev);
@@ -993,14 +994,108 @@ unsafe fn run_backward<T: Storage>(
                 [kb * v_row, kh * v_row, ev],
             )?,
         };
-        attn_optimized::Attention::batched(q, k, v, &opts)?.backward_into(
-            ForwardRef::new(o, lse),
-            go,
-            grads,
-            attn_optimized::Par::rayon(0),
-        )?;
+        let call_ = attn_optimized::Attention::batched(q, k, v, &opts)?;
+        let fwd = ForwardRef::new(o, lse);
+        let par = attn_optimized::Par::rayon(0);
+        match dmask.as_mut() {
+            None => {
+                call_.backward_into(fwd, go, grads, par)?;
+            }
+            Some(dmask) => {
+                // The bias gradient comes with the owned backward only: dQ, dK, dV copied
+                // into the call's positions, dS summed into the mask's.
+                let g = call_.with_bias_gradient().backward(fwd, go, par)?;
+                let GradientsMut { dq, dk, dv } = grads;
+                copy_gradient(&g.dq, dq)?;
+                copy_gradient(&g.dk, dk)?;
+                copy_gradient(&g.dv, dv)?;
+                let dbias = g.dbias.ok_or_else(|| {
+                    attn_core::Error::unsupported("bias gradient", "the engine returned none")
+                })?;
+                dmask.add(plan, &call, &dbias)?;
+            }
+        }
     }
     Ok(())
+}
+
+/// Writes an owned gradient of a call into its view of our compact buffers.
+fn copy_gradient<T: Storage>(
+    src: &attn_core::Tensor4<T>,
+    mut dst: Tensor4Mut<'_, f32>,
+) -> attn_core::Result<()> {
+    let [b, h, n, d] = src.dims();
+    if dst.dims() != [b, h, n, d] {
+        return Err(attn_core::Error::layout(
+            "gradient",
+            "the engine's gradient does not match the call's view",
+        ));
+    }
+    for bi in 0..b {
+        for hi in 0..h {
+            let from = src.as_ref().head(bi, hi)?;
+            let mut to = dst.head_mut(bi, hi)?;
+            for i in 0..n {
+                for j in 0..d {
+                    to[(i, j)] = from[(i, j)].to_f32();
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The gradient of the additive mask, accumulated in f32 over the mask's shape as the
+/// engine reads it (right-aligned to `lead + (L, S)`, compact; the axes of length 1 are
+/// those it broadcasts on): each call's `dbias` summed into its positions, call after call.
+struct MaskGrad<'b> {
+    buf: &'b mut [f32],
+    /// The mask's dims over `lead + (L, S)` (1 where it broadcasts).
+    dims: Vec<usize>,
+    /// Compact strides of `dims` (0 on axes of length 1).
+    strides: Vec<usize>,
+}
+
+impl MaskGrad<'_> {
+    fn add(
+        &mut self,
+        plan: &Plan,
+        call: &Call,
+        dbias: &attn_core::Tensor4<f32>,
+    ) -> attn_core::Result<()> {
+        let r = plan.lead.len();
+        let base: usize = (0..r).map(|a| call.index[a] * self.strides[a]).sum();
+        let (ba, ha) = plan.call_axes();
+        let own = |axis: Option<usize>| axis.map_or(1, |a| self.dims[a]);
+        let stride = |axis: Option<usize>| axis.map_or(0, |a| self.strides[a]);
+        let want = [own(ba), own(ha), self.dims[r], self.dims[r + 1]];
+        if dbias.dims() != want {
+            return Err(attn_core::Error::layout(
+                "bias gradient",
+                format!("dims {:?} but the mask's own are {want:?}", dbias.dims()),
+            ));
+        }
+        let [sb, sh, sr, sc] = [stride(ba), stride(ha), self.strides[r], self.strides[r + 1]];
+        let [b, h, n, m] = want;
+        for bi in 0..b {
+            for hi in 0..h {
+                let d = dbias.as_ref().head(bi, hi)?;
+                for i in 0..n {
+                    let row = base + bi * sb + hi * sh + i * sr;
+                    for j in 0..m {
+                        let Some(x) = self.buf.get_mut(row + j * sc) else {
+                            return Err(attn_core::Error::layout(
+                                "bias gradient",
+                                "a position beyond the mask's",
+                            ));
+                        };
+                        *x += d[(i, j)];
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1014,6 +1109,7 @@ fn backward_typed<'py, T: Storage>(
     o: &Array<'py>,
     lse: &Array<'py>,
     m: Option<&Array<'py>>,
+    mask_grad: Option<&MaskGradOut>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let r = plan.lead.len();
     let (go_s, o_s) = (output_strides(go, r), output_strides(o, r));
@@ -1039,10 +1135,35 @@ fn backward_typed<'py, T: Storage>(
     let mut dk = zeroed::<f32>("dK", product(&shapes[1]))?;
     let mut dv = zeroed::<f32>("dV", product(&shapes[2]))?;
     let strides = (&go_s, &o_s, &lse_s);
+    // The mask's gradient, over the shape the engine reads it with (`engine_shape`), when
+    // asked for and there are scores to differentiate.
+    let engine_mask = mask_grad.filter(|_| m.is_some() && plan.has_calls() && plan.s > 0);
+    let mut dmask_buf = match engine_mask {
+        Some(g) => zeroed::<f32>("the mask's gradient", product(&g.engine_shape))?,
+        None => Vec::new(),
+    };
+    let dmask = engine_mask.map(|g| {
+        let rank = r + 2;
+        let mut dims = vec![1; rank - g.engine_shape.len()];
+        dims.extend_from_slice(&g.engine_shape);
+        let mut strides = vec![0usize; rank];
+        let mut step = 1;
+        for a in (0..rank).rev() {
+            strides[a] = if dims[a] == 1 { 0 } else { step };
+            step *= dims[a];
+        }
+        MaskGrad {
+            buf: &mut dmask_buf,
+            dims,
+            strides,
+        }
+    });
     // SAFETY: the operands are the arrays the plan was made from (dO, O and the LSE checked
     // against its shapes), alive (borrowed) until we return.
-    py.detach(|| unsafe { run_backward(plan, ops, up, strides, (&mut dq, &mut dk, &mut dv)) })
-        .map_err(to_py_err)?;
+    py.detach(|| unsafe {
+        run_backward(plan, ops, up, strides, (&mut dq, &mut dk, &mut dv), dmask)
+    })
+    .map_err(to_py_err)?;
     let mut arrays = Vec::with_capacity(3);
     for a in [q, k, v] {
         arrays.push(T::zeros(py, &a.shape)?);
@@ -1062,11 +1183,47 @@ fn backward_typed<'py, T: Storage>(
         }
         PyResult::Ok(())
     })?;
-    let mut results = Vec::with_capacity(3);
+    let mut results = Vec::with_capacity(4);
     for (arr, _) in arrays {
         results.push(finish(arr, q.kind, T::DTYPE)?);
     }
+    if let Some(g) = mask_grad {
+        let computed = engine_mask.is_some().then_some(dmask_buf.as_slice());
+        let out = match g.dtype {
+            Float::F32 => mask_gradient::<f32>(py, computed, g, q.kind),
+            Float::F16 => mask_gradient::<f16>(py, computed, g, q.kind),
+            Float::Bf16 => mask_gradient::<bf16>(py, computed, g, q.kind),
+        }?;
+        results.push(out);
+    }
     PyTuple::new(py, results)
+}
+
+/// What the gradient of the mask is returned as: the mask's shape and dtype as passed, and
+/// the shape the engine reads it with (the mask broadcast along its key axis when constant
+/// there, so that the engine has a per-key gradient to give).
+pub(crate) struct MaskGradOut {
+    shape: Vec<usize>,
+    dtype: Float,
+    engine_shape: Vec<usize>,
+}
+
+/// The mask's gradient as an array of its dtype and shape: `computed` (over
+/// `engine_shape`) summed along the key axis where the mask was broadcast there, or 0
+/// where nothing was computed (no scores).
+fn mask_gradient<'py, M: Storage>(
+    py: Python<'py>,
+    computed: Option<&[f32]>,
+    g: &MaskGradOut,
+    kind: Kind,
+) -> PyResult<Bound<'py, PyAny>> {
+    check_returnable(kind, M::DTYPE)?;
+    let (arr, dst) = M::zeros(py, &g.shape)?;
+    if let Some(buf) = computed {
+        // SAFETY: `dst` is our own compact array of the mask's shape, just allocated.
+        py.detach(|| unsafe { reduce_into::<M>(buf, &g.engine_shape, &g.shape, dst) })?;
+    }
+    finish(arr, kind, M::DTYPE)
 }
 
 /// The gradients of a loss with respect to ``query``, ``key`` and ``value``, given the
@@ -1078,11 +1235,16 @@ fn backward_typed<'py, T: Storage>(
 ///
 /// The mask arguments must be those of the forward call, and so must ``dropout_p`` and
 /// ``seed`` (required with ``dropout_p > 0``: the backward pass regenerates the forward's
-/// dropout mask from it). The gradient of ``attn_mask`` is not computed. A hidden key gets no gradient, and a row that sees no key gives ``dq = 0``
+/// dropout mask from it). ``mask_grad=True`` (an additive float ``attn_mask``) returns the
+/// mask's gradient too, ``(dq, dk, dv, dmask)``: ``dS``, the gradient of the scores the
+/// softmax sees, summed over the axes along which the mask broadcasts, shaped and typed like
+/// the mask as passed (each position of a broadcast view, stride 0, its own; a mask
+/// constant along the key axis differentiated as broadcast to the keys and summed back; 0
+/// at hidden entries), summed in a fixed order. A hidden key gets no gradient, and a row that sees no key gives ``dq = 0``
 /// (never NaN). Gradients are accumulated in float32 and rounded once. The GIL is released
 /// while attn computes.
 #[pyfunction]
-#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask=None, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None))]
+#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask=None, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None, mask_grad=false))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward<'py>(
     grad_out: &Bound<'py, PyAny>,
@@ -1100,6 +1262,7 @@ pub(crate) fn attention_backward<'py>(
     seed: Option<&Bound<'py, PyAny>>,
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
+    mask_grad: bool,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
     let f = flags(
@@ -1140,7 +1303,20 @@ pub(crate) fn attention_backward<'py>(
         );
         return crate::packed::backward(py, &go, &q, &k, &v, &o, &ls, &f, &seqs);
     }
-    let (plan, m) = plan_call(py, (&q, &k, &v), m, f, Plan::has_calls)?;
+    let passed = m.as_ref().map(|m| (m.shape.clone(), m.dtype.clone()));
+    let (mut plan, mut m) = plan_call(py, (&q, &k, &v), m, f, Plan::has_calls)?;
+    let mask_grad = if mask_grad {
+        let grad = mask_gradient_of(passed, plan.s)?;
+        if let Some(mm) = m.take() {
+            m = Some(mask_for_gradient(py, mm, &grad)?);
+            if let Some(mm) = &m {
+                plan.set_mask(mm)?;
+            }
+        }
+        Some(grad)
+    } else {
+        None
+    };
     let (out_shape, lse_shape) = (plan.out_shape(), plan.lse_shape());
     for (a, want) in [(&go, &out_shape), (&o, &out_shape), (&ls, &lse_shape)] {
         if &a.shape != want {
@@ -1158,9 +1334,92 @@ pub(crate) fn attention_backward<'py>(
         forward_strides(py, ls)?,
     );
     match q.dtype {
-        Dtype::F32 => backward_typed::<f32>(py, &plan, &q, &k, &v, &go, &o, &ls, m.as_ref()),
-        Dtype::F16 => backward_typed::<f16>(py, &plan, &q, &k, &v, &go, &o, &ls, m.as_ref()),
-        _ => backward_typed::<bf16>(py, &plan, &q, &k, &v, &go, &o, &ls, m.as_ref()),
+        Dtype::F32 => backward_typed::<f32>(
+            py,
+            &plan,
+            &q,
+            &k,
+            &v,
+            &go,
+            &o,
+            &ls,
+            m.as_ref(),
+            mask_grad.as_ref(),
+        ),
+        Dtype::F16 => backward_typed::<f16>(
+            py,
+            &plan,
+            &q,
+            &k,
+            &v,
+            &go,
+            &o,
+            &ls,
+            m.as_ref(),
+            mask_grad.as_ref(),
+        ),
+        _ => backward_typed::<bf16>(
+            py,
+            &plan,
+            &q,
+            &k,
+            &v,
+            &go,
+            &o,
+            &ls,
+            m.as_ref(),
+            mask_grad.as_ref(),
+        ),
+    }
+}
+
+/// What `mask_grad=True` returns, from the mask as passed (its shape and dtype): a float
+/// mask is required (a boolean one has no gradient).
+fn mask_gradient_of(passed: Option<(Vec<usize>, Dtype)>, s: usize) -> PyResult<MaskGradOut> {
+    let Some((shape, dtype)) = passed else {
+        return Err(PyValueError::new_err(
+            "mask_grad=True without attn_mask: there is no mask to differentiate",
+        ));
+    };
+    let Dtype::Float(dtype) = dtype else {
+        return Err(PyValueError::new_err(format!(
+            "mask_grad=True with a {} attn_mask: only an additive float mask has a gradient",
+            dtype.name()
+        )));
+    };
+    // A mask constant along the key axis (length 1 there, or 0-d) is differentiated as if
+    // broadcast to the keys, its gradient summed back.
+    let mut engine_shape = shape.clone();
+    match engine_shape.last_mut() {
+        None => engine_shape.push(s),
+        Some(last) if *last == 1 => *last = s,
+        Some(_) => {}
+    }
+    Ok(MaskGradOut {
+        shape,
+        dtype,
+        engine_shape,
+    })
+}
+
+/// The mask as the engine must read it for its gradient: every position its own (a copy
+/// materialising the axes of stride 0, and the key axis when the mask is constant along
+/// it), so that the engine's gradient, summed over the axes of length 1, is the gradient
+/// of each position of the mask as passed.
+fn mask_for_gradient<'py>(
+    py: Python<'py>,
+    m: Array<'py>,
+    grad: &MaskGradOut,
+) -> PyResult<Array<'py>> {
+    let repeats = m
+        .shape
+        .iter()
+        .zip(&m.strides)
+        .any(|(&n, &st)| n > 1 && st == 0);
+    if repeats || grad.engine_shape != m.shape {
+        m.broadcast_f32(py, &grad.engine_shape)
+    } else {
+        Ok(m)
     }
 }
 

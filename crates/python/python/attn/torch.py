@@ -11,6 +11,8 @@ meta or fake tensors see attn as one opaque node::
                                  is_causal, scale, enable_gqa, causal_alignment,
                                  dropout_p=0.0, seed=None)
         -> (grad_query, grad_key, grad_value)
+    torch.ops.attn.sdpa_backward_mask(...)   # the same arguments, attn_mask required
+        -> (grad_query, grad_key, grad_value, grad_mask)
 
 The forward pass is attn's, recording the output and the log-sum-exp; the backward pass is
 attn's too (dQ, dK, dV recomputed from the LSE, accumulated in float32 and rounded once), so
@@ -23,8 +25,17 @@ attn's too (dQ, dK, dV recomputed from the LSE, accumulated in float32 and round
 
 ``attn.scaled_dot_product_attention`` sends torch tensors that require grad here by itself.
 Meta and fake tensors given to ``attn.scaled_dot_product_attention`` come here too.
-Differences from torch's function: those of ``attn.scaled_dot_product_attention``, and the
-gradient of ``attn_mask`` is not computed (a mask that requires grad is a ValueError).
+Differences from torch's function: those of ``attn.scaled_dot_product_attention``.
+
+An additive (float) ``attn_mask`` that requires grad gets its gradient, as in torch (a
+learnable bias: T5's relative positions, a key-padding bias): the autograd formula calls
+``sdpa_backward_mask``, whose ``grad_mask`` is ``dS`` (the gradient of the scores the softmax
+sees, after the mask; 0 at hidden entries: ``-inf``, causal, or a row that sees no key)
+summed over the axes along which the mask broadcasts, shaped and typed like the mask as
+passed. A view that repeats values (an ``expand``, stride 0) gets each position's own
+gradient (torch's autograd then sums them into the base); a mask constant along the key
+axis (``(..., L, 1)``) is differentiated as broadcast to the keys and summed back. Sums run
+in a fixed order: the bits do not depend on the thread count. A boolean mask has none.
 
 Dropout (``dropout_p > 0``) is torch's: each weight after the softmax kept with probability
 ``1 - p`` and scaled by ``1/(1 - p)``. Its mask is a pure function of a 64-bit seed (and of
@@ -121,14 +132,6 @@ def _seed_tensor(seed):
 
 def _seed_int(seed):
     return None if seed is None else int(seed)
-
-
-def _check_mask(attn_mask):
-    if attn_mask is not None and attn_mask.requires_grad:
-        raise ValueError(
-            "attn_mask requires grad: attn does not compute the gradient of the mask "
-            "(pass attn_mask.detach())"
-        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,6 +239,60 @@ def _sdpa_backward_fake(
     )
 
 
+@torch.library.custom_op("attn::sdpa_backward_mask", mutates_args=())
+def sdpa_backward_mask(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor,
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+    causal_alignment: str,
+    dropout_p: float = 0.0,
+    seed: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``sdpa_backward`` with the gradient of the additive float mask too: ``(dq, dk, dv,
+    dmask)``, ``dmask`` shaped and typed like ``attn_mask`` as passed (summed over the axes
+    it broadcasts along; each position of a view that repeats values, stride 0, its own)."""
+    _check_seed(dropout_p, seed)
+    return _attn.attention_backward(
+        grad_out.detach().contiguous(),
+        query.detach(),
+        key.detach(),
+        value.detach(),
+        out.detach(),
+        lse.detach(),
+        attn_mask.detach(),
+        is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        causal_alignment=causal_alignment,
+        dropout_p=dropout_p,
+        seed=_seed_int(seed),
+        mask_grad=True,
+    )
+
+
+@sdpa_backward_mask.register_fake
+def _sdpa_backward_mask_fake(
+    grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment,
+    dropout_p=0.0, seed=None,
+):
+    _check_seed(dropout_p, seed)
+    if attn_mask.dtype == torch.bool:
+        raise ValueError("sdpa_backward_mask with a boolean attn_mask: only an additive float mask has a gradient")
+    return (
+        query.new_empty(query.shape),
+        key.new_empty(key.shape),
+        value.new_empty(value.shape),
+        attn_mask.new_empty(attn_mask.shape),
+    )
+
+
 def _setup_context(ctx, inputs, output):
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment = inputs[:9]
     seed = inputs[9] if len(inputs) > 9 else None
@@ -246,19 +303,27 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-_NO_GRADS = (None,) * 7  # attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed
+_NO_GRADS = (None,) * 6  # dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed
 
 
 def _backward(ctx, grad_out, _grad_lse):
     query, key, value, out, lse, attn_mask, seed = ctx.saved_tensors
-    needs = ctx.needs_input_grad[:3]
+    needs = ctx.needs_input_grad[:4]
     if not any(needs):
-        return (None, None, None, *_NO_GRADS)
-    dq, dk, dv = sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, *ctx.options, seed)
+        return (None, None, None, None, *_NO_GRADS)
+    if needs[3]:
+        # The additive mask requires grad: the backward operator that returns its gradient.
+        dq, dk, dv, dmask = sdpa_backward_mask(
+            grad_out, query, key, value, out, lse, attn_mask, *ctx.options, seed
+        )
+    else:
+        dq, dk, dv = sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, *ctx.options, seed)
+        dmask = None
     return (
         dq if needs[0] else None,
         dk if needs[1] else None,
         dv if needs[2] else None,
+        dmask,
         *_NO_GRADS,
     )
 
@@ -274,7 +339,6 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     _check_tensors(query, key, value, attn_mask)
     dropout_p = float(dropout_p)
     _check_dropout(dropout_p)
-    _check_mask(attn_mask)
     if scale is not None:
         scale = float(scale)
     # One seed per call with dropout: the caller's, or a draw from torch's default generator.
@@ -325,7 +389,8 @@ def scaled_dot_product_attention(
     whole).
 
     The arguments and the differences from torch are those of
-    ``attn.scaled_dot_product_attention``; the gradient of ``attn_mask`` is not computed.
+    ``attn.scaled_dot_product_attention``; an additive ``attn_mask`` that requires grad gets
+    its gradient (see the module's docstring).
     ``dropout_p > 0`` drops weights as torch does, keyed by ``seed`` (an int, or drawn from
     torch's default generator: see the module's docstring); the backward pass drops the same.
     """
@@ -419,8 +484,6 @@ def _fallback_reason(query, key, value, attn_mask):
             return f"tensors on {x.device.type}"
         if x.dtype not in _TAKEN_DTYPES:
             return f"dtype {x.dtype}"
-    if attn_mask is not None and isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
-        return "a mask that requires grad"
     return None
 
 
@@ -435,8 +498,8 @@ def routing():
             logits = model(input_ids).logits
 
     What attn does not take goes to torch's function, with one warning per reason and block:
-    tensors not on the CPU, dtypes other than float32, float16 and bfloat16, a mask that
-    requires grad. attn's semantics hold for the rest (a fully masked row is 0, not NaN;
+    tensors not on the CPU, dtypes other than float32, float16 and bfloat16 (a mask that
+    requires grad is attn's: its gradient is computed). attn's semantics hold for the rest (a fully masked row is 0, not NaN;
     ``dropout_p > 0`` is attn's dropout, its seed drawn from torch's default generator, so a
     model in ``train()`` mode keeps its attention dropout). The function is restored on
     leaving the block; blocks nest.
