@@ -163,11 +163,14 @@ def test_no_grad_mode_takes_the_plain_path():
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q.detach(), q.detach(), q.detach()), atol=2e-5, rtol=2e-5)
 
 
-def test_mask_that_requires_grad_is_rejected():
+def test_mask_that_requires_grad_gets_its_gradient():
+    # tests/test_mask_grad.py checks it against torch for every shape.
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
-    bias = torch.zeros(5, 5, requires_grad=True)
-    with pytest.raises(ValueError, match="attn does not compute the gradient of the mask"):
-        attn.scaled_dot_product_attention(q, q, q, bias)
+    bias = torch.randn(5, 5, requires_grad=True)
+    attn.scaled_dot_product_attention(q, q, q, bias).square().sum().backward()
+    bias2 = bias.detach().clone().requires_grad_()
+    F.scaled_dot_product_attention(q.detach(), q.detach(), q.detach(), bias2).square().sum().backward()
+    torch.testing.assert_close(bias.grad, bias2.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_a_dropout_probability_outside_0_1_is_rejected_on_the_autograd_path():
