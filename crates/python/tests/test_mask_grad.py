@@ -5,7 +5,8 @@ stride 0, a mask constant along the key axis), GQA, split calls (5-D operands: o
 call per index of the first axis), dropout given attn's keep mask, ``-inf`` entries, half
 precision, NumPy's ``attention_backward(..., mask_grad=True)``, the operator
 ``attn::sdpa_backward_mask`` (opcheck, ``torch.compile(fullgraph=True)``, export), and a
-T5-style relative-position bias trained through attn.
+T5-style relative-position bias trained through attn (and transformers' T5 with
+``attn_implementation="attn"``).
 """
 
 import math
@@ -417,3 +418,42 @@ def test_t5_bias_compiles_whole_and_exports():
         assert_near(p.grad, p2.grad, rel=1e-5)
     exported = torch.export.export(eager, (x,))
     assert_near(exported.module()(x), eager(x), rel=1e-6)
+
+
+def test_t5_through_transformers_trains_its_relative_position_bias(monkeypatch):
+    transformers = optional_import("transformers", "transformers is not installed (cargo xtask test installs it)")
+    import attn.transformers  # noqa: F401
+
+    calls = []
+    original = attn_torch.sdpa_backward_mask
+
+    def counted(*args):
+        calls.append(args[6].shape)
+        return original(*args)
+
+    monkeypatch.setattr(attn_torch, "sdpa_backward_mask", counted)
+    cfg = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    torch.manual_seed(0)
+    ref = transformers.T5ForConditionalGeneration(cfg).double()
+    model = transformers.T5ForConditionalGeneration._from_config(cfg, attn_implementation="attn")
+    model.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    assert model.config._attn_implementation == "attn"
+    ids = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[1, 7:] = 0
+    model.train()
+    ref.train()
+    model(input_ids=ids, attention_mask=padding, labels=labels).loss.backward()
+    ref(input_ids=ids, attention_mask=padding, labels=labels).loss.backward()
+    assert calls, "attn's backward of the mask was not called"
+    params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if "relative_attention_bias" in name:
+            assert_near(p.grad, params[name].grad, rel=1e-5, what=name)
+        elif p.grad is not None:
+            assert_near(p.grad, params[name].grad, rel=1e-4, what=name)
