@@ -118,6 +118,10 @@ fn main() {
         .install(|| Steps::random(Dtype::F32, h, n, n, d, 2, &biased))
         .expect("valid inputs");
     let mut bias_ratios = Vec::new();
+    let mut into_ratios = Vec::new();
+    // Buffers a training loop reuses: the gradients and the bias's.
+    let mut grads = [0; 3].map(|_| vec![0.0f32; h * n * d]);
+    let mut dbias = vec![0.0f32; h * n * n];
 
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     let mut plain: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
@@ -132,6 +136,15 @@ fn main() {
         let t1 = pool
             .install(|| common::seconds(|| bias_step.backward_with_bias(&biased).expect("runs")));
         bias_ratios.push((t1 / t0, t0));
+        let t2 = pool.install(|| {
+            common::seconds(|| {
+                let [a, b, c] = &mut grads;
+                bias_step
+                    .backward_with_bias_into(&biased, [a, b, c], &mut dbias)
+                    .expect("runs")
+            })
+        });
+        into_ratios.push(t2 / t0);
     }
     println!(
         "\ndropout: forward + backward with p = {P} ÷ p = 0, interleaved, median of {} rounds (h={h}, n={n}, d={d}, threads={t})",
@@ -149,10 +162,12 @@ fn main() {
     }
     let (r, t): (Vec<f64>, Vec<f64>) = bias_ratios.into_iter().unzip();
     let (lo, hi) = common::range(&r);
+    let (lo2, hi2) = common::range(&into_ratios);
     println!(
-        "\nbias gradient: backward with dbias of a [1, {h}, {n}, {n}] bias ÷ without, interleaved, median of {} rounds\n  backward_f32_bias              without: {:>8.1} ms   ratio {:.3}  (range {lo:.3}–{hi:.3}, target ≤ 1.3)",
+        "\nbias gradient: backward with dbias of a [1, {h}, {n}, {n}] bias ÷ without, interleaved, median of {} rounds\n  backward_f32_bias              without: {:>8.1} ms   ratio {:.3}  (range {lo:.3}–{hi:.3}, target ≤ 1.3)\n  backward_f32_bias_into (buffers reused)           ratio {:.3}  (range {lo2:.3}–{hi2:.3}, target ≤ 1.3)",
         s.rounds,
         median(&t).unwrap_or(f64::NAN) * 1e3,
         median(&r).unwrap_or(f64::NAN),
+        median(&into_ratios).unwrap_or(f64::NAN),
     );
 }

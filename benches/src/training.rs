@@ -44,6 +44,38 @@ impl<T: Element> Step<T> {
         self.backward_of(options, true)
     }
 
+    /// [`Step::backward_with_bias`] into caller buffers, `dbias` reused between calls (what a
+    /// training loop does).
+    pub fn backward_with_bias_into(
+        &self,
+        options: &Options<'_>,
+        grads: [&mut [T]; 3],
+        dbias: &mut [f32],
+    ) -> Result<(), Error> {
+        let x = &self.x;
+        let call = attn_optimized::Attention::batched(x.q(), x.k(), x.v(), options)?;
+        let [dq, dk, dv] = grads;
+        fn view<T>(
+            b: &mut [T],
+            dims: [usize; 4],
+        ) -> Result<attn_optimized::Tensor4Mut<'_, T>, Error> {
+            attn_optimized::Tensor4Mut::from_layout(b, dims, Layout::Bhsd)
+        }
+        let g = attn_optimized::GradientsMut {
+            dq: view(dq, x.q().dims())?,
+            dk: view(dk, x.k().dims())?,
+            dv: view(dv, x.v().dims())?,
+        };
+        call.backward_with_bias_into(
+            attn_optimized::ForwardRef::batch(self.out.as_ref(), &self.lse)?,
+            self.d_out(),
+            g,
+            dbias,
+            attn_optimized::Par::rayon(0),
+        )?;
+        Ok(())
+    }
+
     fn backward_of(&self, options: &Options<'_>, bias: bool) -> Result<(), Error> {
         let x = &self.x;
         let g =
@@ -180,6 +212,20 @@ impl Steps {
             Steps::F32(s) => s.backward_with_bias(options),
             Steps::F16(s) => s.backward_with_bias(options),
             Steps::Bf16(s) => s.backward_with_bias(options),
+        }
+    }
+
+    /// [`Step::backward_with_bias_into`] of an f32 step (`Error::Unsupported` for a half
+    /// one).
+    pub fn backward_with_bias_into(
+        &self,
+        options: &Options<'_>,
+        grads: [&mut [f32]; 3],
+        dbias: &mut [f32],
+    ) -> Result<(), Error> {
+        match self {
+            Steps::F32(s) => s.backward_with_bias_into(options, grads, dbias),
+            _ => Err(Error::unsupported("bias gradient step", "f32 steps only")),
         }
     }
 

@@ -14,28 +14,67 @@ use core::sync::atomic::{AtomicU32, Ordering};
 
 use attn_core::{Options, Result, Tensor4};
 
-use crate::kernel::element::{add_into_words, atomics_into_f32, zeroed_atomics};
+use crate::kernel::element::{add_into_words, atomic_words, atomics_into_f32, zeroed_atomics};
 
 /// Columns of the block [`BiasGradient::add_tile`] transposes at a time.
 const MAX_COLS: usize = 128;
 
 /// Where a head's bias gradient goes, and the buffer it goes into.
 #[derive(Debug)]
-pub(crate) struct BiasGradient {
+pub(crate) struct BiasGradient<'b> {
     /// The f32 bits of each entry, `dims` row-major.
-    sums: Vec<AtomicU32>,
+    sums: Words<'b>,
     /// The bias's own dims `[B', H', L', S']` (1 along each axis it broadcasts on).
     dims: [usize; 4],
 }
 
-impl BiasGradient {
+/// The buffer of the sums: the engine's, or the caller's.
+#[derive(Debug)]
+enum Words<'b> {
+    Owned(Vec<AtomicU32>),
+    Caller(&'b [AtomicU32]),
+}
+
+impl<'b> BiasGradient<'b> {
     /// The buffer for the additive mask of `options` in a call of dims `[batch, h_q, n_q,
     /// n_k]` ([`Options::bias_gradient_dims`] says which masks have one).
     pub fn new(options: &Options<'_>, dims: [usize; 4]) -> Result<Self> {
         let own = options.bias_gradient_dims(dims)?;
         let n = crate::problem::element_count(&own);
-        let sums = zeroed_atomics("bias gradient", n)?;
+        let sums = Words::Owned(zeroed_atomics("bias gradient", n)?);
         Ok(Self { sums, dims: own })
+    }
+
+    /// [`BiasGradient::new`] into the caller's `out` (row-major over the mask's own dims),
+    /// set to 0 first.
+    pub fn into_caller(
+        options: &Options<'_>,
+        dims: [usize; 4],
+        out: &'b mut [f32],
+    ) -> Result<Self> {
+        let own = options.bias_gradient_dims(dims)?;
+        let n = crate::problem::element_count(&own);
+        if n != Some(out.len()) {
+            return Err(attn_core::Error::layout(
+                "bias gradient buffer",
+                format!(
+                    "{} entries but the mask's values are {own:?} (Options::bias_gradient_dims)",
+                    out.len()
+                ),
+            ));
+        }
+        out.fill(0.0);
+        Ok(Self {
+            sums: Words::Caller(atomic_words(out)),
+            dims: own,
+        })
+    }
+
+    fn words(&self) -> &[AtomicU32] {
+        match &self.sums {
+            Words::Owned(v) => v,
+            Words::Caller(s) => s,
+        }
     }
 
     /// The offset of the plane of batch entry `b`, query head `h`.
@@ -85,7 +124,7 @@ impl BiasGradient {
         let [_, _, l, s] = self.dims;
         let nc = cols.len();
         if l == 1 {
-            let line = &self.sums[plane + cols.start..plane + cols.end];
+            let line = &self.words()[plane + cols.start..plane + cols.end];
             for (jj, e) in line.iter().enumerate() {
                 // In row order, as the other entries sum.
                 let mut sum = if first {
@@ -117,7 +156,7 @@ impl BiasGradient {
                 }
                 for r in 0..n {
                     let start = plane + (top + r) * s + cols.start + cols_at;
-                    let (dst, src) = (&self.sums[start..start + w], &block[r * w..(r + 1) * w]);
+                    let (dst, src) = (&self.words()[start..start + w], &block[r * w..(r + 1) * w]);
                     add_into_words(dst, src, first);
                 }
             }
@@ -129,8 +168,12 @@ impl BiasGradient {
         self.dims[2] == 1
     }
 
-    /// The sums, shaped like the bias's values.
-    pub fn into_tensor(self) -> Result<Tensor4<f32>> {
-        Tensor4::from_vec(atomics_into_f32(self.sums), self.dims)
+    /// The sums, shaped like the bias's values (`None` when they went to the caller's
+    /// buffer).
+    pub fn into_tensor(self) -> Option<Result<Tensor4<f32>>> {
+        match self.sums {
+            Words::Owned(v) => Some(Tensor4::from_vec(atomics_into_f32(v), self.dims)),
+            Words::Caller(_) => None,
+        }
     }
 }

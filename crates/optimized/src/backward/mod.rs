@@ -93,7 +93,7 @@ pub(crate) struct Backward<'a, T, K = Dense<'a, T>> {
     products: Products,
     /// The gradient of the additive mask, when asked for ([`Backward::with_bias_gradient`]),
     /// and whether each head of each group is the first to reach its plane.
-    bias: Option<BiasGradient>,
+    bias: Option<BiasGradient<'a>>,
     firsts: Vec<Vec<bool>>,
 }
 
@@ -336,8 +336,20 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
 
     /// The same call computing the gradient of its additive mask as well, for a call of
     /// dims `[batch, h_q, n_q, n_k]` ([`BiasGradient::new`] says which masks have one).
-    pub fn with_bias_gradient(mut self, options: &Options<'_>, dims: [usize; 4]) -> Result<Self> {
-        let bias = BiasGradient::new(options, dims)?;
+    pub fn with_bias_gradient(
+        self,
+        options: &Options<'_>,
+        dims: [usize; 4],
+        out: Option<&'a mut [f32]>,
+    ) -> Result<Self> {
+        let bias = match out {
+            None => BiasGradient::new(options, dims)?,
+            Some(out) => BiasGradient::into_caller(options, dims, out)?,
+        };
+        self.with_bias(bias)
+    }
+
+    fn with_bias(mut self, bias: BiasGradient<'a>) -> Result<Self> {
         let heads = |g: &Group<'a, T, K>| (g.at.0, g.heads.iter().map(|h| h.head).collect());
         self.firsts = bias.firsts(self.groups.iter().map(heads));
         self.bias = Some(bias);
@@ -345,7 +357,7 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
     }
 
     /// The gradient of the additive mask, after [`Backward::run`].
-    pub fn into_bias_gradient(self) -> Option<BiasGradient> {
+    pub fn into_bias_gradient(self) -> Option<BiasGradient<'a>> {
         self.bias
     }
 

@@ -335,8 +335,8 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
             dk: dk.as_mut(),
             dv: dv.as_mut(),
         };
-        let (dsinks, dbias) = self.run_backward(fwd, d_out, grads, par, self.bias_gradient)?;
-        let dbias = dbias.map(BiasGradient::into_tensor).transpose()?;
+        let bias = self.bias_gradient.then_some(None);
+        let (dsinks, dbias) = self.run_backward(fwd, d_out, grads, par, bias)?;
         Ok(BatchGradients::new(dq, dk, dv)
             .with_dsinks(dsinks)
             .with_dbias(dbias))
@@ -373,18 +373,53 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         if self.bias_gradient {
             return Err(bias_gradient_owned());
         }
-        Ok(self.run_backward(fwd, d_out, grads, par, false)?.0)
+        Ok(self.run_backward(fwd, d_out, grads, par, None)?.0)
     }
 
-    /// The backward pass into `grads`; with `bias`, the additive mask's gradient too.
+    /// [`backward_into`](Attention::backward_into) that also writes the gradient of the
+    /// additive mask into `dbias` (row-major over the mask's own values,
+    /// [`Options::bias_gradient_dims`](attn_core::Options::bias_gradient_dims); set to 0
+    /// first): what [`with_bias_gradient`](Attention::with_bias_gradient) returns, into a
+    /// buffer a training loop reuses (a fresh one costs its pages' first writes).
+    ///
+    /// ```
+    /// use attn_optimized::{Attention, GradientsMut, Layout, Mask4Ref, Options, Par, Tensor4};
+    /// let x = Tensor4::<f32>::from_vec((0..2 * 4 * 3).map(|i| (i % 5) as f32 * 0.3).collect(), [1, 2, 4, 3])?;
+    /// let bias: Vec<f32> = (0..2 * 4 * 4).map(|i| (i % 3) as f32 * -0.5).collect();
+    /// let opts = Options::default().with_additive_mask_4d(Mask4Ref::contiguous(&bias, [1, 2, 4, 4])?);
+    /// let call = Attention::batched(x.as_ref(), x.as_ref(), x.as_ref(), &opts)?;
+    /// let fwd = call.forward(Par::rayon(0))?;
+    /// let (mut dq, mut dk, mut dv) = (x.clone(), x.clone(), x.clone());
+    /// let mut dbias = vec![f32::NAN; 2 * 4 * 4]; // reused: overwritten
+    /// let grads = GradientsMut { dq: dq.as_mut(), dk: dk.as_mut(), dv: dv.as_mut() };
+    /// call.backward_with_bias_into(&fwd, fwd.output().as_ref(), grads, &mut dbias, Par::rayon(0))?;
+    /// let owned = call.with_bias_gradient().backward(&fwd, fwd.output().as_ref(), Par::rayon(0))?;
+    /// assert_eq!(owned.dbias.unwrap().as_slice(), &dbias[..]);
+    /// # Ok::<(), attn_optimized::Error>(())
+    /// ```
+    pub fn backward_with_bias_into<'f, G: Element>(
+        &self,
+        fwd: impl Into<ForwardRef<Tensor4Ref<'f, T>, Tensor4Ref<'f, f32>>>,
+        d_out: Tensor4Ref<'_, T>,
+        grads: GradientsMut<Tensor4Mut<'_, G>>,
+        dbias: &mut [f32],
+        par: Par,
+    ) -> Result<Option<Vec<f32>>> {
+        Ok(self
+            .run_backward(fwd, d_out, grads, par, Some(Some(dbias)))?
+            .0)
+    }
+
+    /// The backward pass into `grads`; with `bias`, the additive mask's gradient too —
+    /// returned (`Some(None)`) or written into the caller's buffer (`Some(Some(out))`).
     fn run_backward<'f, G: Element>(
         &self,
         fwd: impl Into<ForwardRef<Tensor4Ref<'f, T>, Tensor4Ref<'f, f32>>>,
         d_out: Tensor4Ref<'_, T>,
         grads: GradientsMut<Tensor4Mut<'_, G>>,
         par: Par,
-        bias: bool,
-    ) -> Result<(Option<Vec<f32>>, Option<BiasGradient>)> {
+        bias: Option<Option<&mut [f32]>>,
+    ) -> Result<(Option<Vec<f32>>, Option<Tensor4<f32>>)> {
         let (q, k, v) = self.operands()?;
         let fwd = fwd.into();
         let want = self.out_dims();
@@ -407,7 +442,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         }
         match &self.ops.0 {
             Operands::Packed { seqs, .. } => {
-                if bias {
+                if bias.is_some() {
                     return Err(Error::unsupported(
                         "bias gradient",
                         "a packed call has no additive mask",
@@ -426,15 +461,18 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
             }
             _ => {
                 let mut call = Backward::batched(d_out, q, k, v, fwd.output, &lse, &self.options)?;
-                if bias {
+                if let Some(out) = bias {
                     let dims = [b, h, n, k.dims()[2]];
-                    call = call.with_bias_gradient(&self.options, dims)?;
+                    call = call.with_bias_gradient(&self.options, dims, out)?;
                 }
                 fn rows<G>(t: Tensor4Mut<'_, G>) -> Result<Vec<RowMut<'_, G>>> {
                     forward::row_list(t.into_rows()?.into_iter().map(RowMut::from_slice_mut))
                 }
                 let dsinks = call.run(&mut rows(dq)?, &mut rows(dk)?, &mut rows(dv)?, par)?;
-                Ok((dsinks, call.into_bias_gradient()))
+                let dbias = call
+                    .into_bias_gradient()
+                    .and_then(BiasGradient::into_tensor);
+                Ok((dsinks, dbias.transpose()?))
             }
         }
     }
@@ -481,6 +519,6 @@ fn reorder<'t, G>(t: Tensor4Mut<'t, G>, order: &[usize]) -> Result<Vec<RowMut<'t
 pub(super) fn bias_gradient_owned() -> Error {
     Error::unsupported(
         "bias gradient",
-        "backward_into writes dQ, dK and dV only: call backward, which returns dbias too",
+        "backward_into writes dQ, dK and dV only: call backward, which returns dbias too, or backward_with_bias_into",
     )
 }

@@ -264,8 +264,9 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
             dk: dk.as_mut(),
             dv: dv.as_mut(),
         };
-        let (dsinks, dbias) = self.run_backward(fwd, d_out, grads, par, self.bias_gradient)?;
-        let dbias = match dbias.map(BiasGradient::into_tensor).transpose()? {
+        let bias = self.bias_gradient.then_some(None);
+        let (dsinks, dbias) = self.run_backward(fwd, d_out, grads, par, bias)?;
+        let dbias = match dbias {
             Some(t) => Some(t.as_ref().head(0, 0)?.to_owned()),
             None => None,
         };
@@ -302,18 +303,19 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         if self.bias_gradient {
             return Err(super::batch::bias_gradient_owned());
         }
-        Ok(self.run_backward(fwd, d_out, grads, par, false)?.0)
+        Ok(self.run_backward(fwd, d_out, grads, par, None)?.0)
     }
 
-    /// The backward pass into `grads`; with `bias`, the additive mask's gradient too.
+    /// The backward pass into `grads`; with `bias`, the additive mask's gradient too —
+    /// returned (`Some(None)`) or written into the caller's buffer (`Some(Some(out))`).
     fn run_backward<'f, G: Element>(
         &self,
         fwd: impl Into<ForwardRef<MatRef<'f, T>, ColRef<'f, f32>>>,
         d_out: MatRef<'_, T>,
         grads: GradientsMut<MatMut<'_, G>>,
         par: Par,
-        bias: bool,
-    ) -> Result<(Option<Vec<f32>>, Option<BiasGradient>)> {
+        bias: Option<Option<&mut [f32]>>,
+    ) -> Result<(Option<Vec<f32>>, Option<attn_core::Tensor4<f32>>)> {
         let HeadOperands { inputs, shard, .. } = &self.ops;
         if *shard {
             return Err(Error::unsupported(
@@ -337,8 +339,8 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         let (q, k, v) = (inputs.q, inputs.k.0, inputs.v.0);
         let mut call = Backward::head(d_out, q, k, v, fwd.output, &lse, &self.options)?;
         let s = call.shape();
-        if bias {
-            call = call.with_bias_gradient(&self.options, [1, 1, s.n_q, s.n_k])?;
+        if let Some(out) = bias {
+            call = call.with_bias_gradient(&self.options, [1, 1, s.n_q, s.n_k], out)?;
         }
         let GradientsMut { dq, dk, dv } = grads;
         check_shape("dQ", dq.nrows(), dq.ncols(), s.n_q, s.d_k, "n_q × d_k")?;
@@ -348,7 +350,10 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         let mut dk = forward::row_list(dk.row_iter_mut())?;
         let mut dv = forward::row_list(dv.row_iter_mut())?;
         let dsinks = call.run(&mut dq, &mut dk, &mut dv, par)?;
-        Ok((dsinks, call.into_bias_gradient()))
+        let dbias = call
+            .into_bias_gradient()
+            .and_then(BiasGradient::into_tensor);
+        Ok((dsinks, dbias.transpose()?))
     }
 
     /// `(n_q, n_k, d_k, d_v)` of the call (`n_k` the shard's keys for a shard).

@@ -74,6 +74,16 @@ fn huge_pages(ptr: *mut u8, bytes: usize) {
     let _ = (ptr, bytes);
 }
 
+/// The caller's f32 buffer as words that tasks on several threads may share (as
+/// [`zeroed_atomics`]'s), for as long as it is borrowed.
+pub(crate) fn atomic_words(values: &mut [f32]) -> &[core::sync::atomic::AtomicU32] {
+    let (ptr, len) = (values.as_mut_ptr(), values.len());
+    // SAFETY: `AtomicU32` has the size, alignment and bit validity of `u32`, hence of an
+    // f32; `values` is borrowed exclusively for the lifetime of the result, so nothing
+    // else reads or writes it meanwhile.
+    unsafe { core::slice::from_raw_parts(ptr.cast::<core::sync::atomic::AtomicU32>(), len) }
+}
+
 /// The f32 values whose bits `words` hold, in the same allocation.
 pub(crate) fn atomics_into_f32(words: Vec<core::sync::atomic::AtomicU32>) -> Vec<f32> {
     let words = core::mem::ManuallyDrop::new(words);
