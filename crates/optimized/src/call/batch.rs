@@ -419,7 +419,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         grads: GradientsMut<Tensor4Mut<'_, G>>,
         par: Par,
         bias: Option<Option<&mut [f32]>>,
-    ) -> Result<(Option<Vec<f32>>, Option<Tensor4<f32>>)> {
+    ) -> Result<super::Extras> {
         let (q, k, v) = self.operands()?;
         let fwd = fwd.into();
         let want = self.out_dims();

@@ -161,6 +161,10 @@ impl<'a, T: 'a, H: Heads> Attention<'a, T, H> {
     }
 }
 
+/// What a backward pass returns besides dQ, dK and dV: the sink logits' gradients and the
+/// additive mask's, each when the call has them.
+type Extras = (Option<Vec<f32>>, Option<attn_core::Tensor4<f32>>);
+
 /// Checks a caller's `[batch, heads, rows, 1]` LSE view against the rows it must hold.
 fn check_lse_view(lse: &Tensor4Mut<'_, f32>, dims: [usize; 3]) -> Result<()> {
     let [b, h, n] = dims;

@@ -315,7 +315,7 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         grads: GradientsMut<MatMut<'_, G>>,
         par: Par,
         bias: Option<Option<&mut [f32]>>,
-    ) -> Result<(Option<Vec<f32>>, Option<attn_core::Tensor4<f32>>)> {
+    ) -> Result<super::Extras> {
         let HeadOperands { inputs, shard, .. } = &self.ops;
         if *shard {
             return Err(Error::unsupported(
