@@ -119,7 +119,8 @@ pub(crate) fn bias_gradient(engine: &dyn Engine, case: BiasCase) -> Check {
     let (out, lse) = forward.map_err(|e| engine_err("batched call", e))?;
     let mut rng = Rng::new(case.seed, 42);
     let d_out: Vec<f32> = (0..out.as_slice().len())
-        .map(|_| rng.normal() as f32)
+        // In the engine's storage type, as the engine reads dO.
+        .map(|_| engine.storage().round(rng.normal() as f32))
         .collect();
     let d_out = Tensor4::from_vec(d_out, out.dims()).map_err(|e| engine_err("dO", e))?;
     let backward = || {
