@@ -24,10 +24,10 @@ mod packed;
 pub mod worked;
 
 pub use attn_core::{
-    Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Error, Forward, ForwardRef,
-    Gradients, KeyPadding, KvCodes, KvQuantization, Layout, Mask4Ref, MaskMod, Options, PagedKv,
-    PartialState, QuantizedKv, Result, SCORE_LIMIT, ScoreMod, SlidingWindow, SoftCap, Tensor4,
-    Tensor4Mut, Tensor4Ref,
+    Alibi, BatchGradients, BoolMask, BoolMask4, Causal, CuSeqlens, Dropout, Error, Forward,
+    ForwardRef, Gradients, KeyPadding, KvCodes, KvQuantization, Layout, Mask4Ref, MaskMod, Options,
+    PagedKv, PartialState, QuantizedKv, Result, SCORE_LIMIT, ScoreMod, SlidingWindow, SoftCap,
+    Tensor4, Tensor4Mut, Tensor4Ref,
 };
 pub use backward::MaterializedBackward;
 use backward::head_gradients;
