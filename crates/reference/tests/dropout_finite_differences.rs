@@ -72,8 +72,7 @@ fn dropout_and_bias_gradients_are_finite_differences_at_a_fixed_seed() {
             "{what}[{at}]: finite difference {fd:e}, gradient {want:e}"
         );
     };
-    for hh in 0..h {
-        let m = &heads[0][hh];
+    for (hh, m) in heads[0].iter().enumerate() {
         for i in 0..n_q {
             for c in 0..d {
                 let at = (hh * n_q + i) * d + c;
