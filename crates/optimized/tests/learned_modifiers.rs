@@ -2,6 +2,8 @@
 //! the scores it produced ([`ScoreMod::score_gradient`]), from which learned ALiBi slopes
 //! get theirs — equal to the reference's `Σ dS_ij·(j − i)` over its materialised `dS`.
 
+mod common;
+
 use std::sync::Mutex;
 
 use attn_core::{Causal, Options, ScoreGradient, ScoreMod, Tensor4};
@@ -28,23 +30,13 @@ impl ScoreMod for LearnedAlibi {
     }
 }
 
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 #[test]
 fn learned_alibi_slopes_get_the_references_gradient() {
     let (b, h, n, d) = (2, 3, 300, 16);
     let dims = [b, h, n, d];
-    let t = |seed| Tensor4::from_vec(values(b * h * n * d, seed), dims).expect("sized");
+    let t = |seed| {
+        Tensor4::from_vec(common::data::<f32>(b * h * n * d, seed, 1.0), dims).expect("sized")
+    };
     let (q, k, v, d_out) = (t(1), t(2), t(3), t(4));
     let alibi = LearnedAlibi {
         slopes: vec![-0.05, -0.01, 0.02],

@@ -17,8 +17,8 @@ use proptest::sample::select;
 use proptest::test_runner::TestCaseError;
 
 use super::common::{
-    Check, RowHider, all_rows, compare_head, compare_matrix, engine_err, fail, masked_rows_case,
-    masked_rows_inputs, pools, run_head, scale_of, views,
+    Check, RowHider, all_rows, batched_call, compare_head, compare_matrix, engine_err, fail,
+    masked_rows_case, masked_rows_inputs, pools, run_head, scale_of, views,
 };
 use crate::Call;
 use crate::bound::{
@@ -369,16 +369,7 @@ impl BatchRun {
         // Dropout keys its mask by (batch entry, head): a single-head call would draw
         // another, so a call with dropout runs batched.
         let (out, lse) = if inputs.options().dropout.is_some() {
-            required(
-                Call::batched(
-                    inputs.q.view(),
-                    inputs.k.view(),
-                    inputs.v.view(),
-                    &inputs.options(),
-                )
-                .forward_batch(engine),
-            )
-            .map_err(|e| engine_err("batched call", e))?
+            batched_call(engine, &inputs)?
         } else {
             batched_forward(engine, &inputs)?
         };

@@ -13,7 +13,9 @@ use proptest::test_runner::TestCaseError;
 
 use crate::Call;
 use crate::bound::{BatchGradientBound, HeadBound, head_bound_with};
-use crate::case::{AdditiveRecipe, Bias, BoolRecipe, HeadCase, HeadInputs, Shapes, head_case};
+use crate::case::{
+    AdditiveRecipe, BatchInputs, Bias, BoolRecipe, HeadCase, HeadInputs, Shapes, head_case,
+};
 use crate::engine::required;
 use crate::suite::record_tightness;
 use crate::{Dtype, Engine};
@@ -187,6 +189,16 @@ pub(crate) fn run_head(
     let (q, k, v) = views(inputs);
     required(Call::head(q, k, v, &inputs.options()).forward_head(engine))
         .map_err(|e| engine_err("single-head call", e))
+}
+
+/// The engine's batched call over `inputs` (output and LSE in `[batch][h_q][n_q]` order).
+pub(crate) fn batched_call(
+    engine: &dyn Engine,
+    inputs: &BatchInputs,
+) -> Result<(Tensor4<f32>, Vec<f32>), TestCaseError> {
+    let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
+    required(Call::batched(q, k, v, &inputs.options()).forward_batch(engine))
+        .map_err(|e| engine_err("batched call", e))
 }
 
 /// Runs one head and checks it against the reference; returns the engine's result.

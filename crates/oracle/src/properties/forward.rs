@@ -10,7 +10,7 @@ use proptest::sample::select;
 use proptest::test_runner::TestCaseError;
 
 use super::common::{
-    Check, all_rows, batch_shapes, bound, compare_head, engine_err, equivalent, fail,
+    Check, all_rows, batch_shapes, batched_call, bound, compare_head, engine_err, equivalent, fail,
     matches_reference, pools, reference, run_head, scale_of, sees_nothing, views,
 };
 use crate::Call;
@@ -178,17 +178,7 @@ fn check_batched_output(
 
 pub(crate) fn batched_equivalence(engine: &dyn Engine, case: BatchCase) -> Check {
     let inputs = case.build(engine.storage());
-    let out = required(
-        Call::batched(
-            inputs.q.view(),
-            inputs.k.view(),
-            inputs.v.view(),
-            &inputs.options(),
-        )
-        .forward_batch(engine),
-    )
-    .map(|(t, _)| t)
-    .map_err(|e| engine_err("batched call", e))?;
+    let (out, _) = batched_call(engine, &inputs)?;
     check_batched_output(engine, &inputs, &out, &batch_reference(&inputs))
 }
 
