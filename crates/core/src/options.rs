@@ -122,7 +122,7 @@ impl<'a> Options<'a> {
     /// [`Error::Unsupported`] naming `what` when dropout (with `p > 0`) is set: for the
     /// entry points of inference (caches), where dropping weights has no meaning.
     pub fn reject_dropout(&self, what: &'static str) -> Result<()> {
-        if self.dropout.is_some_and(|d| d.p() > 0.0) {
+        if self.drops() {
             Err(Error::unsupported(
                 what,
                 "attention dropout is for training calls (batched, packed, one head); set p = 0 or leave it out",
@@ -130,6 +130,11 @@ impl<'a> Options<'a> {
         } else {
             Ok(())
         }
+    }
+
+    /// Whether the call drops weights (dropout with `p > 0`).
+    pub fn drops(&self) -> bool {
+        self.dropout.is_some_and(|d| d.p() > 0.0)
     }
 
     /// The dims of the gradient of the additive mask in a call of dims `[batch, h_q, n_q,
@@ -396,7 +401,7 @@ impl<'a> Options<'a> {
             || self.sinks.is_some()
             || self.score_mod.is_some()
             || self.mask_mod.is_some()
-            || self.head_dropout(0, 0, 1).is_some()
+            || self.drops()
     }
 
     /// Checks the modifiers' lengths and values for `batch` entries of `h_q` query heads.

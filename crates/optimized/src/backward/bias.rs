@@ -26,6 +26,9 @@ pub(crate) struct BiasGradient<'b> {
     sums: Words<'b>,
     /// The bias's own dims `[B', H', L', S']` (1 along each axis it broadcasts on).
     dims: [usize; 4],
+    /// Per group of the call, per query head: the offset of its plane, and whether it is
+    /// the first head to reach that plane ([`BiasGradient::assign`]).
+    heads: Vec<Vec<(usize, bool)>>,
 }
 
 /// The buffer of the sums: the engine's, or the caller's.
@@ -42,7 +45,11 @@ impl<'b> BiasGradient<'b> {
         let own = options.bias_gradient_dims(dims)?;
         let n = crate::problem::element_count(&own);
         let sums = Words::Owned(zeroed_atomics("bias gradient", n)?);
-        Ok(Self { sums, dims: own })
+        Ok(Self {
+            sums,
+            dims: own,
+            heads: Vec::new(),
+        })
     }
 
     /// [`BiasGradient::new`] into the caller's `out` (row-major over the mask's own dims),
@@ -67,6 +74,7 @@ impl<'b> BiasGradient<'b> {
         Ok(Self {
             sums: Words::Caller(atomic_words(out)),
             dims: own,
+            heads: Vec::new(),
         })
     }
 
@@ -78,25 +86,28 @@ impl<'b> BiasGradient<'b> {
     }
 
     /// The offset of the plane of batch entry `b`, query head `h`.
-    pub fn plane(&self, b: usize, h: usize) -> usize {
+    fn plane(&self, b: usize, h: usize) -> usize {
         let [bb, hh, l, s] = self.dims;
         let (b, h) = (if bb == 1 { 0 } else { b }, if hh == 1 { 0 } else { h });
         (b * hh + h) * l * s
     }
 
-    /// Whether each query head `heads` of each group (given by its batch entry) is the first
-    /// to reach its plane, groups and heads in order: the order in which the tasks of a
-    /// bundle run.
-    pub fn firsts(&self, groups: impl Iterator<Item = (usize, Vec<usize>)>) -> Vec<Vec<bool>> {
+    /// Places the query heads of the call's groups (each given by its batch entry and its
+    /// heads, in group order): each head's plane, and whether it is the first to reach it —
+    /// groups and heads in order, the order in which the tasks of a bundle run.
+    pub fn assign(&mut self, groups: impl Iterator<Item = (usize, Vec<usize>)>) {
         let mut seen = std::collections::BTreeSet::new();
-        groups
+        self.heads = groups
             .map(|(b, heads)| {
-                heads
-                    .iter()
-                    .map(|&h| seen.insert(self.plane(b, h)))
-                    .collect()
+                let planes = heads.iter().map(|&h| self.plane(b, h));
+                planes.map(|p| (p, seen.insert(p))).collect()
             })
-            .collect()
+            .collect();
+    }
+
+    /// The plane and first-ness of each query head of group `g` ([`BiasGradient::assign`]).
+    pub fn heads(&self, g: usize) -> &[(usize, bool)] {
+        self.heads.get(g).map_or(&[], |h| &h[..])
     }
 
     /// The bundle of a group of batch entry `b` and kv head `kv`: groups whose heads share

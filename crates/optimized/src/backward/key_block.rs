@@ -444,7 +444,7 @@ impl Scratch {
         cols: Range<usize>,
         dq: &mut [f32],
         head_len: usize,
-        bias: Option<(&BiasGradient, &[usize], &[bool])>,
+        bias: Option<(&BiasGradient, &[(usize, bool)])>,
     ) {
         let TilePlan { br, bc } = self.plan;
         let (d_k, d_v, nc) = (self.d_k, self.d_v, cols.len());
@@ -496,7 +496,8 @@ impl Scratch {
             // Whether this head's next tile is the first to reach its bias entries: every
             // tile of the first head of a plane, or its first one when the bias has one row
             // for every query.
-            let mut first_bias = bias.is_some_and(|(_, _, firsts)| firsts[h]);
+            let plane = bias.map(|(_, heads)| heads[h]);
+            let mut first_bias = plane.is_some_and(|(_, first)| first);
             let d_out = group.heads[h].d_out;
             for t in 0..n_q.div_ceil(br) {
                 let rows = t * br..((t + 1) * br).min(n_q);
@@ -602,8 +603,8 @@ impl Scratch {
                 }
                 // The bias's gradient is that of the scores the softmax sees: before the
                 // chain rule through the modifiers (the bias is added after them).
-                if let Some((bias, planes, _)) = bias {
-                    bias.add_tile(planes[h], ds, br, (rows.clone(), cols.clone()), first_bias);
+                if let (Some((bias, _)), Some((plane, _))) = (bias, plane) {
+                    bias.add_tile(plane, ds, br, (rows.clone(), cols.clone()), first_bias);
                     first_bias &= !bias.one_row();
                 }
                 if chain {

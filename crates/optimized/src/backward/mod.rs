@@ -91,10 +91,8 @@ pub(crate) struct Backward<'a, T, K = Dense<'a, T>> {
     sinks: Option<usize>,
     /// How the tiles multiply: AMX tiles, AVX512_BF16 pairs or f32.
     products: Products,
-    /// The gradient of the additive mask, when asked for ([`Backward::with_bias_gradient`]),
-    /// and whether each head of each group is the first to reach its plane.
+    /// The gradient of the additive mask, when asked for ([`Backward::with_bias_gradient`]).
     bias: Option<BiasGradient<'a>>,
-    firsts: Vec<Vec<bool>>,
 }
 
 /// Where a task writes: the dK and dV rows of each of its key blocks.
@@ -330,28 +328,23 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
             sinks,
             products,
             bias: None,
-            firsts: Vec::new(),
         }
     }
 
     /// The same call computing the gradient of its additive mask as well, for a call of
     /// dims `[batch, h_q, n_q, n_k]` ([`BiasGradient::new`] says which masks have one).
     pub fn with_bias_gradient(
-        self,
+        mut self,
         options: &Options<'_>,
         dims: [usize; 4],
         out: Option<&'a mut [f32]>,
     ) -> Result<Self> {
-        let bias = match out {
+        let mut bias = match out {
             None => BiasGradient::new(options, dims)?,
             Some(out) => BiasGradient::into_caller(options, dims, out)?,
         };
-        self.with_bias(bias)
-    }
-
-    fn with_bias(mut self, bias: BiasGradient<'a>) -> Result<Self> {
         let heads = |g: &Group<'a, T, K>| (g.at.0, g.heads.iter().map(|h| h.head).collect());
-        self.firsts = bias.firsts(self.groups.iter().map(heads));
+        bias.assign(self.groups.iter().map(heads));
         self.bias = Some(bias);
         Ok(self)
     }
@@ -479,8 +472,7 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
                 }
             }
         });
-        let tasks = bundles;
-        drop(tasks);
+        drop(bundles);
         if let Some(e) = failure.into_inner().ok().flatten() {
             return Err(e);
         }
@@ -664,17 +656,7 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         let mut scratch = key_block::Scratch::new(self.plan, &shape, group, &heads, products)?;
         let HeadShape { n_q, d_k, .. } = shape;
         let bc = self.plan.bc;
-        // Each head's plane of the bias gradient.
-        let planes: Vec<usize> = match &self.bias {
-            Some(bias) => group
-                .heads
-                .iter()
-                .map(|h| bias.plane(group.at.0, h.head))
-                .collect(),
-            None => Vec::new(),
-        };
-        let firsts = self.firsts.get(task.group).map_or(&[][..], |f| &f[..]);
-        let bias = self.bias.as_ref().map(|b| (b, &planes[..], firsts));
+        let bias = self.bias.as_ref().map(|b| (b, b.heads(task.group)));
         for BlockRows { block, dk, dv } in task.blocks {
             let cols = block * bc..block * bc + dk.len();
             scratch.key_block(group, &heads, cols, task.dq, n_q * d_k, bias);

@@ -17,15 +17,16 @@ const LANES: usize = 16;
 /// `l` is [`HeadDropout::words`]`(first + l, octet)[w]`. In the vector registers of the
 /// process's path: the ten rounds are all of dropout's cost.
 #[inline(always)]
-fn words(d: &HeadDropout, first: usize, octet: usize) -> [[u32; LANES]; 4] {
+fn words(d: &HeadDropout, isa: super::Isa, first: usize, octet: usize) -> [[u32; LANES]; 4] {
     #[cfg(target_arch = "x86_64")]
-    match super::Isa::current().vectors() {
+    match isa {
         // SAFETY: the AVX-512 path runs only where the CPU has AVX-512F.
         super::Isa::Avx512 => return unsafe { x86::words_avx512(d, first, octet) },
         // SAFETY: the AVX2 path runs only where the CPU has AVX2.
         super::Isa::Avx2 => return unsafe { x86::words_avx2(d, first, octet) },
         _ => {}
     }
+    let _ = isa;
     portable_words(d, first, octet)
 }
 
@@ -134,12 +135,12 @@ mod x86 {
     }
 }
 
-/// All ones where the weight of key `j` is kept, its 16 bits in `word` at `shift`
-/// ([`HeadDropout::bits`]), else 0. A mask rather than a `bool`: the loops below AND it
+/// All ones where the weight of key `j` is kept (its 16 bits in `word`,
+/// [`HeadDropout::bits`]), else 0. A mask rather than a `bool`: the loops below AND it
 /// into the bits (branch-free, so they vectorise).
 #[inline(always)]
-fn kept(word: u32, shift: u32, threshold: u32) -> u32 {
-    u32::from((word >> shift) & 0xFFFF >= threshold).wrapping_neg()
+fn kept(word: u32, j: usize, threshold: u32) -> u32 {
+    u32::from(HeadDropout::bits(word, j) >= threshold).wrapping_neg()
 }
 
 /// `x` where `mask` is all ones, +0 where it is 0.
@@ -148,26 +149,26 @@ fn select(x: f32, mask: u32) -> f32 {
     f32::from_bits(x.to_bits() & mask)
 }
 
-/// Calls `f(col, first_row, words, shift)` for every column of a tile over queries `rows`
-/// and keys `cols` (global positions; tile row `r` is query `rows.start + r`, tile column
-/// `c` key `cols.start + c`), sixteen rows at a time: the 16 bits at `shift` of `words[l]`
+/// Calls `f(col, first_row, words, j)` for every column of a tile over queries `rows` and
+/// keys `cols` (global positions; tile row `r` is query `rows.start + r`, tile column `c`
+/// key `j = cols.start + c`), sixteen rows at a time: key `j`'s 16 bits of `words[l]`
 /// decide the weight of row `first_row + l` ([`kept`]); the last group of a tile may have
 /// fewer than sixteen rows (the callers stop at the tile's last row).
 #[inline(always)]
 fn for_each_column(
     d: &HeadDropout,
     (rows, cols): (Range<usize>, Range<usize>),
-    mut f: impl FnMut(usize, usize, &[u32; LANES], u32),
+    mut f: impl FnMut(usize, usize, &[u32; LANES], usize),
 ) {
     if cols.is_empty() {
         return;
     }
+    let isa = super::Isa::current().vectors();
     for first in rows.clone().step_by(LANES) {
         for octet in cols.start / 8..=(cols.end - 1) / 8 {
-            let w = words(d, first, octet);
+            let w = words(d, isa, first, octet);
             for j in (octet * 8..octet * 8 + 8).filter(|j| cols.contains(j)) {
-                let shift = 16 * (j % 2) as u32;
-                f(j - cols.start, first - rows.start, &w[j % 8 / 2], shift);
+                f(j - cols.start, first - rows.start, &w[j % 8 / 2], j);
             }
         }
     }
@@ -181,17 +182,17 @@ fn drop_weights_body<const FMA: bool>(
     d: &HeadDropout,
 ) {
     let (scale, threshold, nr) = (d.scale, d.threshold, at.0.len());
-    for_each_column(d, at, |c, r, words, shift| {
+    for_each_column(d, at, |c, r, words, j| {
         let n = LANES.min(nr - r);
         let col = &mut p[c * ld + r..c * ld + r + n];
         if let Ok(col) = <&mut [f32; LANES]>::try_from(&mut col[..]) {
             // A whole group: a fixed trip count, which vectorises to a compare and a blend.
             for (x, &w) in col.iter_mut().zip(words) {
-                *x = select(*x * scale, kept(w, shift, threshold));
+                *x = select(*x * scale, kept(w, j, threshold));
             }
         } else {
             for (x, &w) in col.iter_mut().zip(words) {
-                *x = select(*x * scale, kept(w, shift, threshold));
+                *x = select(*x * scale, kept(w, j, threshold));
             }
         }
     });
@@ -222,7 +223,7 @@ fn score_gradient_body<const FMA: bool>(
     (d, dropout): (&[f32], &HeadDropout),
 ) {
     let (scale, threshold, nr) = (dropout.scale, dropout.threshold, at.0.len());
-    for_each_column(dropout, at, |c, r, words, shift| {
+    for_each_column(dropout, at, |c, r, words, j| {
         let n = LANES.min(nr - r);
         let range = c * ld + r..c * ld + r + n;
         let (dcol, pcol, d) = (&mut dp[range.clone()], &mut p[range], &d[r..r + n]);
@@ -233,12 +234,12 @@ fn score_gradient_body<const FMA: bool>(
         );
         if let (Ok(dcol), Ok(pcol), Ok(d)) = whole {
             for l in 0..LANES {
-                let kept = kept(words[l], shift, threshold);
+                let kept = kept(words[l], j, threshold);
                 (dcol[l], pcol[l]) = dropped_gradient(dcol[l], pcol[l], d[l], kept, scale);
             }
         } else {
             for l in 0..n {
-                let kept = kept(words[l], shift, threshold);
+                let kept = kept(words[l], j, threshold);
                 (dcol[l], pcol[l]) = dropped_gradient(dcol[l], pcol[l], d[l], kept, scale);
             }
         }
@@ -321,7 +322,10 @@ mod tests {
             .unwrap();
         for (first, octet) in [(0, 0), (13, 7), (u32::MAX as usize - 20, 1 << 29)] {
             let want = portable_words(&d, first, octet);
-            assert_eq!(words(&d, first, octet), want);
+            assert_eq!(
+                words(&d, crate::kernel::Isa::current().vectors(), first, octet),
+                want
+            );
             for (w, lanes) in want.iter().enumerate() {
                 for (l, &x) in lanes.iter().enumerate() {
                     let i = (first + l) as u32 as usize;
