@@ -371,7 +371,7 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         par: Par,
     ) -> Result<Option<Vec<f32>>> {
         if self.bias_gradient {
-            return Err(bias_gradient_owned());
+            return Err(super::bias_gradient_owned());
         }
         Ok(self.run_backward(fwd, d_out, grads, par, None)?.0)
     }
@@ -443,10 +443,8 @@ impl<'a, T: Element> Attention<'a, T, Batch> {
         match &self.ops.0 {
             Operands::Packed { seqs, .. } => {
                 if bias.is_some() {
-                    return Err(Error::unsupported(
-                        "bias gradient",
-                        "a packed call has no additive mask",
-                    ));
+                    // Packed calls take no additive mask: the contract's error says so.
+                    self.options.bias_gradient_dims([1, h, n, k.dims()[2]])?;
                 }
                 let call = Backward::packed(d_out, q, k, v, fwd.output, &lse, seqs, &self.options)?;
                 let (h_q, h_kv) = (dq.dims()[1], dk.dims()[1]);
@@ -513,12 +511,4 @@ fn reorder<'t, G>(t: Tensor4Mut<'t, G>, order: &[usize]) -> Result<Vec<RowMut<'t
         }
     }
     Ok(list)
-}
-
-/// What `backward_into` says to a call built [`with_bias_gradient`](Attention::with_bias_gradient).
-pub(super) fn bias_gradient_owned() -> Error {
-    Error::unsupported(
-        "bias gradient",
-        "backward_into writes dQ, dK and dV only: call backward, which returns dbias too, or backward_with_bias_into",
-    )
 }

@@ -161,6 +161,14 @@ impl<'a, T: 'a, H: Heads> Attention<'a, T, H> {
     }
 }
 
+/// What `backward_into` says to a call built [`with_bias_gradient`](Attention::with_bias_gradient).
+fn bias_gradient_owned() -> attn_core::Error {
+    attn_core::Error::unsupported(
+        "bias gradient",
+        "backward_into writes dQ, dK and dV only: call backward, which returns dbias too, or backward_with_bias_into",
+    )
+}
+
 /// What a backward pass returns besides dQ, dK and dV: the sink logits' gradients and the
 /// additive mask's, each when the call has them.
 type Extras = (Option<Vec<f32>>, Option<attn_core::Tensor4<f32>>);

@@ -301,7 +301,7 @@ impl<'a, T: Element> Attention<'a, T, OneHead> {
         par: Par,
     ) -> Result<Option<Vec<f32>>> {
         if self.bias_gradient {
-            return Err(super::batch::bias_gradient_owned());
+            return Err(super::bias_gradient_owned());
         }
         Ok(self.run_backward(fwd, d_out, grads, par, None)?.0)
     }
