@@ -67,6 +67,7 @@ macro_rules! typed {
 mod array;
 mod cache;
 mod dlpack;
+mod operator;
 mod output;
 mod packed;
 mod paged;
@@ -109,6 +110,9 @@ fn attn_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sdpa::attention_backward, m)?)?;
     m.add_function(wrap_pyfunction!(paged::flash_attn_with_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(sdpa::dropout_mask, m)?)?;
+    m.add_function(wrap_pyfunction!(operator::sdpa_forward_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(operator::sdpa_backward_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(operator::sdpa_backward_mask_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add_class::<cache::PyKvCache>()?;

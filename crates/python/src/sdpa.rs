@@ -191,23 +191,30 @@ fn via_autograd<'py>(
     enable_gqa: bool,
     causal_alignment: &str,
     with_lse: bool,
+    (cu_seqlens_q, cu_seqlens_k): (Option<&Bound<'py, PyAny>>, Option<&Bound<'py, PyAny>>),
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = query.py();
+    let packed = PyDict::new(py);
+    packed.set_item(intern!(py, "cu_seqlens_q"), cu_seqlens_q)?;
+    packed.set_item(intern!(py, "cu_seqlens_k"), cu_seqlens_k)?;
     py.import("attn.torch")?
         .getattr("_autograd_attention")?
-        .call1((
-            query,
-            key,
-            value,
-            attn_mask,
-            is_causal,
-            scale,
-            enable_gqa,
-            causal_alignment,
-            with_lse,
-            dropout_p,
-            seed,
-        ))
+        .call(
+            (
+                query,
+                key,
+                value,
+                attn_mask,
+                is_causal,
+                scale,
+                enable_gqa,
+                causal_alignment,
+                with_lse,
+                dropout_p,
+                seed,
+            ),
+            Some(&packed),
+        )
 }
 
 fn kind_name(kind: Kind) -> &'static str {
@@ -661,7 +668,7 @@ fn forward_typed<'py, T: Storage>(
 
 /// The forward pass of every entry point, once the autograd route is excluded.
 #[allow(clippy::too_many_arguments)]
-fn forward<'py>(
+pub(crate) fn forward<'py>(
     query: &Bound<'py, PyAny>,
     key: &Bound<'py, PyAny>,
     value: &Bound<'py, PyAny>,
@@ -697,15 +704,6 @@ fn no_mask_when_packed(m: Option<&Array<'_>>) -> PyResult<()> {
 }
 
 /// Packed batches go through the plain call: their autograd route is not written.
-fn no_autograd_when_packed(packed: bool) -> PyResult<()> {
-    if packed {
-        return Err(PyValueError::new_err(
-            "cu_seqlens with tensors that require grad: packed batches have no autograd route; call attention_with_lse and attention_backward (under torch.no_grad())",
-        ));
-    }
-    Ok(())
-}
-
 /// Scaled dot-product attention with the semantics of
 /// `torch.nn.functional.scaled_dot_product_attention`, computed by attn's streaming engine.
 ///
@@ -791,7 +789,6 @@ pub(crate) fn scaled_dot_product_attention<'py>(
     )?;
     let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
     if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
-        no_autograd_when_packed(seqs.is_some())?;
         return via_autograd(
             query,
             key,
@@ -803,6 +800,7 @@ pub(crate) fn scaled_dot_product_attention<'py>(
             enable_gqa,
             causal_alignment,
             false,
+            (cu_seqlens_q, cu_seqlens_k),
         );
     }
     let f = f.seeded(query, seed)?;
@@ -843,7 +841,6 @@ pub(crate) fn attention_with_lse<'py>(
     )?;
     let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
     if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
-        no_autograd_when_packed(seqs.is_some())?;
         return via_autograd(
             query,
             key,
@@ -855,6 +852,7 @@ pub(crate) fn attention_with_lse<'py>(
             enable_gqa,
             causal_alignment,
             true,
+            (cu_seqlens_q, cu_seqlens_k),
         )?
         .cast_into::<PyTuple>()
         .map_err(Into::into);

@@ -136,6 +136,55 @@ def test_packed_torch_tensors_bfloat16():
     for got, want_g in zip(grads, want_grads):
         assert got.dtype == torch.bfloat16
         np.testing.assert_allclose(got.float().numpy(), want_g, rtol=5e-2, atol=5e-2)
-    x = tq.clone().requires_grad_(True)
-    with pytest.raises(ValueError, match="no autograd route"):
-        attn.scaled_dot_product_attention(x, tk, tv, enable_gqa=True, **cu)
+
+
+@pytest.mark.parametrize("entry", ["attn", "attn.torch"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_packed_autograd_is_the_backward_pass(entry, dropout_p):
+    """Packed torch tensors that require grad go through the operator: ``loss.backward()``
+    gives what ``attention_backward`` gives for the same call (the same dropout mask)."""
+    torch = pytest.importorskip("torch")
+    import attn.torch as attn_torch
+
+    sdpa = attn.scaled_dot_product_attention if entry == "attn" else attn_torch.scaled_dot_product_attention
+    q, k, v, go, cu_q, cu_k = packed_inputs([3, 0, 6], [5, 2, 6], 4, 2, 16, 8)
+    tq, tk, tv, tgo = (torch.from_numpy(x) for x in (q, k, v, go))
+    cu = dict(cu_seqlens_q=torch.from_numpy(cu_q), cu_seqlens_k=cu_k.tolist())
+    leaves = [x.clone().requires_grad_(True) for x in (tq, tk, tv)]
+    out = sdpa(*leaves, dropout_p=dropout_p, is_causal=True, enable_gqa=True, seed=7, **cu)
+    out.backward(tgo)
+    want_out, lse = attn.attention_with_lse(tq, tk, tv, dropout_p=dropout_p, is_causal=True, enable_gqa=True, seed=7, **cu)
+    assert torch.equal(out.detach(), want_out)
+    want = attn.attention_backward(
+        tgo, tq, tk, tv, want_out, lse, is_causal=True, enable_gqa=True, dropout_p=dropout_p, seed=7, **cu
+    )
+    for leaf, w in zip(leaves, want):
+        assert torch.equal(leaf.grad, w)
+
+
+def test_packed_calls_compile_whole():
+    """A packed call under ``torch.compile(fullgraph=True)`` is one operator node, forward
+    and backward equal to eager; meta tensors get the packed shapes."""
+    torch = pytest.importorskip("torch")
+    import attn.torch as attn_torch
+
+    q, k, v, go, cu_q, cu_k = packed_inputs([4, 5], [6, 5], 4, 2, 8, 8)
+    cu_q, cu_k = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
+
+    def f(q, k, v):
+        out = attn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        return (out * out).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    eager_leaves = [torch.from_numpy(x).requires_grad_(True) for x in (q, k, v)]
+    compiled_leaves = [torch.from_numpy(x).requires_grad_(True) for x in (q, k, v)]
+    want, got = f(*eager_leaves), compiled(*compiled_leaves)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want.backward()
+    got.backward()
+    for a, b in zip(compiled_leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+    meta = [torch.empty(x.shape, device="meta") for x in (q, k, v)]
+    out, lse = attn_torch.attention_with_lse(*meta, enable_gqa=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert out.shape == (9, 4, 8) and lse.shape == (4, 9) and lse.dtype == torch.float32

@@ -452,3 +452,14 @@ def test_routing_a_transformers_sdpa_model():
                 attn_torch.sdpa_forward = real
     assert len(calls) == 1
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_second_derivative_is_refused():
+    """attn has no double backward: the gradient's own graph refuses it with a clear error
+    instead of silently lacking a term."""
+    q = randn(1, 2, 5, 8, seed=1, requires_grad=True)
+    k = randn(1, 2, 5, 8, seed=2, requires_grad=True)
+    out = attn_torch.scaled_dot_product_attention(q, k, k, is_causal=True)
+    (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.sum().backward()

@@ -76,7 +76,7 @@ def __getattr__(name):
     if name in ("torch", "transformers"):
         import importlib
 
-        return importlib.import_module(".torch", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

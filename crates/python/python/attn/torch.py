@@ -1,18 +1,28 @@
-"""attn for torch: ``scaled_dot_product_attention`` as ``torch.library`` custom operators.
+"""attn for torch: ``scaled_dot_product_attention`` as ``torch.library`` operators.
 
-Importing this module needs torch (``import attn`` alone does not). It registers two
+Importing this module needs torch (``import attn`` alone does not). It registers three
 operators, with fake (meta) implementations that compute shapes only and the autograd
 formula between them, so that ``torch.compile`` (``fullgraph=True``), ``torch.export`` and
 meta or fake tensors see attn as one opaque node::
 
     torch.ops.attn.sdpa_forward(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                enable_gqa, causal_alignment, seed=None) -> (out, lse)
+                                enable_gqa, causal_alignment, seed=None,
+                                cu_seqlens_q=None, cu_seqlens_k=None) -> (out, lse)
     torch.ops.attn.sdpa_backward(grad_out, query, key, value, out, lse, attn_mask,
                                  is_causal, scale, enable_gqa, causal_alignment,
-                                 dropout_p=0.0, seed=None)
+                                 dropout_p=0.0, seed=None,
+                                 cu_seqlens_q=None, cu_seqlens_k=None)
         -> (grad_query, grad_key, grad_value)
-    torch.ops.attn.sdpa_backward_mask(...)   # the same arguments, attn_mask required
+    torch.ops.attn.sdpa_backward_mask(...)   # no cu_seqlens, attn_mask required
         -> (grad_query, grad_key, grad_value, grad_mask)
+
+Their CPU kernels are the extension's functions themselves, and their autograd kernel calls
+the CPU kernel directly when nothing needs a graph: an operator call costs the dispatcher's
+one Python call over the plain function's (``bench/op_overhead.py`` measures it). A packed
+batch (``cu_seqlens_q``, ``cu_seqlens_k``: flash-attn's varlen layout, ``query
+(total_q, Hq, E)``, ``lse (Hq, total_q)``) is the same operators with the offsets as
+integer tensors, so packed calls train and compile too. attn has no second derivative: a
+double backward through the backward operators is a RuntimeError.
 
 The forward pass is attn's, recording the output and the log-sum-exp; the backward pass is
 attn's too (dQ, dK, dV recomputed from the LSE, accumulated in float32 and rounded once), so
@@ -136,36 +146,134 @@ def _seed_int(seed):
 
 # ---------------------------------------------------------------------------------------
 # The operators.
+#
+# Defined through torch.library's Library directly rather than the custom_op decorator:
+# the decorator's kernels are Python layers around the function (a backend wrapper that
+# checks aliasing, an autograd kernel that redispatches), each costing microseconds a call.
+# Here the CPU kernels are the extension's own functions (`_attn.sdpa_*_kernel`, called by
+# the dispatcher with the schema's arguments), and the autograd kernel, the one Python
+# layer, calls the CPU kernel itself when nothing needs a graph and no mode or tracer is
+# below it.
+
+_lib = torch.library.Library("attn", "DEF")
+_PT2 = (torch.Tag.pt2_compliant_tag,)
+_lib.define(
+    "sdpa_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
+    "bool is_causal, float? scale, bool enable_gqa, str causal_alignment, Tensor? seed=None, "
+    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None) -> (Tensor, Tensor)",
+    tags=_PT2,
+)
+_lib.define(
+    "sdpa_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+    "Tensor? attn_mask, bool is_causal, float? scale, bool enable_gqa, str causal_alignment, "
+    "float dropout_p=0.0, Tensor? seed=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None) "
+    "-> (Tensor, Tensor, Tensor)",
+    tags=_PT2,
+)
+_lib.define(
+    "sdpa_backward_mask(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+    "Tensor lse, Tensor attn_mask, bool is_causal, float? scale, bool enable_gqa, "
+    "str causal_alignment, float dropout_p=0.0, Tensor? seed=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    tags=_PT2,
+)
+
+#: ``attn::sdpa_forward``: ``(out, lse)``, ``lse`` float32 ``(..., L)`` (the undropped
+#: softmax's; ``(Hq, total_q)`` for a packed call). With ``dropout_p > 0``, ``seed`` (a 0-d
+#: int64 tensor) keys the mask.
+sdpa_forward = torch.ops.attn.sdpa_forward.default
+#: ``attn::sdpa_backward``: ``(dq, dk, dv)``, shaped and typed like the operands. With
+#: ``dropout_p > 0``, ``seed`` must be the forward's: the mask is regenerated from it.
+sdpa_backward = torch.ops.attn.sdpa_backward.default
+#: ``attn::sdpa_backward_mask``: ``sdpa_backward`` with the gradient of the additive float
+#: mask too, ``(dq, dk, dv, dmask)``, ``dmask`` shaped and typed like ``attn_mask`` as passed
+#: (summed over the axes it broadcasts along; each position of a view that repeats values,
+#: stride 0, its own).
+sdpa_backward_mask = torch.ops.attn.sdpa_backward_mask.default
+
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
+_CPU = torch._C.DispatchKey.CPU
 
 
-@torch.library.custom_op("attn::sdpa_forward", mutates_args=())
-def sdpa_forward(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Optional[Tensor],
-    dropout_p: float,
-    is_causal: bool,
-    scale: Optional[float],
-    enable_gqa: bool,
-    causal_alignment: str,
-    seed: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
-    """attn's forward pass: ``(out, lse)``, ``lse`` float32 ``(..., L)`` (the undropped
-    softmax's). With ``dropout_p > 0``, ``seed`` (a 0-d int64 tensor) keys the mask."""
-    _check_seed(dropout_p, seed)
-    return _attn.attention_with_lse(
-        query.detach(),
-        key.detach(),
-        value.detach(),
-        None if attn_mask is None else attn_mask.detach(),
-        dropout_p,
-        is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        causal_alignment=causal_alignment,
-        seed=_seed_int(seed),
-    )
+def _below_autograd(op, kernel, keyset, args):
+    """The call below autograd: the CPU kernel itself when it is next (eager CPU tensors, no
+    mode), else a redispatch (meta and fake tensors, functionalization, tracing)."""
+    below = keyset & _BELOW_AUTOGRAD
+    if below.highestPriorityTypeId() == _CPU:
+        return kernel(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(below, *args)
+
+
+class _Forward(torch.autograd.Function):
+    """The forward operator's autograd formula: saves what the backward operator reads (the
+    seed among it: the backward pass regenerates the forward's dropout mask)."""
+
+    @staticmethod
+    def forward(ctx, keyset, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse = sdpa_forward.redispatch(keyset & _BELOW_AUTOGRAD, *args)
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment = args[:9]
+        seed, cu_seqlens_q, cu_seqlens_k = (*args[9:], None, None, None)[:3]
+        ctx.save_for_backward(query, key, value, out, lse, attn_mask, seed, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = (is_causal, scale, enable_gqa, causal_alignment, dropout_p)
+        ctx.arity = len(args)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        query, key, value, out, lse, attn_mask, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:5]  # query, key, value, attn_mask
+        grads = [None] * (1 + ctx.arity)  # the keyset first, then the operator's arguments
+        if not any(needs):
+            return tuple(grads)
+        # An upstream gradient may be any view (an expand, a transpose); the kernel reads rows.
+        grad_out = grad_out.contiguous()
+        if needs[3]:
+            # The additive mask requires grad: the backward operator that returns its gradient.
+            dq, dk, dv, grads[4] = sdpa_backward_mask(
+                grad_out, query, key, value, out, lse, attn_mask, *ctx.options, seed
+            )
+        else:
+            dq, dk, dv = sdpa_backward(
+                grad_out, query, key, value, out, lse, attn_mask, *ctx.options, seed, cu_seqlens_q, cu_seqlens_k
+            )
+        for i, (g, need) in enumerate(zip((dq, dk, dv), needs)):
+            grads[1 + i] = g if need else None
+        return tuple(grads)
+
+
+class _NotTwice(torch.autograd.Function):
+    """The backward operators' autograd: their results carry a node that refuses a second
+    derivative (attn has no double backward), instead of silently having none."""
+
+    @staticmethod
+    def forward(ctx, op, keyset, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & _BELOW_AUTOGRAD, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "attn's backward operators have no derivative of their own: a second derivative "
+            "(double backward) of attention is not supported"
+        )
+
+
+def _autograd_kernel(op, kernel, with_graph):
+    """``op``'s autograd kernel: ``with_graph(keyset, *args)`` (an autograd function's
+    ``apply``) when an input requires grad under grad mode, else the call below autograd."""
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return with_graph(keyset, *args)
+        return _below_autograd(op, kernel, keyset, args)
+
+    return autograd_kernel
+
+
+def _not_twice(op):
+    return lambda keyset, *args: _NotTwice.apply(op, keyset, *args)
 
 
 def _batch_shape(query, key, value, enable_gqa):
@@ -180,9 +288,17 @@ def _batch_shape(query, key, value, enable_gqa):
     return torch.broadcast_shapes(*shapes)
 
 
-@sdpa_forward.register_fake
-def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed=None):
+def _sdpa_forward_fake(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+    seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
+):
     _check_seed(dropout_p, seed)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        # A packed call: query (total_q, Hq, E), value (total_k, Hkv, Ev).
+        total_q, heads = query.shape[0], query.shape[1]
+        return query.new_empty((total_q, heads, value.shape[-1])), query.new_empty(
+            (heads, total_q), dtype=torch.float32
+        )
     lead = _batch_shape(query, key, value, enable_gqa)
     n_q = query.shape[-2]
     out = query.new_empty((*lead, n_q, value.shape[-1]))
@@ -190,46 +306,9 @@ def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale
     return out, lse
 
 
-@torch.library.custom_op("attn::sdpa_backward", mutates_args=())
-def sdpa_backward(
-    grad_out: Tensor,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    attn_mask: Optional[Tensor],
-    is_causal: bool,
-    scale: Optional[float],
-    enable_gqa: bool,
-    causal_alignment: str,
-    dropout_p: float = 0.0,
-    seed: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """attn's backward pass: ``(dq, dk, dv)``, shaped and typed like the operands. With
-    ``dropout_p > 0``, ``seed`` must be the forward's: the mask is regenerated from it."""
-    _check_seed(dropout_p, seed)
-    return _attn.attention_backward(
-        grad_out.detach().contiguous(),
-        query.detach(),
-        key.detach(),
-        value.detach(),
-        out.detach(),
-        lse.detach(),
-        None if attn_mask is None else attn_mask.detach(),
-        is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        causal_alignment=causal_alignment,
-        dropout_p=dropout_p,
-        seed=_seed_int(seed),
-    )
-
-
-@sdpa_backward.register_fake
 def _sdpa_backward_fake(
     grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment,
-    dropout_p=0.0, seed=None,
+    dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
 ):
     _check_seed(dropout_p, seed)
     return (
@@ -239,45 +318,6 @@ def _sdpa_backward_fake(
     )
 
 
-@torch.library.custom_op("attn::sdpa_backward_mask", mutates_args=())
-def sdpa_backward_mask(
-    grad_out: Tensor,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    attn_mask: Tensor,
-    is_causal: bool,
-    scale: Optional[float],
-    enable_gqa: bool,
-    causal_alignment: str,
-    dropout_p: float = 0.0,
-    seed: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``sdpa_backward`` with the gradient of the additive float mask too: ``(dq, dk, dv,
-    dmask)``, ``dmask`` shaped and typed like ``attn_mask`` as passed (summed over the axes
-    it broadcasts along; each position of a view that repeats values, stride 0, its own)."""
-    _check_seed(dropout_p, seed)
-    return _attn.attention_backward(
-        grad_out.detach().contiguous(),
-        query.detach(),
-        key.detach(),
-        value.detach(),
-        out.detach(),
-        lse.detach(),
-        attn_mask.detach(),
-        is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        causal_alignment=causal_alignment,
-        dropout_p=dropout_p,
-        seed=_seed_int(seed),
-        mask_grad=True,
-    )
-
-
-@sdpa_backward_mask.register_fake
 def _sdpa_backward_mask_fake(
     grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment,
     dropout_p=0.0, seed=None,
@@ -293,49 +333,37 @@ def _sdpa_backward_mask_fake(
     )
 
 
-def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment = inputs[:9]
-    seed = inputs[9] if len(inputs) > 9 else None
-    out, lse = output
-    # The seed goes to the backward pass: it regenerates the forward's dropout mask.
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, seed)
-    ctx.options = (is_causal, scale, enable_gqa, causal_alignment, dropout_p)
-    ctx.mark_non_differentiable(lse)
+def _register(lib, op, kernel, fake, with_graph):
+    """Registers ``op``'s kernels in ``lib``: ``kernel`` for CPU tensors, ``fake`` for meta and
+    fake tensors, and the autograd kernel (``with_graph`` when a graph is needed)."""
+    name = op._schema.name.split("::")[1]
+    lib.impl(name, kernel, "CPU")
+    lib.impl(name, _autograd_kernel(op, kernel, with_graph), "Autograd", with_keyset=True)
+    torch.library.register_fake(op._schema.name, fake, lib=lib)
 
 
-_NO_GRADS = (None,) * 6  # dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed
-
-
-def _backward(ctx, grad_out, _grad_lse):
-    query, key, value, out, lse, attn_mask, seed = ctx.saved_tensors
-    needs = ctx.needs_input_grad[:4]
-    if not any(needs):
-        return (None, None, None, None, *_NO_GRADS)
-    if needs[3]:
-        # The additive mask requires grad: the backward operator that returns its gradient.
-        dq, dk, dv, dmask = sdpa_backward_mask(
-            grad_out, query, key, value, out, lse, attn_mask, *ctx.options, seed
-        )
-    else:
-        dq, dk, dv = sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, *ctx.options, seed)
-        dmask = None
-    return (
-        dq if needs[0] else None,
-        dk if needs[1] else None,
-        dv if needs[2] else None,
-        dmask,
-        *_NO_GRADS,
-    )
-
-
-sdpa_forward.register_autograd(_backward, setup_context=_setup_context)
+_register(_lib, sdpa_forward, _attn.sdpa_forward_kernel, _sdpa_forward_fake, _Forward.apply)
+_register(_lib, sdpa_backward, _attn.sdpa_backward_kernel, _sdpa_backward_fake, _not_twice(sdpa_backward))
+_register(
+    _lib, sdpa_backward_mask, _attn.sdpa_backward_mask_kernel, _sdpa_backward_mask_fake, _not_twice(sdpa_backward_mask)
+)
 
 
 # ---------------------------------------------------------------------------------------
 # The calls.
 
 
-def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed=None):
+def _offsets(cu_seqlens):
+    """A packed call's offsets as the operator takes them: an integer tensor."""
+    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens
+    return torch.as_tensor(cu_seqlens, dtype=torch.int64)
+
+
+def _attention(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed=None,
+    cu_seqlens_q=None, cu_seqlens_k=None,
+):
     _check_tensors(query, key, value, attn_mask)
     dropout_p = float(dropout_p)
     _check_dropout(dropout_p)
@@ -343,8 +371,13 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         scale = float(scale)
     # One seed per call with dropout: the caller's, or a draw from torch's default generator.
     seed = None if dropout_p == 0.0 else _draw_seed() if seed is None else _seed_tensor(seed)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return sdpa_forward(
+            query, key, value, attn_mask, dropout_p, bool(is_causal), scale, bool(enable_gqa), causal_alignment, seed
+        )
     return sdpa_forward(
-        query, key, value, attn_mask, dropout_p, bool(is_causal), scale, bool(enable_gqa), causal_alignment, seed
+        query, key, value, attn_mask, dropout_p, bool(is_causal), scale, bool(enable_gqa), causal_alignment, seed,
+        _offsets(cu_seqlens_q), _offsets(cu_seqlens_k),
     )
 
 
@@ -360,13 +393,15 @@ class ScaledDotProductAttention:
 
 
 def _autograd_attention(
-    query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, with_lse, dropout_p=0.0, seed=None
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, with_lse, dropout_p=0.0, seed=None,
+    cu_seqlens_q=None, cu_seqlens_k=None,
 ):
     """The route of ``attn.scaled_dot_product_attention`` for torch tensors that require
     grad, and for those the plain path cannot read in place (meta tensors, tensor
     subclasses such as fake tensors)."""
     out, lse = _attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed,
+        cu_seqlens_q, cu_seqlens_k,
     )
     return (out, lse) if with_lse else out
 
@@ -383,6 +418,8 @@ def scaled_dot_product_attention(
     enable_gqa=False,
     causal_alignment="top_left",
     seed=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
 ):
     """``torch.nn.functional.scaled_dot_product_attention``, differentiable, by attn, through
     the operator ``attn::sdpa_forward`` (so ``torch.compile`` and ``torch.export`` take it
@@ -394,7 +431,10 @@ def scaled_dot_product_attention(
     ``dropout_p > 0`` drops weights as torch does, keyed by ``seed`` (an int, or drawn from
     torch's default generator: see the module's docstring); the backward pass drops the same.
     """
-    out, _ = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed)
+    out, _ = _attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed,
+        cu_seqlens_q, cu_seqlens_k,
+    )
     return out
 
 
@@ -410,22 +450,19 @@ def attention_with_lse(
     enable_gqa=False,
     causal_alignment="top_left",
     seed=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
 ):
     """``(out, lse)`` as ``attn.attention_with_lse``, with ``out`` differentiable."""
-    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed)
+    return _attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed,
+        cu_seqlens_q, cu_seqlens_k,
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # torch.compile of the plain entry points: dynamo cannot trace into the extension's
 # functions, so it is given these in their place (same signatures), which call the operator.
-
-
-def _no_packed(cu_seqlens_q, cu_seqlens_k):
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        raise ValueError(
-            "cu_seqlens under torch.compile: packed batches have no torch operator yet; call "
-            "attn outside the compiled region"
-        )
 
 
 @torch._dynamo.substitute_in_graph(_attn.scaled_dot_product_attention)
@@ -444,8 +481,10 @@ def _compiled_sdpa(
     cu_seqlens_q=None,
     cu_seqlens_k=None,
 ):
-    _no_packed(cu_seqlens_q, cu_seqlens_k)
-    out, _ = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed)
+    out, _ = _attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed,
+        cu_seqlens_q, cu_seqlens_k,
+    )
     return out
 
 
@@ -465,8 +504,10 @@ def _compiled_attention_with_lse(
     cu_seqlens_q=None,
     cu_seqlens_k=None,
 ):
-    _no_packed(cu_seqlens_q, cu_seqlens_k)
-    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed)
+    return _attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed,
+        cu_seqlens_q, cu_seqlens_k,
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+//! The kernels of `attn.torch`'s `torch.library` operators (`attn::sdpa_forward`,
+//! `attn::sdpa_backward`, `attn::sdpa_backward_mask`), registered as the operators' CPU
+//! kernels themselves: torch's dispatcher calls them with the schema's arguments in the
+//! schema's order, all positional.
+//!
+//! They are the module's functions minus what the operators do elsewhere: no route to
+//! autograd (the operator's autograd kernel is above them), no seed drawn (the operators
+//! take it as an input, a 0-d int64 tensor, so that the backward pass can regenerate the
+//! forward's dropout mask and a compiled graph can draw it as a node). Every Python layer
+//! between the dispatcher and attn would add to each call's cost; there is none.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::packed::Seqlens;
+use crate::sdpa::{attention_backward, flags, forward};
+
+/// The operators' refusal of dropout without a seed.
+fn require_seed(dropout_p: f64, seed: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    if dropout_p > 0.0 && seed.is_none() {
+        return Err(PyValueError::new_err(format!(
+            "dropout_p={dropout_p} without a seed: the operators take the seed as a 0-d int64 tensor (attn.torch's functions draw one)"
+        )));
+    }
+    Ok(())
+}
+
+/// `attn::sdpa_forward`'s CPU kernel: `(out, lse)`.
+#[pyfunction]
+#[pyo3(signature = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, seed=None, cu_seqlens_q=None, cu_seqlens_k=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sdpa_forward_kernel<'py>(
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    attn_mask: Option<&Bound<'py, PyAny>>,
+    dropout_p: f64,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    causal_alignment: &str,
+    seed: Option<&Bound<'py, PyAny>>,
+    cu_seqlens_q: Option<&Bound<'py, PyAny>>,
+    cu_seqlens_k: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = query.py();
+    let f = flags(
+        py,
+        dropout_p,
+        is_causal,
+        attn_mask.is_some(),
+        scale,
+        enable_gqa,
+        causal_alignment,
+    )?;
+    require_seed(dropout_p, seed)?;
+    let f = f.seeded(query, seed)?;
+    let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
+    let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
+    PyTuple::new(py, [o, lse.expect("asked for the LSE")])
+}
+
+/// `attn::sdpa_backward`'s CPU kernel: `(dq, dk, dv)`.
+#[pyfunction]
+#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sdpa_backward_kernel<'py>(
+    grad_out: &Bound<'py, PyAny>,
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    lse: &Bound<'py, PyAny>,
+    attn_mask: Option<&Bound<'py, PyAny>>,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    causal_alignment: &str,
+    dropout_p: f64,
+    seed: Option<&Bound<'py, PyAny>>,
+    cu_seqlens_q: Option<&Bound<'py, PyAny>>,
+    cu_seqlens_k: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    require_seed(dropout_p, seed)?;
+    attention_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_alignment,
+        dropout_p,
+        seed,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        false,
+    )
+}
+
+/// `attn::sdpa_backward_mask`'s CPU kernel: `(dq, dk, dv, dmask)`.
+#[pyfunction]
+#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment, dropout_p=0.0, seed=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sdpa_backward_mask_kernel<'py>(
+    grad_out: &Bound<'py, PyAny>,
+    query: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    value: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    lse: &Bound<'py, PyAny>,
+    attn_mask: &Bound<'py, PyAny>,
+    is_causal: bool,
+    scale: Option<f64>,
+    enable_gqa: bool,
+    causal_alignment: &str,
+    dropout_p: f64,
+    seed: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    require_seed(dropout_p, seed)?;
+    attention_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        Some(attn_mask),
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_alignment,
+        dropout_p,
+        seed,
+        None,
+        None,
+        true,
+    )
+}
