@@ -26,7 +26,9 @@
 //!   formula; `attn.transformers` registers `attn_implementation="attn"`.
 //!
 //! The GIL is released while the engine computes; every error is a Python `ValueError` or
-//! `TypeError` carrying attn's message (operand and shapes), never a crash. The crate is
+//! `TypeError` carrying attn's message (operand and shapes), never a crash; the functions
+//! with torch's semantics raise them as `attn.InputError` and `attn.InputTypeError`, which
+//! are `RuntimeError`s too, as torch's errors are (`errors.rs`). The crate is
 //! built with PyO3's `extension-module` feature, so `cargo build` and `cargo test
 //! --workspace` need no Python; its tests are the pytest suite in `tests/`, run by
 //! `cargo xtask test`.
@@ -67,6 +69,7 @@ macro_rules! typed {
 mod array;
 mod cache;
 mod dlpack;
+mod errors;
 mod operator;
 mod output;
 mod packed;
@@ -115,6 +118,8 @@ fn attn_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(operator::sdpa_backward_mask_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
+    m.add("InputError", errors::input_error(m.py())?)?;
+    m.add("InputTypeError", errors::input_type_error(m.py())?)?;
     m.add_class::<cache::PyKvCache>()?;
     m.add_class::<paged_cache::PyPagedKvCache>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -45,20 +45,22 @@ pub(crate) fn sdpa_forward_kernel<'py>(
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
-    let f = flags(
-        py,
-        dropout_p,
-        is_causal,
-        attn_mask.is_some(),
-        scale,
-        enable_gqa,
-        causal_alignment,
-    )?;
-    require_seed(dropout_p, seed)?;
-    let f = f.seeded(query, seed)?;
-    let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
-    let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
-    PyTuple::new(py, [o, lse.expect("asked for the LSE")])
+    crate::errors::torch_like(py, || {
+        let f = flags(
+            py,
+            dropout_p,
+            is_causal,
+            attn_mask.is_some(),
+            scale,
+            enable_gqa,
+            causal_alignment,
+        )?;
+        require_seed(dropout_p, seed)?;
+        let f = f.seeded(query, seed)?;
+        let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
+        let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
+        PyTuple::new(py, [o, lse.expect("asked for the LSE")])
+    })
 }
 
 /// `attn::sdpa_backward`'s CPU kernel: `(dq, dk, dv)`.
@@ -82,25 +84,28 @@ pub(crate) fn sdpa_backward_kernel<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    require_seed(dropout_p, seed)?;
-    attention_backward(
-        grad_out,
-        query,
-        key,
-        value,
-        out,
-        lse,
-        attn_mask,
-        is_causal,
-        scale,
-        enable_gqa,
-        causal_alignment,
-        dropout_p,
-        seed,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        false,
-    )
+    let py = query.py();
+    crate::errors::torch_like(py, || {
+        require_seed(dropout_p, seed)?;
+        attention_backward(
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            attn_mask,
+            is_causal,
+            scale,
+            enable_gqa,
+            causal_alignment,
+            dropout_p,
+            seed,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            false,
+        )
+    })
 }
 
 /// `attn::sdpa_backward_mask`'s CPU kernel: `(dq, dk, dv, dmask)`.
@@ -122,23 +127,26 @@ pub(crate) fn sdpa_backward_mask_kernel<'py>(
     dropout_p: f64,
     seed: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    require_seed(dropout_p, seed)?;
-    attention_backward(
-        grad_out,
-        query,
-        key,
-        value,
-        out,
-        lse,
-        Some(attn_mask),
-        is_causal,
-        scale,
-        enable_gqa,
-        causal_alignment,
-        dropout_p,
-        seed,
-        None,
-        None,
-        true,
-    )
+    let py = query.py();
+    crate::errors::torch_like(py, || {
+        require_seed(dropout_p, seed)?;
+        attention_backward(
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            Some(attn_mask),
+            is_causal,
+            scale,
+            enable_gqa,
+            causal_alignment,
+            dropout_p,
+            seed,
+            None,
+            None,
+            true,
+        )
+    })
 }

@@ -963,90 +963,92 @@ pub(crate) fn flash_attn_with_kvcache<'py>(
     return_softmax_lse: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = q.py();
-    let _ = (rotary_interleaved, num_splits); // the rotary layout; a split hint
-    if rotary_cos.is_some() || rotary_sin.is_some() {
-        return Err(PyValueError::new_err(
-            "rotary_cos/rotary_sin: attn does not apply rotary embeddings; rotate q and k before the call",
-        ));
-    }
-    if cache_leftpad.is_some() {
-        return Err(PyValueError::new_err(
-            "cache_leftpad is not supported: each sequence's keys start at position 0 of its cache",
-        ));
-    }
-    let qa = Array::extract("q", q)?;
-    let kc = Array::extract("k_cache", k_cache)?;
-    let vc = Array::extract("v_cache", v_cache)?;
-    let new = match (k, v) {
-        (None, None) => None,
-        (Some(k), Some(v)) => Some((Array::extract("k", k)?, Array::extract("v", v)?)),
-        _ => {
+    crate::errors::torch_like(py, || {
+        let _ = (rotary_interleaved, num_splits); // the rotary layout; a split hint
+        if rotary_cos.is_some() || rotary_sin.is_some() {
             return Err(PyValueError::new_err(
-                "k and v go together: pass both new keys and new values, or neither",
+                "rotary_cos/rotary_sin: attn does not apply rotary embeddings; rotate q and k before the call",
             ));
         }
-    };
-    let mut floats = vec![&kc, &vc];
-    if let Some((k, v)) = &new {
-        floats.extend([k, v]);
-    }
-    check_kinds(&qa, &floats)?;
-    match qa.dtype {
-        Dtype::Float(f) => check_returnable(qa.kind, f)?,
-        _ => {
-            return Err(PyTypeError::new_err(format!(
-                "q has dtype {}: attn computes on float32, float16 and bfloat16 storage",
-                qa.dtype.name()
-            )));
+        if cache_leftpad.is_some() {
+            return Err(PyValueError::new_err(
+                "cache_leftpad is not supported: each sequence's keys start at position 0 of its cache",
+            ));
         }
-    }
-    for a in &floats {
-        if a.dtype != qa.dtype {
-            return Err(PyTypeError::new_err(format!(
-                "{} has dtype {} but q has {}: they must match",
-                a.name,
-                a.dtype.name(),
-                qa.dtype.name()
-            )));
+        let qa = Array::extract("q", q)?;
+        let kc = Array::extract("k_cache", k_cache)?;
+        let vc = Array::extract("v_cache", v_cache)?;
+        let new = match (k, v) {
+            (None, None) => None,
+            (Some(k), Some(v)) => Some((Array::extract("k", k)?, Array::extract("v", v)?)),
+            _ => {
+                return Err(PyValueError::new_err(
+                    "k and v go together: pass both new keys and new values, or neither",
+                ));
+            }
+        };
+        let mut floats = vec![&kc, &vc];
+        if let Some((k, v)) = &new {
+            floats.extend([k, v]);
         }
-    }
-    qa.require_contiguous_rows()?;
-    for a in &floats {
-        a.require_contiguous_rows()?;
-    }
-    let shapes = check_shapes(&qa, &kc, &vc, new.as_ref(), block_table.is_some())?;
-    if new.is_some() {
-        check_write_target(&kc)?;
-        check_write_target(&vc)?;
-    }
-    let pages = read_pages(&shapes, cache_seqlens, block_table, cache_batch_idx)?;
-    let options = PagedOptions::read(
-        softmax_scale,
-        causal,
-        window_of(window_size)?,
-        softcap,
-        alibi_slopes,
-        (shapes.batch, shapes.heads),
-    )?;
-    // Negative strides are copied (the caches only when nothing is written: a cache written
-    // in place has none, checked above).
-    let new = match new {
-        None => None,
-        Some((k, v)) => Some((forward_strides(py, k)?, forward_strides(py, v)?)),
-    };
-    let call = Call {
-        q: Queries::new(forward_strides(py, qa)?)?,
-        k_cache: forward_strides(py, kc)?,
-        v_cache: forward_strides(py, vc)?,
-        new,
-        pages,
-        options,
-        kv_heads: shapes.kv_heads,
-    };
-    let results = match call.q.q.dtype {
-        Dtype::F32 => with_kvcache_typed::<f32>(py, &call, return_softmax_lse),
-        Dtype::F16 => with_kvcache_typed::<f16>(py, &call, return_softmax_lse),
-        _ => with_kvcache_typed::<bf16>(py, &call, return_softmax_lse),
-    }?;
-    returned(py, results)
+        check_kinds(&qa, &floats)?;
+        match qa.dtype {
+            Dtype::Float(f) => check_returnable(qa.kind, f)?,
+            _ => {
+                return Err(PyTypeError::new_err(format!(
+                    "q has dtype {}: attn computes on float32, float16 and bfloat16 storage",
+                    qa.dtype.name()
+                )));
+            }
+        }
+        for a in &floats {
+            if a.dtype != qa.dtype {
+                return Err(PyTypeError::new_err(format!(
+                    "{} has dtype {} but q has {}: they must match",
+                    a.name,
+                    a.dtype.name(),
+                    qa.dtype.name()
+                )));
+            }
+        }
+        qa.require_contiguous_rows()?;
+        for a in &floats {
+            a.require_contiguous_rows()?;
+        }
+        let shapes = check_shapes(&qa, &kc, &vc, new.as_ref(), block_table.is_some())?;
+        if new.is_some() {
+            check_write_target(&kc)?;
+            check_write_target(&vc)?;
+        }
+        let pages = read_pages(&shapes, cache_seqlens, block_table, cache_batch_idx)?;
+        let options = PagedOptions::read(
+            softmax_scale,
+            causal,
+            window_of(window_size)?,
+            softcap,
+            alibi_slopes,
+            (shapes.batch, shapes.heads),
+        )?;
+        // Negative strides are copied (the caches only when nothing is written: a cache written
+        // in place has none, checked above).
+        let new = match new {
+            None => None,
+            Some((k, v)) => Some((forward_strides(py, k)?, forward_strides(py, v)?)),
+        };
+        let call = Call {
+            q: Queries::new(forward_strides(py, qa)?)?,
+            k_cache: forward_strides(py, kc)?,
+            v_cache: forward_strides(py, vc)?,
+            new,
+            pages,
+            options,
+            kv_heads: shapes.kv_heads,
+        };
+        let results = match call.q.q.dtype {
+            Dtype::F32 => with_kvcache_typed::<f32>(py, &call, return_softmax_lse),
+            Dtype::F16 => with_kvcache_typed::<f16>(py, &call, return_softmax_lse),
+            _ => with_kvcache_typed::<bf16>(py, &call, return_softmax_lse),
+        }?;
+        returned(py, results)
+    })
 }

@@ -757,10 +757,12 @@ fn no_mask_when_packed(m: Option<&Array<'_>>) -> PyResult<()> {
 /// - Results are deterministic: they do not depend on the number of threads.
 /// - The LSE is available: see ``attention_with_lse``.
 ///
-/// Errors are ValueError (shapes, options) and TypeError (dtypes, kinds of input), with the
-/// operand and its shape in the message. Torch tensors that require grad (with grad mode on)
-/// go through ``attn.torch``'s autograd function, so ``loss.backward()`` works. The GIL is
-/// released while attn computes.
+/// Errors are ``attn.InputError`` (shapes, options: a ValueError) and
+/// ``attn.InputTypeError`` (dtypes, kinds of input: a TypeError), with the operand and its
+/// shape in the message; both are RuntimeErrors too, as torch's errors for the same input
+/// are. Torch tensors that require grad (with grad mode on) go through ``attn.torch``'s
+/// operator, so ``loss.backward()`` works, packed calls included. The GIL is released while
+/// attn computes.
 #[pyfunction]
 #[pyo3(signature = (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=false, *, scale=None, enable_gqa=false, causal_alignment="top_left", seed=None, cu_seqlens_q=None, cu_seqlens_k=None))]
 #[allow(clippy::too_many_arguments)]
@@ -778,33 +780,36 @@ pub(crate) fn scaled_dot_product_attention<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let f = flags(
-        query.py(),
-        dropout_p,
-        is_causal,
-        attn_mask.is_some(),
-        scale,
-        enable_gqa,
-        causal_alignment,
-    )?;
-    let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
-    if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
-        return via_autograd(
-            query,
-            key,
-            value,
-            attn_mask,
-            (dropout_p, seed),
+    let py = query.py();
+    crate::errors::torch_like(py, || {
+        let f = flags(
+            query.py(),
+            dropout_p,
             is_causal,
+            attn_mask.is_some(),
             scale,
             enable_gqa,
             causal_alignment,
-            false,
-            (cu_seqlens_q, cu_seqlens_k),
-        );
-    }
-    let f = f.seeded(query, seed)?;
-    forward(query, key, value, attn_mask, f, seqs.as_ref(), false).map(|(o, _)| o)
+        )?;
+        let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
+        if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
+            return via_autograd(
+                query,
+                key,
+                value,
+                attn_mask,
+                (dropout_p, seed),
+                is_causal,
+                scale,
+                enable_gqa,
+                causal_alignment,
+                false,
+                (cu_seqlens_q, cu_seqlens_k),
+            );
+        }
+        let f = f.seeded(query, seed)?;
+        forward(query, key, value, attn_mask, f, seqs.as_ref(), false).map(|(o, _)| o)
+    })
 }
 
 /// ``scaled_dot_product_attention`` that also returns the natural-log log-sum-exp of each
@@ -830,36 +835,38 @@ pub(crate) fn attention_with_lse<'py>(
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
-    let f = flags(
-        py,
-        dropout_p,
-        is_causal,
-        attn_mask.is_some(),
-        scale,
-        enable_gqa,
-        causal_alignment,
-    )?;
-    let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
-    if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
-        return via_autograd(
-            query,
-            key,
-            value,
-            attn_mask,
-            (dropout_p, seed),
+    crate::errors::torch_like(py, || {
+        let f = flags(
+            py,
+            dropout_p,
             is_causal,
+            attn_mask.is_some(),
             scale,
             enable_gqa,
             causal_alignment,
-            true,
-            (cu_seqlens_q, cu_seqlens_k),
-        )?
-        .cast_into::<PyTuple>()
-        .map_err(Into::into);
-    }
-    let f = f.seeded(query, seed)?;
-    let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
-    PyTuple::new(py, [o, lse.expect("asked for the LSE")])
+        )?;
+        let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
+        if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
+            return via_autograd(
+                query,
+                key,
+                value,
+                attn_mask,
+                (dropout_p, seed),
+                is_causal,
+                scale,
+                enable_gqa,
+                causal_alignment,
+                true,
+                (cu_seqlens_q, cu_seqlens_k),
+            )?
+            .cast_into::<PyTuple>()
+            .map_err(Into::into);
+        }
+        let f = f.seeded(query, seed)?;
+        let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
+        PyTuple::new(py, [o, lse.expect("asked for the LSE")])
+    })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1263,112 +1270,114 @@ pub(crate) fn attention_backward<'py>(
     mask_grad: bool,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
-    let f = flags(
-        py,
-        dropout_p,
-        is_causal,
-        attn_mask.is_some(),
-        scale,
-        enable_gqa,
-        causal_alignment,
-    )?;
-    if dropout_p > 0.0 && seed.is_none() {
-        return Err(PyValueError::new_err(format!(
-            "attention_backward with dropout_p={dropout_p} needs seed=, the seed of the forward call (pass the same seed= to both)"
-        )));
-    }
-    let f = f.seeded(query, seed)?;
-    let (q, k, v, m) = read_operands(query, key, value, attn_mask)?;
-    let go = Array::extract("grad_out", grad_out)?;
-    let o = Array::extract("out", out)?;
-    let ls = Array::extract("lse", lse)?;
-    check_kinds(&q, &[&go, &o, &ls])?;
-    check_same_dtype(&q, &k, &v, &[&go, &o])?;
-    if ls.dtype != Dtype::F32 {
-        return Err(PyTypeError::new_err(format!(
-            "lse has dtype {}: it must be the float32 LSE that attention_with_lse returned",
-            ls.dtype.name()
-        )));
-    }
-    go.require_contiguous_rows()?;
-    o.require_contiguous_rows()?;
-    if let Some(seqs) = Seqlens::read(cu_seqlens_q, cu_seqlens_k)? {
-        no_mask_when_packed(m.as_ref())?;
+    crate::errors::torch_like(py, || {
+        let f = flags(
+            py,
+            dropout_p,
+            is_causal,
+            attn_mask.is_some(),
+            scale,
+            enable_gqa,
+            causal_alignment,
+        )?;
+        if dropout_p > 0.0 && seed.is_none() {
+            return Err(PyValueError::new_err(format!(
+                "attention_backward with dropout_p={dropout_p} needs seed=, the seed of the forward call (pass the same seed= to both)"
+            )));
+        }
+        let f = f.seeded(query, seed)?;
+        let (q, k, v, m) = read_operands(query, key, value, attn_mask)?;
+        let go = Array::extract("grad_out", grad_out)?;
+        let o = Array::extract("out", out)?;
+        let ls = Array::extract("lse", lse)?;
+        check_kinds(&q, &[&go, &o, &ls])?;
+        check_same_dtype(&q, &k, &v, &[&go, &o])?;
+        if ls.dtype != Dtype::F32 {
+            return Err(PyTypeError::new_err(format!(
+                "lse has dtype {}: it must be the float32 LSE that attention_with_lse returned",
+                ls.dtype.name()
+            )));
+        }
+        go.require_contiguous_rows()?;
+        o.require_contiguous_rows()?;
+        if let Some(seqs) = Seqlens::read(cu_seqlens_q, cu_seqlens_k)? {
+            no_mask_when_packed(m.as_ref())?;
+            let (go, o, ls) = (
+                forward_strides(py, go)?,
+                forward_strides(py, o)?,
+                forward_strides(py, ls)?,
+            );
+            return crate::packed::backward(py, &go, &q, &k, &v, &o, &ls, &f, &seqs);
+        }
+        let passed = m.as_ref().map(|m| (m.shape.clone(), m.dtype.clone()));
+        let (mut plan, mut m) = plan_call(py, (&q, &k, &v), m, f, Plan::has_calls)?;
+        let mask_grad = if mask_grad {
+            let grad = mask_gradient_of(passed, plan.s)?;
+            if let Some(mm) = m.take() {
+                m = Some(mask_for_gradient(py, mm, &grad)?);
+                if let Some(mm) = &m {
+                    plan.set_mask(mm)?;
+                }
+            }
+            Some(grad)
+        } else {
+            None
+        };
+        let (out_shape, lse_shape) = (plan.out_shape(), plan.lse_shape());
+        for (a, want) in [(&go, &out_shape), (&o, &out_shape), (&ls, &lse_shape)] {
+            if &a.shape != want {
+                return Err(PyValueError::new_err(format!(
+                    "{} has shape {} but the attention output's is {}",
+                    a.name,
+                    a.shape_str(),
+                    crate::array::shape_str(want)
+                )));
+            }
+        }
         let (go, o, ls) = (
             forward_strides(py, go)?,
             forward_strides(py, o)?,
             forward_strides(py, ls)?,
         );
-        return crate::packed::backward(py, &go, &q, &k, &v, &o, &ls, &f, &seqs);
-    }
-    let passed = m.as_ref().map(|m| (m.shape.clone(), m.dtype.clone()));
-    let (mut plan, mut m) = plan_call(py, (&q, &k, &v), m, f, Plan::has_calls)?;
-    let mask_grad = if mask_grad {
-        let grad = mask_gradient_of(passed, plan.s)?;
-        if let Some(mm) = m.take() {
-            m = Some(mask_for_gradient(py, mm, &grad)?);
-            if let Some(mm) = &m {
-                plan.set_mask(mm)?;
-            }
+        match q.dtype {
+            Dtype::F32 => backward_typed::<f32>(
+                py,
+                &plan,
+                &q,
+                &k,
+                &v,
+                &go,
+                &o,
+                &ls,
+                m.as_ref(),
+                mask_grad.as_ref(),
+            ),
+            Dtype::F16 => backward_typed::<f16>(
+                py,
+                &plan,
+                &q,
+                &k,
+                &v,
+                &go,
+                &o,
+                &ls,
+                m.as_ref(),
+                mask_grad.as_ref(),
+            ),
+            _ => backward_typed::<bf16>(
+                py,
+                &plan,
+                &q,
+                &k,
+                &v,
+                &go,
+                &o,
+                &ls,
+                m.as_ref(),
+                mask_grad.as_ref(),
+            ),
         }
-        Some(grad)
-    } else {
-        None
-    };
-    let (out_shape, lse_shape) = (plan.out_shape(), plan.lse_shape());
-    for (a, want) in [(&go, &out_shape), (&o, &out_shape), (&ls, &lse_shape)] {
-        if &a.shape != want {
-            return Err(PyValueError::new_err(format!(
-                "{} has shape {} but the attention output's is {}",
-                a.name,
-                a.shape_str(),
-                crate::array::shape_str(want)
-            )));
-        }
-    }
-    let (go, o, ls) = (
-        forward_strides(py, go)?,
-        forward_strides(py, o)?,
-        forward_strides(py, ls)?,
-    );
-    match q.dtype {
-        Dtype::F32 => backward_typed::<f32>(
-            py,
-            &plan,
-            &q,
-            &k,
-            &v,
-            &go,
-            &o,
-            &ls,
-            m.as_ref(),
-            mask_grad.as_ref(),
-        ),
-        Dtype::F16 => backward_typed::<f16>(
-            py,
-            &plan,
-            &q,
-            &k,
-            &v,
-            &go,
-            &o,
-            &ls,
-            m.as_ref(),
-            mask_grad.as_ref(),
-        ),
-        _ => backward_typed::<bf16>(
-            py,
-            &plan,
-            &q,
-            &k,
-            &v,
-            &go,
-            &o,
-            &ls,
-            m.as_ref(),
-            mask_grad.as_ref(),
-        ),
-    }
+    })
 }
 
 /// What `mask_grad=True` returns, from the mask as passed (its shape and dtype): a float
@@ -1536,68 +1545,70 @@ pub(crate) fn dropout_mask<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    check_p(py, dropout_p)?;
-    let seed = seed_of(seed)?;
-    let d = Dropout::new(dropout_p as f32, seed)
-        .map_err(to_py_err)?
-        .with_offset(offset_of(offset)?);
-    let count = product(&shape);
-    if let Some(seqs) = Seqlens::read(cu_seqlens_q, cu_seqlens_k)? {
-        let [h, tq, tk] = match shape[..] {
-            [h, tq, tk] => [h, tq, tk],
-            _ => {
+    crate::errors::torch_like(py, || {
+        check_p(py, dropout_p)?;
+        let seed = seed_of(seed)?;
+        let d = Dropout::new(dropout_p as f32, seed)
+            .map_err(to_py_err)?
+            .with_offset(offset_of(offset)?);
+        let count = product(&shape);
+        if let Some(seqs) = Seqlens::read(cu_seqlens_q, cu_seqlens_k)? {
+            let [h, tq, tk] = match shape[..] {
+                [h, tq, tk] => [h, tq, tk],
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "shape {shape:?}: with cu_seqlens, dropout_mask takes (heads, total_q, total_k)"
+                    )));
+                }
+            };
+            let (cq, ck) = (seqs.q(), seqs.k());
+            if cq.last() != Some(&tq) || ck.last() != Some(&tk) {
                 return Err(PyValueError::new_err(format!(
-                    "shape {shape:?}: with cu_seqlens, dropout_mask takes (heads, total_q, total_k)"
+                    "shape {shape:?}: cu_seqlens_q ends at {:?} and cu_seqlens_k at {:?}, not at total_q and total_k",
+                    cq.last(),
+                    ck.last()
                 )));
             }
-        };
-        let (cq, ck) = (seqs.q(), seqs.k());
-        if cq.last() != Some(&tq) || ck.last() != Some(&tk) {
-            return Err(PyValueError::new_err(format!(
-                "shape {shape:?}: cu_seqlens_q ends at {:?} and cu_seqlens_k at {:?}, not at total_q and total_k",
-                cq.last(),
-                ck.last()
-            )));
-        }
-        let batch = cq.len() - 1;
-        d.check_streams(batch, h).map_err(to_py_err)?;
-        let mut keep = zeroed::<bool>("the dropout mask", count)?;
-        py.detach(|| -> attn_core::Result<()> {
-            for i in 0..batch {
-                let (q0, q1, k0, k1) = (cq[i], cq[i + 1], ck[i], ck[i + 1]);
-                d.check_positions(q1 - q0, k1 - k0)?;
-                for hh in 0..h {
-                    let head = d.for_head(i, hh, h);
-                    for r in q0..q1 {
-                        let row = (hh * tq + r) * tk;
-                        for c in k0..k1 {
-                            keep[row + c] = head.is_none_or(|hd| hd.keeps(r - q0, c - k0));
+            let batch = cq.len() - 1;
+            d.check_streams(batch, h).map_err(to_py_err)?;
+            let mut keep = zeroed::<bool>("the dropout mask", count)?;
+            py.detach(|| -> attn_core::Result<()> {
+                for i in 0..batch {
+                    let (q0, q1, k0, k1) = (cq[i], cq[i + 1], ck[i], ck[i + 1]);
+                    d.check_positions(q1 - q0, k1 - k0)?;
+                    for hh in 0..h {
+                        let head = d.for_head(i, hh, h);
+                        for r in q0..q1 {
+                            let row = (hh * tq + r) * tk;
+                            for c in k0..k1 {
+                                keep[row + c] = head.is_none_or(|hd| hd.keeps(r - q0, c - k0));
+                            }
                         }
                     }
                 }
-            }
-            Ok(())
-        })
-        .map_err(to_py_err)?;
-        return to_numpy(py, keep, &shape);
-    }
-    let [b, h, l, s] = dims4(&shape)?;
-    d.check_streams(b, h).map_err(to_py_err)?;
-    d.check_positions(l, s).map_err(to_py_err)?;
-    let mut keep = zeroed::<bool>("the dropout mask", count)?;
-    py.detach(|| {
-        let per_head = l * s;
-        if per_head == 0 {
-            return;
+                Ok(())
+            })
+            .map_err(to_py_err)?;
+            return to_numpy(py, keep, &shape);
         }
-        for (bh, block) in keep.chunks_mut(per_head).enumerate() {
-            let head = d.for_head(bh / h, bh % h, h);
-            for (i, row) in block.chunks_mut(s).enumerate() {
-                for (j, k) in row.iter_mut().enumerate() {
-                    *k = head.is_none_or(|hd| hd.keeps(i, j));
+        let [b, h, l, s] = dims4(&shape)?;
+        d.check_streams(b, h).map_err(to_py_err)?;
+        d.check_positions(l, s).map_err(to_py_err)?;
+        let mut keep = zeroed::<bool>("the dropout mask", count)?;
+        py.detach(|| {
+            let per_head = l * s;
+            if per_head == 0 {
+                return;
+            }
+            for (bh, block) in keep.chunks_mut(per_head).enumerate() {
+                let head = d.for_head(bh / h, bh % h, h);
+                for (i, row) in block.chunks_mut(s).enumerate() {
+                    for (j, k) in row.iter_mut().enumerate() {
+                        *k = head.is_none_or(|hd| hd.keeps(i, j));
+                    }
                 }
             }
-        }
-    });
-    to_numpy(py, keep, &shape)
+        });
+        to_numpy(py, keep, &shape)
+    })
 }

@@ -73,3 +73,49 @@ def test_a_tensor_that_requires_grad_with_numpy_operands_is_a_type_error():
     # The same errors from attn.torch's function, which reads tensors only.
     with pytest.raises(TypeError, match="query is a torch.Tensor but value is a NumPy array"):
         attn_torch.scaled_dot_product_attention(q, k, k.detach().numpy())
+
+
+def _q(*shape, **kw):
+    return randn(*shape, seed=11, **kw)
+
+
+# Malformed calls torch answers with a RuntimeError.
+MALFORMED = {
+    "head dims differ": lambda: (_q(1, 2, 4, 8), _q(1, 2, 4, 6), _q(1, 2, 4, 8)),
+    "dtypes differ": lambda: (_q(1, 2, 4, 8), _q(1, 2, 4, 8).half(), _q(1, 2, 4, 8)),
+    "integer operands": lambda: (_q(1, 2, 4, 8).int(), _q(1, 2, 4, 8).int(), _q(1, 2, 4, 8).int()),
+    "causal with a mask": lambda: (_q(1, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8), dict(attn_mask=torch.zeros(4, 4), is_causal=True)),
+    "dropout 1.5": lambda: (_q(1, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8), dict(dropout_p=1.5)),
+    "mask shape": lambda: (_q(1, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8), dict(attn_mask=torch.zeros(3, 4))),
+    "integer mask": lambda: (_q(1, 2, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8), dict(attn_mask=torch.zeros(4, 4, dtype=torch.int32))),
+    "one axis": lambda: (_q(8), _q(8), _q(8)),
+    "heads not a multiple": lambda: (_q(1, 3, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8), dict(enable_gqa=True)),
+    "heads differ without gqa": lambda: (_q(1, 4, 4, 8), _q(1, 2, 4, 8), _q(1, 2, 4, 8)),
+}
+
+
+@pytest.mark.parametrize("entry", ["attn", "attn.torch", "attn.torch requires grad"])
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_input_raises_what_torch_raises(case, entry):
+    """torch raises RuntimeError for malformed tensors; attn raises its InputError or
+    InputTypeError, which are RuntimeErrors too (and ValueError or TypeError, as attn
+    documents)."""
+    call = MALFORMED[case]()
+    operands, kw = (call[:3], call[3]) if len(call) == 4 else (call, {})
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(*operands, **kw)
+    if entry == "attn.torch requires grad" and operands[0].is_floating_point():
+        operands[0].requires_grad_(True)
+    sdpa = attn.scaled_dot_product_attention if entry == "attn" else attn_torch.scaled_dot_product_attention
+    with pytest.raises(RuntimeError) as raised:
+        sdpa(*operands, **kw)
+    assert isinstance(raised.value, (attn.InputError, attn.InputTypeError)), raised.value
+    assert isinstance(raised.value, (ValueError, TypeError))
+
+
+def test_the_error_classes():
+    assert issubclass(attn.InputError, ValueError) and issubclass(attn.InputError, RuntimeError)
+    assert issubclass(attn.InputTypeError, TypeError) and issubclass(attn.InputTypeError, RuntimeError)
+    q = np.zeros((1, 2, 4, 8), np.float32)
+    with pytest.raises(attn.InputError, match="key of shape .1, 2, 4, 6. has 6 features"):
+        attn.scaled_dot_product_attention(q, q[..., :6], q)

@@ -28,6 +28,12 @@ Where attn differs from torch (each function's docstring says more):
 - the last axis of query, key and value must be contiguous;
 - results do not depend on the number of threads.
 
+Malformed input raises ``attn.InputError`` (a shape, an option: a ``ValueError``) or
+``attn.InputTypeError`` (a dtype, a kind of array: a ``TypeError``); both are
+``RuntimeError``s too, as torch's errors for the same input are, so code written against
+either library catches them. The caches' methods raise plain ``ValueError`` and
+``TypeError``.
+
 Dropout (``dropout_p`` in ``[0, 1]``, a ValueError otherwise) is torch's: after the softmax
 each weight is kept with probability ``1 - p`` and scaled by ``1/(1 - p)``, or set to 0; the
 LSE of ``attention_with_lse`` is the undropped softmax's, and ``p = 0`` computes exactly what
@@ -44,6 +50,8 @@ KV caches have no dropout (inference).
 """
 
 from ._attn import (
+    InputError,
+    InputTypeError,
     KVCache,
     PagedKVCache,
     __version__,
@@ -57,6 +65,8 @@ from ._attn import (
 )
 
 __all__ = [
+    "InputError",
+    "InputTypeError",
     "KVCache",
     "PagedKVCache",
     "__version__",

@@ -102,13 +102,13 @@ def _check_tensors(query, key, value, attn_mask):
 def _check_dropout(dropout_p):
     """torch's check (and message) of a dropout probability."""
     if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout probability has to be between 0 and 1, but got {float(dropout_p)!r}")
+        raise _attn.InputError(f"dropout probability has to be between 0 and 1, but got {float(dropout_p)!r}")
 
 
 def _check_seed(dropout_p, seed):
     _check_dropout(dropout_p)
     if dropout_p > 0.0 and seed is None:
-        raise ValueError(
+        raise _attn.InputError(
             f"dropout_p={dropout_p} without a seed: the operators take the seed as a 0-d int64 tensor "
             "(attn.torch's functions draw one)"
         )
@@ -324,7 +324,7 @@ def _sdpa_backward_mask_fake(
 ):
     _check_seed(dropout_p, seed)
     if attn_mask.dtype == torch.bool:
-        raise ValueError("sdpa_backward_mask with a boolean attn_mask: only an additive float mask has a gradient")
+        raise _attn.InputError("sdpa_backward_mask with a boolean attn_mask: only an additive float mask has a gradient")
     return (
         query.new_empty(query.shape),
         key.new_empty(key.shape),
