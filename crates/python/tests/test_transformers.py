@@ -193,3 +193,54 @@ def test_import_attn_stays_torch_free():
 
     code = "import sys, attn; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _mask_functions():
+    mu = transformers.masking_utils
+    packed = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 3, 3, 3], [1, 1, 1, 1, 1, 2, 2, 2, 2, 2]])
+    return {
+        "causal": mu.causal_mask_function,
+        "bidirectional": mu.bidirectional_mask_function,
+        "sliding window 3": mu.sliding_window_causal_mask_function(3),
+        "chunked 4": mu.chunked_causal_mask_function(4, torch.tensor([0, 2])),
+        "packed sequences": mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(packed)),
+    }
+
+
+@pytest.mark.parametrize("builder", ["sdpa_mask", "eager_mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("padding", [False, True], ids=["no_padding", "left_padding"])
+@pytest.mark.parametrize("kind", ["causal", "bidirectional", "sliding window 3", "chunked 4", "packed sequences"])
+@pytest.mark.parametrize("q_length", [10, 3], ids=["prefill", "chunk"])
+def test_the_masks_transformers_builds_match_torch(builder, dtype, padding, kind, q_length):
+    """Every mask transformers' mask builders make for sdpa and eager attention — boolean
+    or additive (``finfo.min``), broadcast over heads, of the model's dtype — gives torch's
+    result; rows that see no key are 0 in attn where torch's boolean path gives NaN."""
+    mu = transformers.masking_utils
+    kv_length = 10
+    q_offset = kv_length - q_length  # a chunk of queries at the end, as in generation
+    attention_mask = None
+    if padding:
+        attention_mask = torch.ones(2, kv_length, dtype=torch.bool)
+        attention_mask[1, :4] = False
+    args = dict(
+        batch_size=2, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        mask_function=_mask_functions()[kind], attention_mask=attention_mask,
+    )
+    if builder == "sdpa_mask":
+        mask = mu.sdpa_mask(**args, allow_is_causal_skip=False)
+    else:
+        mask = mu.eager_mask(**args, dtype=dtype)
+    assert mask is not None and mask.shape == (2, 1, q_length, kv_length)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, q_length, 16, generator=gen).to(dtype)
+    k = torch.randn(2, 2, kv_length, 16, generator=gen).to(dtype)
+    v = torch.randn(2, 2, kv_length, 16, generator=gen).to(dtype)
+    got = attn.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    if mask.dtype == torch.bool:
+        sees = mask.any(-1, keepdim=True).expand_as(got[..., :1])
+        assert torch.equal(got[~sees.expand_as(got)], torch.zeros_like(got[~sees.expand_as(got)]))
+        got, want = got[sees.expand_as(got)], want[sees.expand_as(want)]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
