@@ -2,9 +2,10 @@
 through attn, against the same models with torch's own ``scaled_dot_product_attention``.
 
 The models are built from configs alone (random weights, nothing downloaded) with
-``attn_implementation="sdpa"``, and the test patches
-``torch.nn.functional.scaled_dot_product_attention``, which transformers' SDPA integration
-looks up at every call: GPT-2 with left padding, Llama with grouped-query attention, Mistral with a sliding
+``attn_implementation="sdpa"`` for torch's runs (the float64 truth patches torch's function
+to check each call); attn's runs switch the same model to ``attn_implementation="attn"``
+(``import attn.transformers``: transformers' ``AttentionInterface`` and its mask builder),
+nothing of torch patched, each call attn.transformers makes checked on its way: GPT-2 with left padding, Llama with grouped-query attention, Mistral with a sliding
 window, Qwen2 with one K/V head, BERT with padding, BART and Whisper with cross-attention.
 For each: the logits in eval mode, every parameter's gradient after one backward pass in
 train mode (the hidden dropout layers seeded alike, attention dropout 0 so that torch's and
@@ -50,6 +51,8 @@ transformers = optional_import(
 )
 
 import attn  # noqa: E402
+import attn.torch as attn_torch  # noqa: E402
+import attn.transformers  # noqa: E402, F401  (registers attn_implementation="attn")
 from math_path import math_sdpa  # noqa: E402
 
 # Tiny tensors: one thread is fastest for torch's own ops, and keeps the runs' rounding
@@ -58,6 +61,7 @@ torch.set_num_threads(1)
 
 # torch's function, taken before any test patches the module attribute.
 TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
+ATTN_TORCH_SDPA = attn_torch.scaled_dot_product_attention
 
 U = 2.0**-24  # f32 unit roundoff
 
@@ -113,13 +117,20 @@ def exact_and_bound(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 
 class Route:
-    """``torch.nn.functional.scaled_dot_product_attention`` replaced by ``impl`` inside a
-    ``with`` block. Counts the calls; each f32 call is checked against the same call in
-    float64 within ``exact_and_bound``'s bound (with ``check``), and the largest relative
-    bound of the calls is kept in ``rel``."""
+    """The attention calls of a model inside a ``with`` block, computed by ``impl``. Counts
+    the calls; each f32 call is checked against the same call in float64 within
+    ``exact_and_bound``'s bound (with ``check``), and the largest relative bound of the calls
+    is kept in ``rel``.
 
-    def __init__(self, impl, check=True):
-        self.impl, self.check = impl, check
+    Without ``model``, torch's ``scaled_dot_product_attention`` is replaced by the route (an
+    ``"sdpa"`` model calls it). With ``model``, attn is reached as users reach it: the model
+    is switched to ``attn_implementation="attn"`` for the block (transformers'
+    ``AttentionInterface``, attn.transformers' mask builder), torch's function is left
+    alone, and the calls attn.transformers makes to ``attn.torch``'s function go through the
+    route."""
+
+    def __init__(self, impl, check=True, model=None):
+        self.impl, self.check, self.model = impl, check, model
         self.calls, self.rel = 0, 0.0
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -140,12 +151,26 @@ class Route:
         return out
 
     def __enter__(self):
-        torch.nn.functional.scaled_dot_product_attention = self
+        if self.model is None:
+            torch.nn.functional.scaled_dot_product_attention = self
+        else:
+            self.previous = self.model.config._attn_implementation
+            self.model.set_attn_implementation(attn.transformers.NAME)
+            attn_torch.scaled_dot_product_attention = self
         return self
 
     def __exit__(self, *exc):
-        torch.nn.functional.scaled_dot_product_attention = TORCH_SDPA
+        if self.model is None:
+            torch.nn.functional.scaled_dot_product_attention = TORCH_SDPA
+        else:
+            attn_torch.scaled_dot_product_attention = ATTN_TORCH_SDPA
+            self.model.set_attn_implementation(self.previous)
         return False
+
+
+def attn_interface(query, key, value, **kw):
+    """What ``attn_implementation="attn"`` calls: attn.torch's function."""
+    return ATTN_TORCH_SDPA(query, key, value, **kw)
 
 
 def attn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -379,8 +404,10 @@ def teacher_forced(model, inputs, labels):
 # The comparison.
 
 
-def run(what, model, inputs, labels, impl, check=True):
-    route = Route(impl, check)
+def run(what, model, inputs, labels, impl, check=True, interface=False):
+    """``what`` of ``model`` with its attention computed by ``impl``: in place of torch's
+    function, or, with ``interface``, through ``attn_implementation="attn"``."""
+    route = Route(impl, check, model if interface else None)
     with route:
         result = what(model, inputs, labels)
     return result, route
@@ -402,7 +429,7 @@ def compare(name, what):
     model, model64, inputs, labels = build(name)
     truth, _ = run(what, model64, inputs, labels, torch_sdpa)
     theirs, torch_route = run(what, model, inputs, labels, torch_sdpa)
-    ours, attn_route = run(what, model, inputs, labels, attn_sdpa)
+    ours, attn_route = run(what, model, inputs, labels, attn_interface, interface=True)
     assert attn_route.calls > 0 and attn_route.calls == torch_route.calls, "attn was not called"
     # Both engines are within the same f32 bound of the exact call (checked per call), so
     # they may differ by twice it.
@@ -456,7 +483,7 @@ def scale_off_by_a_percent(query, key, value, attn_mask=None, dropout_p=0.0, is_
 @pytest.mark.parametrize("name", MODELS)
 def test_a_wrong_attention_fails(name, bug):
     shares, k, (model, inputs, labels, truth, theirs, _) = compare(name, eval_logits)
-    broken, route = run(eval_logits, model, inputs, labels, bug, check=False)
+    broken, route = run(eval_logits, model, inputs, labels, bug, check=False, interface=True)
     assert route.calls > 0
     share = excess(broken, theirs, truth, k)["logits"]
     assert share > 1, f"a wrong attention ({bug.__name__}) passes: {share:.3g} × the bound"
@@ -469,10 +496,11 @@ ATTENTION_DROPOUT = 0.1
 DROPOUT_MODELS = ["gpt2_left_padding", "bert_padding", "bart_cross_attention", "whisper_cross_attention"]
 
 
-def dropout_step(model, inputs, labels, impl, seed=7):
-    """One training step of ``model`` (train mode) with attention computed by ``impl``:
-    the loss and every parameter's gradient, and the dropout probabilities it was called
-    with."""
+def dropout_step(model, inputs, labels, impl, seed=7, interface=False):
+    """One training step of ``model`` (train mode) with attention computed by ``impl`` (in
+    place of torch's function, or through ``attn_implementation="attn"`` with
+    ``interface``): the loss and every parameter's gradient, and the dropout probabilities
+    it was called with."""
     ps = []
 
     def traced(query, key, value, attn_mask=None, dropout_p=0.0, **kw):
@@ -481,7 +509,7 @@ def dropout_step(model, inputs, labels, impl, seed=7):
 
     model.train()
     model.zero_grad(set_to_none=True)
-    with Route(traced, check=False):
+    with Route(traced, check=False, model=model if interface else None):
         torch.manual_seed(seed)  # hidden dropout and attention seeds: one stream
         loss = model(**as_dtype(inputs, model), labels=labels).loss
         loss.backward()
@@ -492,22 +520,22 @@ def dropout_step(model, inputs, labels, impl, seed=7):
 @pytest.mark.parametrize("name", DROPOUT_MODELS)
 def test_training_with_attention_dropout(name):
     model, _, inputs, labels = build(name, attention_dropout=ATTENTION_DROPOUT)
-    step, ps = dropout_step(model, inputs, labels, attn_sdpa)
+    step, ps = dropout_step(model, inputs, labels, attn_interface, interface=True)
     assert ps and all(p == ATTENTION_DROPOUT for p in ps), ps  # every attention drops
     for key, t in step.items():
         assert torch.isfinite(t).all(), f"{key} is not finite"
     assert len(step) > 10
-    replay, _ = dropout_step(model, inputs, labels, attn_sdpa)
+    replay, _ = dropout_step(model, inputs, labels, attn_interface, interface=True)
     for key, t in step.items():
         assert torch.equal(replay[key], t), f"torch.manual_seed does not replay {key}"
-    other, _ = dropout_step(model, inputs, labels, attn_sdpa, seed=8)
+    other, _ = dropout_step(model, inputs, labels, attn_interface, seed=8, interface=True)
     assert not torch.equal(other["loss"], step["loss"])
 
 
 @pytest.mark.parametrize("name", DROPOUT_MODELS)
 def test_training_with_attention_dropout_is_the_math_path_with_attns_masks(name):
     model, model64, inputs, labels = build(name, attention_dropout=ATTENTION_DROPOUT)
-    ours, _ = dropout_step(model, inputs, labels, attn_sdpa)
+    ours, _ = dropout_step(model, inputs, labels, attn_interface, interface=True)
     truth, _ = dropout_step(model64, inputs, labels, math_sdpa)
     # torch's math path in float32 with the same masks: the rounding of an f32 model.
     theirs, _ = dropout_step(model, inputs, labels, math_sdpa)
