@@ -18,7 +18,9 @@ use crate::kernel::element::{Element, f32_rows};
 use crate::kernel::exp2::exp2_approx;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
-use crate::kernel::online_softmax::{RowState, scale_rows, softmax_update, softmax_update_pairs};
+use crate::kernel::online_softmax::{
+    RowState, scale_rows, scale_transposed, softmax_update, softmax_update_pairs,
+};
 use crate::keys::KeySource;
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_tile, scale_and_mask_tile, without_non_finite_rows,
@@ -39,18 +41,17 @@ impl Scratch {
     ) {
         let (br, nr, d_k) = (self.plan.br, rows.len(), head.q.ncols());
         let fits = T::as_f32(head.q).is_some() || self.k_wide.len() >= nr * d_k;
-        let q_rows = fits.then(|| f32_rows(head.q, rows.clone(), &mut self.k_wide));
+        // Saturated: a query entry near f32::MAX times scale·log2(e) must not become inf
+        // (inf · 0 = NaN where the score is 0); the row's scores are then recomputed exactly.
+        if fits {
+            let q_rows = f32_rows(head.q, rows.clone(), &mut self.k_wide);
+            scale_transposed(q_rows, head.scale_log2, &mut self.q, br);
+            return;
+        }
         for c in 0..d_k {
             let col = &mut self.q[c * br..c * br + nr];
             for (i, x) in col.iter_mut().enumerate() {
-                let q = match q_rows {
-                    Some(m) => m[(i, c)],
-                    None => head.q[(rows.start + i, c)].to_f32(),
-                };
-                // Saturated: a query entry near f32::MAX times scale·log2(e) must not become
-                // inf (inf · 0 = NaN where the score is 0); the row's scores are then
-                // recomputed exactly.
-                *x = saturate(q * head.scale_log2);
+                *x = saturate(head.q[(rows.start + i, c)].to_f32() * head.scale_log2);
             }
         }
     }

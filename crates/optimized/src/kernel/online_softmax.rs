@@ -12,6 +12,8 @@
 //! of the bf16 pairs, [`pair_dot::OnePass`]), far from overflow, and the final division by
 //! `l` makes the result independent of when `m` moved.
 
+use faer::MatRef;
+
 use super::exp2::{exp2_approx, log2_approx};
 use super::finite::{INF_BITS, magnitude_max};
 use super::{multiversion, pair_dot};
@@ -455,6 +457,68 @@ multiversion! {
     pub(crate) fn scale_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, alpha: &[f32]) = scale_rows_body
 }
 
+multiversion! {
+    /// `dst` (column-major, `ld` floats between columns) = `src` (rows × cols) times
+    /// `alpha`, saturated ([`saturate`]): a query tile scaled into the log2 domain and
+    /// transposed for the score GEMM. Row-major `src` rows go through 8 × 8 blocks held in
+    /// registers (contiguous loads and stores); any other layout element by element.
+    pub(crate) fn scale_transposed(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) = scale_transposed_body
+}
+
+/// The edge of [`scale_transposed`]'s blocks.
+const TRANSPOSE_BLOCK: usize = 8;
+
+/// Rows `i0..i0 + TRANSPOSE_BLOCK` of `src` as slices, when each is contiguous.
+#[inline(always)]
+fn row_block(src: MatRef<'_, f32>, i0: usize) -> Option<[&[f32]; TRANSPOSE_BLOCK]> {
+    let mut rows = [&[][..]; TRANSPOSE_BLOCK];
+    for (ii, row) in rows.iter_mut().enumerate() {
+        *row = src.row(i0 + ii).try_as_row_major()?.as_slice();
+    }
+    Some(rows)
+}
+
+#[inline(always)]
+fn scale_transposed_body<const FMA: bool>(
+    src: MatRef<'_, f32>,
+    alpha: f32,
+    dst: &mut [f32],
+    ld: usize,
+) {
+    const B: usize = TRANSPOSE_BLOCK;
+    let (rows, cols) = (src.nrows(), src.ncols());
+    let whole = cols / B * B;
+    let mut i0 = 0;
+    while i0 + B <= rows {
+        let Some(block) = row_block(src, i0) else {
+            break;
+        };
+        for c0 in (0..whole).step_by(B) {
+            let mut t = [[0.0f32; B]; B];
+            for (ii, row) in block.iter().enumerate() {
+                for (cc, &x) in row[c0..c0 + B].iter().enumerate() {
+                    t[cc][ii] = saturate(x * alpha);
+                }
+            }
+            for (cc, col) in t.iter().enumerate() {
+                dst[(c0 + cc) * ld + i0..][..B].copy_from_slice(col);
+            }
+        }
+        for c in whole..cols {
+            for (ii, row) in block.iter().enumerate() {
+                dst[c * ld + i0 + ii] = saturate(row[c] * alpha);
+            }
+        }
+        i0 += B;
+    }
+    // The rows left (fewer than a block, or not contiguous).
+    for c in 0..cols {
+        for i in i0..rows {
+            dst[c * ld + i] = saturate(src[(i, c)] * alpha);
+        }
+    }
+}
+
 #[inline(always)]
 fn log_sum_exp_body<const FMA: bool>(m: &[f32], l: &[f32], empty: f32, lse: &mut [f32]) {
     for ((x, &m), &l) in lse.iter_mut().zip(m).zip(l) {
@@ -558,6 +622,54 @@ mod tests {
             m_safe,
         };
         softmax_update(s, ld, rows, cols, &mut st, false, false).expect("not checked")
+    }
+
+    #[test]
+    fn scale_transposed_is_the_scaled_transpose_for_every_shape_and_layout() {
+        let alpha = 0.37f32;
+        for rows in [0, 1, 7, 8, 9, 16, 21] {
+            for cols in [0, 1, 5, 8, 13, 64] {
+                let value = |i: usize, c: usize| {
+                    if (i, c) == (1, 2) {
+                        f32::MAX // saturates after the scale-up below
+                    } else {
+                        (i * 31 + c * 7) as f32 * 0.25 - 9.0
+                    }
+                };
+                let row_major: Vec<f32> = (0..rows * cols)
+                    .map(|x| value(x / cols.max(1), x % cols.max(1)))
+                    .collect();
+                let col_major: Vec<f32> = (0..rows * cols)
+                    .map(|x| value(x % rows.max(1), x / rows.max(1)))
+                    .collect();
+                let ld = rows + 3;
+                for (layout, src) in [
+                    (
+                        "row-major",
+                        MatRef::from_row_major_slice(&row_major, rows, cols),
+                    ),
+                    (
+                        "column-major",
+                        MatRef::from_column_major_slice(&col_major, rows, cols),
+                    ),
+                ] {
+                    for scale in [alpha, 4.0] {
+                        let mut dst = vec![f32::NAN; ld * cols];
+                        scale_transposed(src, scale, &mut dst, ld);
+                        for c in 0..cols {
+                            for i in 0..rows {
+                                let want = saturate(value(i, c) * scale);
+                                assert_eq!(
+                                    dst[c * ld + i].to_bits(),
+                                    want.to_bits(),
+                                    "{layout} {rows}x{cols} ({i}, {c})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
