@@ -21,10 +21,8 @@ of inductor's fused elementwise code).
 
 import argparse
 import os
-import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -48,24 +46,9 @@ import transformers  # noqa: E402
 
 import attn  # noqa: E402
 import attn.transformers  # noqa: E402, F401  (registers attn_implementation="attn")
+import machine  # noqa: E402
 
 torch.set_num_threads(args.threads)
-
-
-def cpu():
-    model = "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), model)
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    flags = set()
-    try:
-        flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
-    return model, isa
 
 
 def config():
@@ -120,9 +103,8 @@ def interleaved(cases, rounds):
 
 
 def main():
-    model_name, isa = cpu()
     print(
-        f"CPU: {model_name} ({' '.join(isa) or 'no AVX-512'}); attn kernels: {attn.isa()}; "
+        f"CPU: {machine.describe()}; attn kernels: {attn.isa()}; "
         f"threads: torch {torch.get_num_threads()}, attn {attn.num_threads()}; "
         f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}"
     )

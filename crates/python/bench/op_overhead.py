@@ -25,12 +25,9 @@ cases alternating), so that the machine's drift between rounds cancels. Targets:
 
 import argparse
 import os
-import pathlib
 import platform
 import statistics
-import subprocess
 import sys
-import time
 
 
 def parse_args():
@@ -50,22 +47,9 @@ import torch  # noqa: E402
 
 import attn  # noqa: E402
 import attn.torch as attn_torch  # noqa: E402
+import machine  # noqa: E402
 
 torch.set_num_threads(args.threads)
-
-
-def cpu():
-    model = "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), model)
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    try:
-        avx512 = " avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        avx512 = False
-    return model, avx512
 
 
 # The no-op operator, registered as attn.torch registers its own.
@@ -93,19 +77,9 @@ def _no_graph(keyset, *args):
 attn_torch._register(_lib, noop_op, noop_kernel, noop_kernel, _no_graph)
 
 
-def block(f, calls):
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter_ns()
-        f()
-        times.append(time.perf_counter_ns() - start)
-    return statistics.median(times)
-
-
 def main():
-    model, avx512 = cpu()
     print(
-        f"CPU: {model} (avx512f: {'yes' if avx512 else 'no'}); attn kernels: {attn.isa()}; "
+        f"CPU: {machine.describe()}; attn kernels: {attn.isa()}; "
         f"threads: {args.threads}; torch {torch.__version__}, Python {platform.python_version()}"
     )
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -129,7 +103,7 @@ def main():
     names = list(cases)
     for r in range(args.blocks):
         for name in names if r % 2 == 0 else reversed(names):
-            per_block[name].append(block(cases[name], args.calls))
+            per_block[name].append(machine.block_median(cases[name], args.calls))
     us = {name: statistics.median(t) / 1e3 for name, t in per_block.items()}
     print(f"{shape} float32, {args.blocks} interleaved rounds of one block of {args.calls} calls per case (medians):")
     for name, t in us.items():

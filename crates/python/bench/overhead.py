@@ -47,21 +47,7 @@ os.environ["RAYON_NUM_THREADS"] = str(args.threads)
 import numpy as np  # noqa: E402
 
 import attn  # noqa: E402
-
-
-def cpu():
-    model = "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), model)
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
-        avx512 = " avx512f" in flags
-    except OSError:
-        avx512 = False
-    return model, avx512
+import machine  # noqa: E402
 
 
 def rust_binary():
@@ -110,8 +96,7 @@ def timed(f, *a):
 
 
 def main():
-    model, avx512 = cpu()
-    print(f"CPU: {model} (avx512f: {'yes' if avx512 else 'no'}); attn kernels: {attn.isa()}; "
+    print(f"CPU: {machine.describe()}; attn kernels: {attn.isa()}; "
           f"threads: {attn.num_threads()} (Python) and {args.threads} (Rust); Python {platform.python_version()}, NumPy {np.__version__}")
     rust = Rust(rust_binary())
     rng = np.random.default_rng(0)

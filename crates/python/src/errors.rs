@@ -14,53 +14,54 @@ use pyo3::{PyTypeInfo, intern};
 static INPUT_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static INPUT_TYPE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
-/// `type(name, (base, RuntimeError), {...})`, in the module `attn`.
-fn both<'py>(
+/// The class `name` (`type(name, (base, RuntimeError), {...})` in the module `attn`),
+/// created once into `cell`.
+fn class<'py>(
     py: Python<'py>,
+    cell: &'static PyOnceLock<Py<PyType>>,
     name: &str,
     base: Bound<'py, PyType>,
     doc: &str,
-) -> PyResult<Py<PyType>> {
-    let namespace = PyDict::new(py);
-    namespace.set_item("__module__", "attn")?;
-    namespace.set_item("__doc__", doc)?;
-    let bases = PyTuple::new(py, [base, PyRuntimeError::type_object(py)])?;
-    Ok(py
-        .import(intern!(py, "builtins"))?
-        .getattr(intern!(py, "type"))?
-        .call1((name, bases, namespace))?
-        .cast_into::<PyType>()?
-        .unbind())
+) -> PyResult<&'py Bound<'py, PyType>> {
+    cell.get_or_try_init(py, || {
+        let namespace = PyDict::new(py);
+        namespace.set_item("__module__", "attn")?;
+        namespace.set_item("__doc__", doc)?;
+        let bases = PyTuple::new(py, [base, PyRuntimeError::type_object(py)])?;
+        Ok(py
+            .import(intern!(py, "builtins"))?
+            .getattr(intern!(py, "type"))?
+            .call1((name, bases, namespace))?
+            .cast_into::<PyType>()?
+            .unbind())
+    })
+    .map(|t| t.bind(py))
 }
 
 /// `attn.InputError`: malformed input (a shape, an option), a `ValueError` and a
 /// `RuntimeError`.
 pub(crate) fn input_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
-    INPUT_ERROR
-        .get_or_try_init(py, || {
-            both(
-                py,
-                "InputError",
-                PyValueError::type_object(py),
-                "Malformed input to attn (a shape, an option): a ValueError, and a RuntimeError as torch raises.",
-            )
-        })
-        .map(|t| t.bind(py))
+    let doc = "Malformed input to attn (a shape, an option): a ValueError, and a RuntimeError as torch raises.";
+    class(
+        py,
+        &INPUT_ERROR,
+        "InputError",
+        PyValueError::type_object(py),
+        doc,
+    )
 }
 
 /// `attn.InputTypeError`: an input of a dtype or kind attn does not take, a `TypeError` and
 /// a `RuntimeError`.
 pub(crate) fn input_type_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
-    INPUT_TYPE_ERROR
-        .get_or_try_init(py, || {
-            both(
-                py,
-                "InputTypeError",
-                PyTypeError::type_object(py),
-                "An input attn does not take (a dtype, a kind of array): a TypeError, and a RuntimeError as torch raises.",
-            )
-        })
-        .map(|t| t.bind(py))
+    let doc = "An input attn does not take (a dtype, a kind of array): a TypeError, and a RuntimeError as torch raises.";
+    class(
+        py,
+        &INPUT_TYPE_ERROR,
+        "InputTypeError",
+        PyTypeError::type_object(py),
+        doc,
+    )
 }
 
 /// `err` as torch's kind of error: a plain `ValueError` or `TypeError` becomes the class

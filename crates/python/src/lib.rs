@@ -115,7 +115,6 @@ fn attn_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sdpa::dropout_mask, m)?)?;
     m.add_function(wrap_pyfunction!(operator::sdpa_forward_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(operator::sdpa_backward_kernel, m)?)?;
-    m.add_function(wrap_pyfunction!(operator::sdpa_backward_mask_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(num_threads, m)?)?;
     m.add("InputError", errors::input_error(m.py())?)?;

@@ -1,6 +1,6 @@
 //! The kernels of `attn.torch`'s `torch.library` operators (`attn::sdpa_forward`,
 //! `attn::sdpa_backward`, `attn::sdpa_backward_mask`), registered as the operators' CPU
-//! kernels themselves: torch's dispatcher calls them with the schema's arguments in the
+//! kernels themselves (the mask's operator through `functools.partial`, `mask_grad=True`): torch's dispatcher calls them with the schema's arguments in the
 //! schema's order, all positional.
 //!
 //! They are the module's functions minus what the operators do elsewhere: no route to
@@ -63,9 +63,11 @@ pub(crate) fn sdpa_forward_kernel<'py>(
     })
 }
 
-/// `attn::sdpa_backward`'s CPU kernel: `(dq, dk, dv)`.
+/// `attn::sdpa_backward`'s CPU kernel: `(dq, dk, dv)`; with `mask_grad=True` (a keyword the
+/// schema does not have: `attn.torch` binds it), `attn::sdpa_backward_mask`'s, `(dq, dk,
+/// dv, dmask)`.
 #[pyfunction]
-#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None))]
+#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None, *, mask_grad=false))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn sdpa_backward_kernel<'py>(
     grad_out: &Bound<'py, PyAny>,
@@ -83,6 +85,7 @@ pub(crate) fn sdpa_backward_kernel<'py>(
     seed: Option<&Bound<'py, PyAny>>,
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
+    mask_grad: bool,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = query.py();
     crate::errors::torch_like(py, || {
@@ -103,50 +106,7 @@ pub(crate) fn sdpa_backward_kernel<'py>(
             seed,
             cu_seqlens_q,
             cu_seqlens_k,
-            false,
-        )
-    })
-}
-
-/// `attn::sdpa_backward_mask`'s CPU kernel: `(dq, dk, dv, dmask)`.
-#[pyfunction]
-#[pyo3(signature = (grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, causal_alignment, dropout_p=0.0, seed=None))]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn sdpa_backward_mask_kernel<'py>(
-    grad_out: &Bound<'py, PyAny>,
-    query: &Bound<'py, PyAny>,
-    key: &Bound<'py, PyAny>,
-    value: &Bound<'py, PyAny>,
-    out: &Bound<'py, PyAny>,
-    lse: &Bound<'py, PyAny>,
-    attn_mask: &Bound<'py, PyAny>,
-    is_causal: bool,
-    scale: Option<f64>,
-    enable_gqa: bool,
-    causal_alignment: &str,
-    dropout_p: f64,
-    seed: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyTuple>> {
-    let py = query.py();
-    crate::errors::torch_like(py, || {
-        require_seed(dropout_p, seed)?;
-        attention_backward(
-            grad_out,
-            query,
-            key,
-            value,
-            out,
-            lse,
-            Some(attn_mask),
-            is_causal,
-            scale,
-            enable_gqa,
-            causal_alignment,
-            dropout_p,
-            seed,
-            None,
-            None,
-            true,
+            mask_grad,
         )
     })
 }

@@ -59,6 +59,7 @@ draw nothing: ``dropout_p > 0`` without a seed is a ValueError there.
 """
 
 import contextlib
+import functools
 import operator
 import warnings
 from typing import Optional
@@ -345,7 +346,11 @@ def _register(lib, op, kernel, fake, with_graph):
 _register(_lib, sdpa_forward, _attn.sdpa_forward_kernel, _sdpa_forward_fake, _Forward.apply)
 _register(_lib, sdpa_backward, _attn.sdpa_backward_kernel, _sdpa_backward_fake, _not_twice(sdpa_backward))
 _register(
-    _lib, sdpa_backward_mask, _attn.sdpa_backward_mask_kernel, _sdpa_backward_mask_fake, _not_twice(sdpa_backward_mask)
+    _lib,
+    sdpa_backward_mask,
+    functools.partial(_attn.sdpa_backward_kernel, mask_grad=True),
+    _sdpa_backward_mask_fake,
+    _not_twice(sdpa_backward_mask),
 )
 
 
