@@ -65,8 +65,8 @@ pub(crate) fn input_type_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
 }
 
 /// `err` as torch's kind of error: a plain `ValueError` or `TypeError` becomes the class
-/// that is also a `RuntimeError`, with the same arguments and cause; anything else is
-/// returned as it is.
+/// that is also a `RuntimeError`, with the same arguments, traceback, cause and context;
+/// anything else is returned as it is.
 fn torch_like_err(py: Python<'_>, err: PyErr) -> PyErr {
     let ty = err.get_type(py);
     let class = if ty.is(PyValueError::type_object(py)) {
@@ -79,10 +79,14 @@ fn torch_like_err(py: Python<'_>, err: PyErr) -> PyErr {
     let converted = (|| -> PyResult<PyErr> {
         let value = err.value(py);
         let new = class?.call1(value.getattr(intern!(py, "args"))?.cast_into::<PyTuple>()?)?;
-        new.setattr(
-            intern!(py, "__cause__"),
-            value.getattr(intern!(py, "__cause__"))?,
-        )?;
+        // The frames it was raised through (Python code on the autograd route has some),
+        // and its cause and context, go with it; setting a cause of None would hide them.
+        for name in ["__traceback__", "__cause__", "__context__"] {
+            let attr = value.getattr(name)?;
+            if !attr.is_none() {
+                new.setattr(name, attr)?;
+            }
+        }
         Ok(PyErr::from_value(new))
     })();
     converted.unwrap_or(err)

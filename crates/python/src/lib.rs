@@ -21,12 +21,15 @@
 //! - inputs read in place (`array.rs`): NumPy arrays through NumPy's C API, torch tensors
 //!   and any other CPU producer through DLPack (`dlpack.rs`, the consumer);
 //! - results allocated as NumPy arrays and handed to torch without a copy (`output.rs`);
-//! - `attn.torch` (Python) registers the forward and backward passes as `torch.library`
-//!   custom operators (`attn::sdpa_forward`, `attn::sdpa_backward`) with their autograd
-//!   formula; `attn.transformers` registers `attn_implementation="attn"`.
+//! - `attn.torch` (Python) defines the forward and backward passes as `torch.library`
+//!   operators (`attn::sdpa_forward`, `attn::sdpa_backward`, `attn::sdpa_backward_mask`)
+//!   through a `Library` of its own, with their autograd formula; their CPU kernels are
+//!   this crate's (`operator.rs`); `attn.transformers` registers
+//!   `attn_implementation="attn"`.
 //!
 //! The GIL is released while the engine computes; every error is a Python `ValueError` or
-//! `TypeError` carrying attn's message (operand and shapes), never a crash; the functions
+//! `TypeError` carrying attn's message (operand and shapes), or a `MemoryError` for a
+//! result too large to allocate, never a crash; the functions
 //! with torch's semantics raise them as `attn.InputError` and `attn.InputTypeError`, which
 //! are `RuntimeError`s too, as torch's errors are (`errors.rs`). The crate is
 //! built with PyO3's `extension-module` feature, so `cargo build` and `cargo test

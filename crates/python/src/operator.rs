@@ -1,15 +1,18 @@
 //! The kernels of `attn.torch`'s `torch.library` operators (`attn::sdpa_forward`,
 //! `attn::sdpa_backward`, `attn::sdpa_backward_mask`), registered as the operators' CPU
-//! kernels themselves (the mask's operator through `functools.partial`, `mask_grad=True`): torch's dispatcher calls them with the schema's arguments in the
-//! schema's order, all positional.
+//! kernels themselves (the mask's operator through `functools.partial`, `mask_grad=True`):
+//! torch's dispatcher calls them with the schema's arguments in the schema's order, all
+//! positional.
 //!
 //! They are the module's functions minus what the operators do elsewhere: no route to
-//! autograd (the operator's autograd kernel is above them), no seed drawn (the operators
-//! take it as an input, a 0-d int64 tensor, so that the backward pass can regenerate the
-//! forward's dropout mask and a compiled graph can draw it as a node). Every Python layer
-//! between the dispatcher and attn would add to each call's cost; there is none.
+//! autograd (the operator's autograd kernel is above them: the one Python layer of a call),
+//! no seed drawn (the operators take it as an input, a 0-d int64 tensor, so that the
+//! backward pass can regenerate the forward's dropout mask and a compiled graph can draw it
+//! as a node). The backward kernel takes a `grad_out` of any strides (an upstream gradient
+//! is often a view), copying it compact when its rows are not.
 
 use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -24,6 +27,20 @@ fn require_seed(dropout_p: f64, seed: Option<&Bound<'_, PyAny>>) -> PyResult<()>
         )));
     }
     Ok(())
+}
+
+/// `x` as it is when its last axis is contiguous (or it is not a torch tensor: the
+/// module's own error names it), else `x.contiguous()`.
+fn compact_rows<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = x.py();
+    if !crate::array::is_torch_tensor(x)? {
+        return Ok(x.clone());
+    }
+    let strides: Vec<isize> = x.call_method0(intern!(py, "stride"))?.extract()?;
+    if strides.last().is_none_or(|&s| s == 1) {
+        return Ok(x.clone());
+    }
+    x.call_method0(intern!(py, "contiguous"))
 }
 
 /// `attn::sdpa_forward`'s CPU kernel: `(out, lse)`.
@@ -90,6 +107,7 @@ pub(crate) fn sdpa_backward_kernel<'py>(
     let py = query.py();
     crate::errors::torch_like(py, || {
         require_seed(dropout_p, seed)?;
+        let grad_out = &compact_rows(grad_out)?;
         attention_backward(
             grad_out,
             query,

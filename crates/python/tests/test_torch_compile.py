@@ -463,3 +463,49 @@ def test_a_second_derivative_is_refused():
     (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         dq.sum().backward()
+
+
+def test_the_backward_operator_takes_a_grad_out_of_any_strides():
+    q, k, v = randn(1, 2, 5, 8, seed=1), randn(1, 2, 5, 8, seed=2), randn(1, 2, 5, 8, seed=3)
+    out, lse = torch.ops.attn.sdpa_forward(q, k, v, None, 0.0, True, None, False, "top_left")
+    go = randn(1, 2, 8, 5, seed=4).transpose(-1, -2)  # last axis of stride 5
+    assert go.stride()[-1] != 1
+    want = torch.ops.attn.sdpa_backward(go.contiguous(), q, k, v, out, lse, None, True, None, False, "top_left")
+    got = torch.ops.attn.sdpa_backward(go, q, k, v, out, lse, None, True, None, False, "top_left")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("one offset", "go together"),
+        ("a mask", "no element-wise mask"),
+        ("4-D query", "3"),
+        ("heads without gqa", "enable_gqa=True"),
+    ],
+)
+def test_the_packed_fake_refuses_what_the_kernel_refuses(case, message):
+    """Shapes alone (meta tensors, tracing) give the error eager gives."""
+    cu = torch.tensor([0, 4, 9])
+    for device in ("cpu", "meta"):
+        q = torch.zeros(9, 4, 8, device=device)
+        kv = torch.zeros(9, 2 if case == "heads without gqa" else 4, 8, device=device)
+        args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+        mask = None
+        if case == "one offset":
+            args["cu_seqlens_k"] = None
+        elif case == "a mask":
+            mask = torch.zeros(9, 9, device=device)
+        elif case == "4-D query":
+            q = q[None]
+        with pytest.raises(attn.InputError, match=message):
+            attn_torch.attention_with_lse(q, kv, kv, mask, **args)
+
+
+def test_converted_errors_keep_their_traceback():
+    q = randn(1, 2, 5, 8, seed=1, requires_grad=True)
+    with pytest.raises(attn.InputTypeError) as raised:
+        attn.scaled_dot_product_attention(q, q, q, dropout_p=0.1, seed=2.5)
+    frames = [f.name for f in __import__("traceback").extract_tb(raised.value.__traceback__)]
+    assert "_seed_tensor" in frames, frames

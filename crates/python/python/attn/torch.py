@@ -92,12 +92,12 @@ def _check_tensors(query, key, value, attn_mask):
     operands = (("key", key), ("value", value), ("attn_mask", attn_mask))
     for name, x in operands:
         if x is not None and isinstance(x, torch.Tensor) != isinstance(query, torch.Tensor):
-            raise TypeError(
+            raise _attn.InputTypeError(
                 f"query is {_kind(query)} but {name} is {_kind(x)}: pass torch tensors together, "
                 "or NumPy arrays together"
             )
     if not isinstance(query, torch.Tensor):
-        raise TypeError(f"attn.torch computes on torch tensors: query is {_kind(query)}")
+        raise _attn.InputTypeError(f"attn.torch computes on torch tensors: query is {_kind(query)}")
 
 
 def _check_dropout(dropout_p):
@@ -128,14 +128,16 @@ def _seed_tensor(seed):
     """The caller's seed as the operators take it: a 0-d int64 tensor on the CPU."""
     if isinstance(seed, torch.Tensor):
         if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype.is_complex or seed.dtype == torch.bool:
-            raise TypeError(f"seed must be an integer or a one-element integer tensor, not a {seed.dtype} tensor of shape {tuple(seed.shape)}")
+            raise _attn.InputTypeError(
+                f"seed must be an integer or a one-element integer tensor, not a {seed.dtype} tensor of shape {tuple(seed.shape)}"
+            )
         return seed.reshape(()).to(device="cpu", dtype=torch.int64)
     try:
         value = operator.index(seed)
     except TypeError:
-        raise TypeError(f"seed must be an integer, not {type(seed).__name__}") from None
+        raise _attn.InputTypeError(f"seed must be an integer, not {type(seed).__name__}") from None
     if not -(2**63) <= value < 2**64:
-        raise ValueError(f"seed={value}: a 64-bit seed is an integer from -2**63 to 2**64 - 1")
+        raise _attn.InputError(f"seed={value}: a 64-bit seed is an integer from -2**63 to 2**64 - 1")
     if value >= 2**63:
         value -= 2**64  # the same bits as an int64
     return torch.tensor(value, dtype=torch.int64)
@@ -228,8 +230,6 @@ class _Forward(torch.autograd.Function):
         grads = [None] * (1 + ctx.arity)  # the keyset first, then the operator's arguments
         if not any(needs):
             return tuple(grads)
-        # An upstream gradient may be any view (an expand, a transpose); the kernel reads rows.
-        grad_out = grad_out.contiguous()
         if needs[3]:
             # The additive mask requires grad: the backward operator that returns its gradient.
             dq, dk, dv, grads[4] = sdpa_backward_mask(
@@ -289,12 +289,40 @@ def _batch_shape(query, key, value, enable_gqa):
     return torch.broadcast_shapes(*shapes)
 
 
+def _check_packed(query, key, value, attn_mask, cu_seqlens_q, cu_seqlens_k, enable_gqa):
+    """What the CPU kernel refuses in a packed call, refused by shapes alone (so that a traced
+    graph fails where eager would)."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise _attn.InputError("cu_seqlens_q and cu_seqlens_k go together: pass both or neither")
+    if attn_mask is not None:
+        raise _attn.InputError("a packed call (cu_seqlens) takes no element-wise mask: attn_mask must be None")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.dim() != 3:
+            raise _attn.InputError(f"{name} of a packed call has {x.dim()} axes: (total, heads, features) has 3")
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if x.dim() != 1 or x.shape[0] < 1:
+            raise _attn.InputError(f"{name} must be 1-D with batch + 1 offsets, not of shape {tuple(x.shape)}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise _attn.InputError("cu_seqlens_q and cu_seqlens_k must hold as many offsets (batch + 1 each)")
+    hq, hk = query.shape[1], key.shape[1]
+    if value.shape[1] != hk or key.shape[0] != value.shape[0] or query.shape[2] != key.shape[2]:
+        raise _attn.InputError(
+            f"packed key {tuple(key.shape)} and value {tuple(value.shape)} do not match each other or "
+            f"query {tuple(query.shape)}"
+        )
+    if hq != hk and (not enable_gqa or hk == 0 or hq % hk != 0):
+        raise _attn.InputError(
+            f"query has {hq} heads and key {hk}: pass enable_gqa=True with a count that divides the query's"
+        )
+
+
 def _sdpa_forward_fake(
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
     seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
 ):
     _check_seed(dropout_p, seed)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        _check_packed(query, key, value, attn_mask, cu_seqlens_q, cu_seqlens_k, enable_gqa)
         # A packed call: query (total_q, Hq, E), value (total_k, Hkv, Ev).
         total_q, heads = query.shape[0], query.shape[1]
         return query.new_empty((total_q, heads, value.shape[-1])), query.new_empty(
