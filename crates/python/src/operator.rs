@@ -11,23 +11,11 @@
 //! as a node). The backward kernel takes a `grad_out` of any strides (an upstream gradient
 //! is often a view), copying it compact when its rows are not.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::packed::Seqlens;
-use crate::sdpa::{attention_backward, flags, forward};
-
-/// The operators' refusal of dropout without a seed.
-fn require_seed(dropout_p: f64, seed: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-    if dropout_p > 0.0 && seed.is_none() {
-        return Err(PyValueError::new_err(format!(
-            "dropout_p={dropout_p} without a seed: the operators take the seed as a 0-d int64 tensor (attn.torch's functions draw one)"
-        )));
-    }
-    Ok(())
-}
+use crate::sdpa::{ForwardCall, Route, attention_backward, require_seed};
 
 /// `x` as it is when its last axis is contiguous (or it is not a torch tensor: the
 /// module's own error names it), else `x.contiguous()`.
@@ -61,23 +49,22 @@ pub(crate) fn sdpa_forward_kernel<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let py = query.py();
-    crate::errors::torch_like(py, || {
-        let f = flags(
-            py,
-            dropout_p,
-            is_causal,
-            attn_mask.is_some(),
-            scale,
-            enable_gqa,
-            causal_alignment,
-        )?;
-        require_seed(dropout_p, seed)?;
-        let f = f.seeded(query, seed)?;
-        let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
-        let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
-        PyTuple::new(py, [o, lse.expect("asked for the LSE")])
-    })
+    ForwardCall {
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_alignment,
+        seed,
+        cu_seqlens: (cu_seqlens_q, cu_seqlens_k),
+    }
+    .run(Route::Kernel)?
+    .cast_into::<PyTuple>()
+    .map_err(Into::into)
 }
 
 /// `attn::sdpa_backward`'s CPU kernel: `(dq, dk, dv)`; with `mask_grad=True` (a keyword the

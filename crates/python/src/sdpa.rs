@@ -179,39 +179,26 @@ fn kind_of(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Kind> {
 
 /// Hands a call to `attn.torch` (Python): its operator `attn::sdpa_forward` calls back
 /// without grad (or computes shapes only, for meta and fake tensors).
-#[allow(clippy::too_many_arguments)]
-fn via_autograd<'py>(
-    query: &Bound<'py, PyAny>,
-    key: &Bound<'py, PyAny>,
-    value: &Bound<'py, PyAny>,
-    attn_mask: Option<&Bound<'py, PyAny>>,
-    (dropout_p, seed): (f64, Option<&Bound<'py, PyAny>>),
-    is_causal: bool,
-    scale: Option<f64>,
-    enable_gqa: bool,
-    causal_alignment: &str,
-    with_lse: bool,
-    (cu_seqlens_q, cu_seqlens_k): (Option<&Bound<'py, PyAny>>, Option<&Bound<'py, PyAny>>),
-) -> PyResult<Bound<'py, PyAny>> {
-    let py = query.py();
+fn via_autograd<'py>(call: &ForwardCall<'_, 'py>, with_lse: bool) -> PyResult<Bound<'py, PyAny>> {
+    let py = call.query.py();
     let packed = PyDict::new(py);
-    packed.set_item(intern!(py, "cu_seqlens_q"), cu_seqlens_q)?;
-    packed.set_item(intern!(py, "cu_seqlens_k"), cu_seqlens_k)?;
+    packed.set_item(intern!(py, "cu_seqlens_q"), call.cu_seqlens.0)?;
+    packed.set_item(intern!(py, "cu_seqlens_k"), call.cu_seqlens.1)?;
     py.import("attn.torch")?
         .getattr("_autograd_attention")?
         .call(
             (
-                query,
-                key,
-                value,
-                attn_mask,
-                is_causal,
-                scale,
-                enable_gqa,
-                causal_alignment,
+                call.query,
+                call.key,
+                call.value,
+                call.attn_mask,
+                call.is_causal,
+                call.scale,
+                call.enable_gqa,
+                call.causal_alignment,
                 with_lse,
-                dropout_p,
-                seed,
+                call.dropout_p,
+                call.seed,
             ),
             Some(&packed),
         )
@@ -704,6 +691,79 @@ fn no_mask_when_packed(m: Option<&Array<'_>>) -> PyResult<()> {
 }
 
 /// Packed batches go through the plain call: their autograd route is not written.
+/// The operators' refusal of dropout without a seed.
+pub(crate) fn require_seed(dropout_p: f64, seed: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    if dropout_p > 0.0 && seed.is_none() {
+        return Err(PyValueError::new_err(format!(
+            "dropout_p={dropout_p} without a seed: the operators take the seed as a 0-d int64 tensor (attn.torch's functions draw one)"
+        )));
+    }
+    Ok(())
+}
+
+/// How a forward call is made: by the module's functions (through `attn.torch`'s operator
+/// when autograd or a tensor without data needs it; `(out, lse)` or `out`), or by the
+/// operator's CPU kernel (computed here, `(out, lse)`, the seed required with dropout).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Route {
+    Plain { with_lse: bool },
+    Kernel,
+}
+
+/// One forward call's arguments, as the module's functions and the operator take them.
+pub(crate) struct ForwardCall<'a, 'py> {
+    pub query: &'a Bound<'py, PyAny>,
+    pub key: &'a Bound<'py, PyAny>,
+    pub value: &'a Bound<'py, PyAny>,
+    pub attn_mask: Option<&'a Bound<'py, PyAny>>,
+    pub dropout_p: f64,
+    pub is_causal: bool,
+    pub scale: Option<f64>,
+    pub enable_gqa: bool,
+    pub causal_alignment: &'a str,
+    pub seed: Option<&'a Bound<'py, PyAny>>,
+    /// `cu_seqlens_q` and `cu_seqlens_k` of a packed call.
+    pub cu_seqlens: (Option<&'a Bound<'py, PyAny>>, Option<&'a Bound<'py, PyAny>>),
+}
+
+impl<'py> ForwardCall<'_, 'py> {
+    /// The call's result by `route`, its errors as torch's kinds ([`crate::errors`]).
+    pub(crate) fn run(&self, route: Route) -> PyResult<Bound<'py, PyAny>> {
+        let py = self.query.py();
+        crate::errors::torch_like(py, || {
+            let f = flags(
+                py,
+                self.dropout_p,
+                self.is_causal,
+                self.attn_mask.is_some(),
+                self.scale,
+                self.enable_gqa,
+                self.causal_alignment,
+            )?;
+            let seqs = Seqlens::read(self.cu_seqlens.0, self.cu_seqlens.1)?;
+            let (q, k, v, m) = (self.query, self.key, self.value, self.attn_mask);
+            let with_lse = match route {
+                Route::Kernel => {
+                    require_seed(self.dropout_p, self.seed)?;
+                    true
+                }
+                Route::Plain { with_lse } => {
+                    if needs_autograd([Some(q), Some(k), Some(v), m])? {
+                        return via_autograd(self, with_lse);
+                    }
+                    with_lse
+                }
+            };
+            let f = f.seeded(q, self.seed)?;
+            let (o, lse) = forward(q, k, v, m, f, seqs.as_ref(), with_lse)?;
+            match lse {
+                Some(lse) => Ok(PyTuple::new(py, [o, lse])?.into_any()),
+                None => Ok(o),
+            }
+        })
+    }
+}
+
 /// Scaled dot-product attention with the semantics of
 /// `torch.nn.functional.scaled_dot_product_attention`, computed by attn's streaming engine.
 ///
@@ -780,36 +840,20 @@ pub(crate) fn scaled_dot_product_attention<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let py = query.py();
-    crate::errors::torch_like(py, || {
-        let f = flags(
-            query.py(),
-            dropout_p,
-            is_causal,
-            attn_mask.is_some(),
-            scale,
-            enable_gqa,
-            causal_alignment,
-        )?;
-        let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
-        if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
-            return via_autograd(
-                query,
-                key,
-                value,
-                attn_mask,
-                (dropout_p, seed),
-                is_causal,
-                scale,
-                enable_gqa,
-                causal_alignment,
-                false,
-                (cu_seqlens_q, cu_seqlens_k),
-            );
-        }
-        let f = f.seeded(query, seed)?;
-        forward(query, key, value, attn_mask, f, seqs.as_ref(), false).map(|(o, _)| o)
-    })
+    ForwardCall {
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_alignment,
+        seed,
+        cu_seqlens: (cu_seqlens_q, cu_seqlens_k),
+    }
+    .run(Route::Plain { with_lse: false })
 }
 
 /// ``scaled_dot_product_attention`` that also returns the natural-log log-sum-exp of each
@@ -834,39 +878,22 @@ pub(crate) fn attention_with_lse<'py>(
     cu_seqlens_q: Option<&Bound<'py, PyAny>>,
     cu_seqlens_k: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let py = query.py();
-    crate::errors::torch_like(py, || {
-        let f = flags(
-            py,
-            dropout_p,
-            is_causal,
-            attn_mask.is_some(),
-            scale,
-            enable_gqa,
-            causal_alignment,
-        )?;
-        let seqs = Seqlens::read(cu_seqlens_q, cu_seqlens_k)?;
-        if needs_autograd([Some(query), Some(key), Some(value), attn_mask])? {
-            return via_autograd(
-                query,
-                key,
-                value,
-                attn_mask,
-                (dropout_p, seed),
-                is_causal,
-                scale,
-                enable_gqa,
-                causal_alignment,
-                true,
-                (cu_seqlens_q, cu_seqlens_k),
-            )?
-            .cast_into::<PyTuple>()
-            .map_err(Into::into);
-        }
-        let f = f.seeded(query, seed)?;
-        let (o, lse) = forward(query, key, value, attn_mask, f, seqs.as_ref(), true)?;
-        PyTuple::new(py, [o, lse.expect("asked for the LSE")])
-    })
+    ForwardCall {
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_alignment,
+        seed,
+        cu_seqlens: (cu_seqlens_q, cu_seqlens_k),
+    }
+    .run(Route::Plain { with_lse: true })?
+    .cast_into::<PyTuple>()
+    .map_err(Into::into)
 }
 
 // ---------------------------------------------------------------------------------------
