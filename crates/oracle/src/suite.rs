@@ -148,7 +148,7 @@ pub enum Property {
     ///     backward bound, single head and batched.
     DropoutGradientsMatchReference,
     /// 19. The engine drops exactly the weights the contract's generator drops (V = I),
-    ///     and keeps a share within 4σ of `1 − p`.
+    ///     and keeps a share within a 10⁻⁹ false-alarm bound of `1 − p`.
     DropoutKeepRate,
     /// 19. The mean of the outputs of many seeds is the undropped output (within 5σ of the
     ///     mean, from the reference's weights).
