@@ -5,7 +5,7 @@
 //! causal top-left are the built-ins (bit for bit where the engine says its tiles coincide,
 //! within the bound otherwise), and the user mask's hidden blocks are skipped.
 //!
-//! The generated cases of every other forward property draw modifiers too (`case.rs`);
+//! The generated cases of every other forward property draw modifiers too (`case/strategy.rs`);
 //! these check what only a targeted case can.
 
 use core::ops::Range;
