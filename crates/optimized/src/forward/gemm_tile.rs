@@ -20,6 +20,7 @@ use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{
     RowState, scale_rows, scale_transposed, softmax_update, softmax_update_pairs,
+    softmax_update_unmoved,
 };
 use crate::keys::KeySource;
 use crate::mask::{
@@ -201,8 +202,26 @@ impl Scratch {
                 left_scale = out.pending_scale;
                 first.map(|rescale| (rescale, true))
             } else {
-                softmax_update(s, br, nr, nc, &mut state, all_visible, check)
-                    .map(|rescale| (rescale, false))
+                // A block past the first of f32 tile products with nothing to mask or modify
+                // rarely moves a row's maximum: one pass, else the scores again and two.
+                let one_pass = values == Values::F32
+                    && !k_native
+                    && all_visible
+                    && check
+                    && !modified
+                    && dropout.is_none();
+                let tried = one_pass
+                    .then(|| softmax_update_unmoved(s, br, nr, nc, &mut state, true, true))
+                    .flatten();
+                if tried == Some(true) {
+                    Some((false, false))
+                } else {
+                    if tried == Some(false) {
+                        scores(&self.pairs, s, &mut self.k_wide);
+                    }
+                    softmax_update(s, br, nr, nc, &mut state, all_visible, check)
+                        .map(|rescale| (rescale, false))
+                }
             };
             let (rescale, p_in_pairs) = match first {
                 Some(first) => first,

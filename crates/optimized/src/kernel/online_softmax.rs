@@ -16,10 +16,13 @@ use faer::MatRef;
 
 use super::exp2::{exp2_approx, log2_approx};
 use super::finite::{INF_BITS, magnitude_max};
-use super::{multiversion, pair_dot};
+use super::{Isa, multiversion, pair_dot};
 
-/// Rows whose block maxima the first step keeps in registers (one AVX-512 vector).
-const BLOCK_ROWS: usize = 16;
+/// Rows whose block maxima (and magnitudes) the maxima pass keeps in registers across the
+/// columns, and whose sums the exponentials keep there: four AVX-512 vectors, so that a
+/// strip's part of a column is four whole cache lines (one-vector strips walk the tile in
+/// strides that the caches serve worse; a row at a time keeps the sums in memory).
+const BLOCK_ROWS: usize = 64;
 
 /// How far (in log2 units) a block maximum may exceed the reference maximum before the
 /// accumulator is rescaled.
@@ -105,17 +108,87 @@ fn update_body<const FMA: bool>(
 ) -> Option<bool> {
     let checks = (all_visible, check_finite);
     let rescale = maxima_body::<FMA>(s, ld, rows, cols, state, checks, None)?;
-    // 3. P = 2^(s − m) in place, and the row sums.
+    // 3. P = 2^(s − m) in place, and the row sums: strips of rows whose sums stay in
+    //    registers across the columns (summed in column order, as one row at a time would),
+    //    each strip's part of a column a few whole cache lines; then the rows left.
     let (m_safe, l) = (&state.m_safe[..rows], &mut state.l[..rows]);
+    let whole = rows - rows % BLOCK_ROWS;
+    for i in (0..whole).step_by(BLOCK_ROWS) {
+        let mi: [f32; BLOCK_ROWS] = core::array::from_fn(|t| m_safe[i + t]);
+        let mut sums: [f32; BLOCK_ROWS] = core::array::from_fn(|t| l[i + t]);
+        for j in 0..cols {
+            let col = &mut s[j * ld + i..][..BLOCK_ROWS];
+            for t in 0..BLOCK_ROWS {
+                let p = exp2_approx::<FMA>(col[t] - mi[t]);
+                col[t] = p;
+                sums[t] += p;
+            }
+        }
+        l[i..i + BLOCK_ROWS].copy_from_slice(&sums);
+    }
     for j in 0..cols {
-        let col = &mut s[j * ld..j * ld + rows];
-        for ((x, &mi), li) in col.iter_mut().zip(m_safe).zip(l.iter_mut()) {
+        let col = &mut s[j * ld + whole..j * ld + rows];
+        for ((x, &mi), li) in col.iter_mut().zip(&m_safe[whole..]).zip(&mut l[whole..]) {
             let p = exp2_approx::<FMA>(*x - mi);
             *x = p;
             *li += p;
         }
     }
     Some(rescale)
+}
+
+/// [`softmax_update`] in one pass over the tile, for a block that moves no row's reference
+/// maximum: `2^(s − m)` at the maxima as they are, while the same pass finds each row's
+/// block maximum (and a non-finite score, when asked). When no row moves, overflows or
+/// holds a non-finite score, the tile, the sums and the state are bit for bit what
+/// [`softmax_update`] leaves (every factor 1): `Some(true)`; otherwise `Some(false)`, with
+/// the tile overwritten and the state as it was, and the caller computes the scores again.
+/// `None` (nothing touched) where it does not try: a row has seen nothing yet (or its
+/// maximum is near overflow), or the rows are not whole strips.
+#[inline(always)]
+fn unmoved_body<const FMA: bool>(
+    s: &mut [f32],
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    state: &mut RowState<'_>,
+    all_visible: bool,
+    check_finite: bool,
+) -> Option<bool> {
+    let (m, l) = (&state.m[..rows], &mut state.l[..rows]);
+    // New sums go to `alpha` (scratch until the end) so that a failed pass leaves `l`.
+    let sums_out = &mut state.alpha[..rows];
+    let far_from_overflow = |x: f32| x.is_finite() && x.abs() < HUGE / 2.0;
+    if !rows.is_multiple_of(BLOCK_ROWS) || !m.iter().all(|&x| far_from_overflow(x)) {
+        return None;
+    }
+    for i in (0..rows).step_by(BLOCK_ROWS) {
+        let mi: [f32; BLOCK_ROWS] = core::array::from_fn(|t| m[i + t]);
+        let mut sums: [f32; BLOCK_ROWS] = core::array::from_fn(|t| l[i + t]);
+        let mut max = [f32::NEG_INFINITY; BLOCK_ROWS];
+        let mut high = [0u32; BLOCK_ROWS];
+        for j in 0..cols {
+            let col = &mut s[j * ld + i..][..BLOCK_ROWS];
+            for t in 0..BLOCK_ROWS {
+                let x = col[t];
+                max[t] = if x > max[t] { x } else { max[t] };
+                high[t] = high[t].max(x.to_bits() & !(1 << 31));
+                let p = exp2_approx::<FMA>(x - mi[t]);
+                col[t] = p;
+                sums[t] += p;
+            }
+        }
+        for t in 0..BLOCK_ROWS {
+            let moves = max[t] > mi[t] + LAZY_RESCALE_LOG2 || overflowed(max[t], all_visible);
+            if moves || (check_finite && high[t] >= INF_BITS) {
+                return Some(false);
+            }
+        }
+        sums_out[i..i + BLOCK_ROWS].copy_from_slice(&sums);
+    }
+    l.copy_from_slice(sums_out);
+    sums_out.fill(1.0);
+    Some(true)
 }
 
 #[inline(always)]
@@ -250,9 +323,10 @@ fn maxima_body<const FMA: bool>(
     //    columns; then the rows past the last sixteen.
     alpha.fill(f32::NEG_INFINITY);
     let whole = rows - rows % BLOCK_ROWS;
-    let mut highs = [0u32; BLOCK_ROWS];
+    let mut high = 0;
     for i in (0..whole).step_by(BLOCK_ROWS) {
         let mut max = [f32::NEG_INFINITY; BLOCK_ROWS];
+        let mut highs = [0u32; BLOCK_ROWS];
         for j in 0..cols {
             let col = &s[j * ld + i..][..BLOCK_ROWS];
             for t in 0..BLOCK_ROWS {
@@ -263,8 +337,8 @@ fn maxima_body<const FMA: bool>(
             }
         }
         alpha[i..i + BLOCK_ROWS].copy_from_slice(&max);
+        high = highs.into_iter().fold(high, u32::max);
     }
-    let mut high = highs.into_iter().max().unwrap_or(0);
     for j in 0..cols {
         let col = &s[j * ld + whole..j * ld + rows];
         for (b, &x) in alpha[whole..].iter_mut().zip(col) {
@@ -329,6 +403,21 @@ multiversion! {
         all_visible: bool,
         check_finite: bool,
     ) -> Option<bool> = update_body
+}
+
+multiversion! {
+    /// [`softmax_update`] in one pass for a block that moves no row's maximum (see
+    /// [`unmoved_body`]): `Some(true)` when it did, `Some(false)` with the tile overwritten,
+    /// `None` untouched where it does not try.
+    pub(crate) fn softmax_update_unmoved(
+        s: &mut [f32],
+        ld: usize,
+        rows: usize,
+        cols: usize,
+        state: &mut RowState<'_>,
+        all_visible: bool,
+        check_finite: bool,
+    ) -> Option<bool> = unmoved_body
 }
 
 multiversion! {
@@ -457,20 +546,30 @@ multiversion! {
     pub(crate) fn scale_rows(acc: &mut [f32], ld: usize, rows: usize, cols: usize, alpha: &[f32]) = scale_rows_body
 }
 
-multiversion! {
-    /// `dst` (column-major, `ld` floats between columns) = `src` (rows × cols) times
-    /// `alpha`, saturated ([`saturate`]): a query tile scaled into the log2 domain and
-    /// transposed for the score GEMM. Row-major `src` rows go through 8 × 8 blocks held in
-    /// registers (contiguous loads and stores); any other layout element by element.
-    pub(crate) fn scale_transposed(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) = scale_transposed_body
+/// `dst` (column-major, `ld` floats between columns) = `src` (rows × cols) times `alpha`,
+/// saturated ([`saturate`]): a query tile scaled into the log2 domain and transposed for
+/// the score GEMM. Row-major `src` rows go through 8 × 8 blocks transposed in registers
+/// (AVX shuffles where the CPU has them: the compiler does not vectorise a transpose);
+/// any other layout element by element. Every path gives the same bits.
+pub(crate) fn scale_transposed(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(Isa::current().vectors(), Isa::Avx512 | Isa::Avx2) {
+        // SAFETY: the AVX-512 and AVX2 paths both have AVX (checked when the path is chosen).
+        unsafe { scale_transposed_avx(src, alpha, dst, ld) };
+        return;
+    }
+    scale_transposed_by(src, alpha, dst, ld, transpose_block);
 }
 
 /// The edge of [`scale_transposed`]'s blocks.
 const TRANSPOSE_BLOCK: usize = 8;
 
+/// `TRANSPOSE_BLOCK` contiguous rows of a tile.
+type RowBlock<'a> = [&'a [f32]; TRANSPOSE_BLOCK];
+
 /// Rows `i0..i0 + TRANSPOSE_BLOCK` of `src` as slices, when each is contiguous.
 #[inline(always)]
-fn row_block(src: MatRef<'_, f32>, i0: usize) -> Option<[&[f32]; TRANSPOSE_BLOCK]> {
+fn row_block(src: MatRef<'_, f32>, i0: usize) -> Option<RowBlock<'_>> {
     let mut rows = [&[][..]; TRANSPOSE_BLOCK];
     for (ii, row) in rows.iter_mut().enumerate() {
         *row = src.row(i0 + ii).try_as_row_major()?.as_slice();
@@ -478,34 +577,31 @@ fn row_block(src: MatRef<'_, f32>, i0: usize) -> Option<[&[f32]; TRANSPOSE_BLOCK
     Some(rows)
 }
 
+/// [`scale_transposed`] with each whole 8 × 8 block done by `block(rows, c0, alpha, dst,
+/// ld)`, which writes column `c0 + cc` of the block to `dst[cc·ld..][..8]`; the edges
+/// element by element.
 #[inline(always)]
-fn scale_transposed_body<const FMA: bool>(
+fn scale_transposed_by(
     src: MatRef<'_, f32>,
     alpha: f32,
     dst: &mut [f32],
     ld: usize,
+    block: impl Fn(&RowBlock<'_>, usize, f32, &mut [f32], usize),
 ) {
     const B: usize = TRANSPOSE_BLOCK;
     let (rows, cols) = (src.nrows(), src.ncols());
     let whole = cols / B * B;
     let mut i0 = 0;
     while i0 + B <= rows {
-        let Some(block) = row_block(src, i0) else {
+        let Some(rows_here) = row_block(src, i0) else {
             break;
         };
         for c0 in (0..whole).step_by(B) {
-            let mut t = [[0.0f32; B]; B];
-            for (ii, row) in block.iter().enumerate() {
-                for (cc, &x) in row[c0..c0 + B].iter().enumerate() {
-                    t[cc][ii] = saturate(x * alpha);
-                }
-            }
-            for (cc, col) in t.iter().enumerate() {
-                dst[(c0 + cc) * ld + i0..][..B].copy_from_slice(col);
-            }
+            let at = c0 * ld + i0;
+            block(&rows_here, c0, alpha, &mut dst[at..at + (B - 1) * ld + B], ld);
         }
         for c in whole..cols {
-            for (ii, row) in block.iter().enumerate() {
+            for (ii, row) in rows_here.iter().enumerate() {
                 dst[c * ld + i0 + ii] = saturate(row[c] * alpha);
             }
         }
@@ -515,6 +611,88 @@ fn scale_transposed_body<const FMA: bool>(
     for c in 0..cols {
         for i in i0..rows {
             dst[c * ld + i] = saturate(src[(i, c)] * alpha);
+        }
+    }
+}
+
+/// One block of [`scale_transposed_by`], portable.
+#[inline(always)]
+fn transpose_block(rows: &RowBlock<'_>, c0: usize, alpha: f32, dst: &mut [f32], ld: usize) {
+    const B: usize = TRANSPOSE_BLOCK;
+    for (ii, row) in rows.iter().enumerate() {
+        for (cc, &x) in row[c0..c0 + B].iter().enumerate() {
+            dst[cc * ld + ii] = saturate(x * alpha);
+        }
+    }
+}
+
+/// [`scale_transposed`] with its blocks in AVX registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+fn scale_transposed_avx(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
+    use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    // The tile's rows are read once, from L3 or memory: every line is asked for first, so
+    // that the misses overlap instead of stalling the transposes one block at a time.
+    for i in 0..src.nrows() {
+        if let Some(row) = src.row(i).try_as_row_major() {
+            for line in row.as_slice().chunks(16) {
+                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+            }
+        }
+    }
+    // The closure has this function's features: no unsafe needed to call the block.
+    scale_transposed_by(src, alpha, dst, ld, |rows, c0, alpha, dst, ld| {
+        transpose_block_avx(rows, c0, alpha, dst, ld)
+    });
+}
+
+/// One block of [`scale_transposed_by`]: eight rows loaded, scaled and saturated (`max`
+/// then `min` with the value second, so NaN stays NaN as in [`saturate`]), then the
+/// classic unpack / shuffle / lane-permute transpose.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+fn transpose_block_avx(rows: &RowBlock<'_>, c0: usize, alpha: f32, dst: &mut [f32], ld: usize) {
+    use core::arch::x86_64::*;
+    const B: usize = TRANSPOSE_BLOCK;
+    let (a, lo, hi) = (
+        _mm256_set1_ps(alpha),
+        _mm256_set1_ps(-f32::MAX),
+        _mm256_set1_ps(f32::MAX),
+    );
+    let r: [__m256; B] = core::array::from_fn(|i| {
+        let row = &rows[i][c0..c0 + B];
+        // SAFETY: `row` holds the 8 floats loaded.
+        let x = _mm256_mul_ps(unsafe { _mm256_loadu_ps(row.as_ptr()) }, a);
+        _mm256_min_ps(hi, _mm256_max_ps(lo, x))
+    });
+    let t = [
+        _mm256_unpacklo_ps(r[0], r[1]),
+        _mm256_unpackhi_ps(r[0], r[1]),
+        _mm256_unpacklo_ps(r[2], r[3]),
+        _mm256_unpackhi_ps(r[2], r[3]),
+        _mm256_unpacklo_ps(r[4], r[5]),
+        _mm256_unpackhi_ps(r[4], r[5]),
+        _mm256_unpacklo_ps(r[6], r[7]),
+        _mm256_unpackhi_ps(r[6], r[7]),
+    ];
+    // Columns c and c + 4 of rows 0..4 (then 4..8), lane by lane.
+    let u = [
+        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+    ];
+    for cc in 0..4 {
+        let low = _mm256_permute2f128_ps::<0x20>(u[cc], u[cc + 4]);
+        let high = _mm256_permute2f128_ps::<0x31>(u[cc], u[cc + 4]);
+        for (c, col) in [(cc, low), (cc + 4, high)] {
+            let out = &mut dst[c * ld..c * ld + B];
+            // SAFETY: `out` has room for the 8 floats stored.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), col) };
         }
     }
 }
