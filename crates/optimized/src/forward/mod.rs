@@ -22,14 +22,14 @@ use std::sync::Mutex;
 
 use attn_core::{Error, PartialState, Result, Tensor4Mut};
 use faer::reborrow::ReborrowMut;
-use faer::{Mat, MatMut, Par, RowMut};
+use faer::{Mat, MatMut, MatRef, Par, RowMut};
 
 use self::packed_head::{PackedHead, PackedHeads};
 use crate::exact;
 use crate::kernel::amx::{CacheLines, LineWords};
 use crate::kernel::element::Element;
 use crate::kernel::finite::tile_is_finite;
-use crate::kernel::online_softmax::{log_sum_exp, normalise_rows, scale_rows};
+use crate::kernel::online_softmax::{log_sum_exp, normalise_rows, scale_rows, transposed};
 use crate::kernel::{Products, amx, pair_dot};
 use crate::keys::KeySource;
 use crate::modifiers::{sink_into_lse, with_sink};
@@ -394,8 +394,9 @@ pub(crate) struct Scratch {
     acc_rows: Vec<f32>,
     /// Whether the last tile ran the row loop (its result is in `acc_rows`, not `acc`).
     row_tile: bool,
-    /// One output row in f32, before it is rounded to the output type in one pass.
-    out_row: Vec<f32>,
+    /// The tile's output rows in f32 (row-major, `d_v` apart), before each is rounded to
+    /// the output type in one pass.
+    out_rows: Vec<f32>,
     /// Packed operands of the native bf16 products (empty for f32 products).
     pairs: Pairs,
     /// Per row, what rounding P to bf16 added to the weights `P·V` summed (rescaled with
@@ -436,7 +437,7 @@ impl Scratch {
             v_wide: vec![0.0; wide * d_v],
             acc_rows: vec![0.0; DECODE_ROWS * d_v],
             row_tile: false,
-            out_row: vec![0.0; d_v],
+            out_rows: vec![0.0; br.max(DECODE_ROWS) * d_v],
             pairs: if products != Products::F32 {
                 Pairs::new(plan, d_k, d_v, products.split())
             } else {
@@ -538,23 +539,21 @@ impl Scratch {
             self.fold_sink(rows, sink);
         }
         if !self.row_tile {
-            // Divided in place a column at a time (vectorised across the rows), before the
-            // rows are gathered out of the column-major tile.
+            // Divided in place a column at a time (vectorised across the rows), then the
+            // rows gathered out of the column-major tile in 8 × 8 blocks.
             normalise_rows(&mut self.acc, br, rows, d_v, &self.l);
+            let acc = MatRef::from_row_major_slice_with_stride(&self.acc, d_v, rows, br);
+            transposed(acc, &mut self.out_rows, d_v);
         }
         for (i, row) in out.iter_mut().enumerate().take(rows) {
             // The row in f32, then rounded to `O` in one vectorised pass (a copy for f32;
             // element by element, half's rounding is a scalar call per entry).
-            let l = self.l[i];
-            let buf = &mut self.out_row[..d_v];
+            let buf = &mut self.out_rows[i * d_v..(i + 1) * d_v];
             if self.row_tile {
-                let acc = &self.acc_rows[i * d_v..(i + 1) * d_v];
+                let (acc, l) = (&self.acc_rows[i * d_v..(i + 1) * d_v], self.l[i]);
                 buf.iter_mut()
                     .zip(acc)
                     .for_each(|(x, &a)| *x = normalise(a, l));
-            } else {
-                let acc = self.acc.iter().skip(i).step_by(br);
-                buf.iter_mut().zip(acc).for_each(|(x, &a)| *x = a);
             }
             narrow_row(buf, row.rb_mut());
         }

@@ -552,16 +552,32 @@ multiversion! {
 /// (AVX shuffles where the CPU has them: the compiler does not vectorise a transpose);
 /// any other layout element by element. Every path gives the same bits.
 pub(crate) fn scale_transposed(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
+    transposed_with::<true>(src, alpha, dst, ld);
+}
+
+/// `dst` (column-major, `ld` floats between columns) = `src` (rows × cols), as
+/// [`scale_transposed`] without the scale: an accumulator tile gathered into output rows.
+pub(crate) fn transposed(src: MatRef<'_, f32>, dst: &mut [f32], ld: usize) {
+    transposed_with::<false>(src, 1.0, dst, ld);
+}
+
+/// What [`transposed_with`] writes of an entry `x`.
+#[inline(always)]
+fn entry<const SCALE: bool>(x: f32, alpha: f32) -> f32 {
+    if SCALE { saturate(x * alpha) } else { x }
+}
+
+fn transposed_with<const SCALE: bool>(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
     #[cfg(target_arch = "x86_64")]
     if matches!(Isa::current().vectors(), Isa::Avx512 | Isa::Avx2) {
         // SAFETY: the AVX-512 and AVX2 paths both have AVX (checked when the path is chosen).
-        unsafe { scale_transposed_avx(src, alpha, dst, ld) };
+        unsafe { transposed_avx::<SCALE>(src, alpha, dst, ld) };
         return;
     }
-    scale_transposed_by(src, alpha, dst, ld, transpose_block);
+    transposed_by::<SCALE>(src, alpha, dst, ld, transpose_block::<SCALE>);
 }
 
-/// The edge of [`scale_transposed`]'s blocks.
+/// The edge of [`transposed_with`]'s blocks.
 const TRANSPOSE_BLOCK: usize = 8;
 
 /// `TRANSPOSE_BLOCK` contiguous rows of a tile.
@@ -577,11 +593,11 @@ fn row_block(src: MatRef<'_, f32>, i0: usize) -> Option<RowBlock<'_>> {
     Some(rows)
 }
 
-/// [`scale_transposed`] with each whole 8 × 8 block done by `block(rows, c0, alpha, dst,
+/// [`transposed_with`] with each whole 8 × 8 block done by `block(rows, c0, alpha, dst,
 /// ld)`, which writes column `c0 + cc` of the block to `dst[cc·ld..][..8]`; the edges
 /// element by element.
 #[inline(always)]
-fn scale_transposed_by(
+fn transposed_by<const SCALE: bool>(
     src: MatRef<'_, f32>,
     alpha: f32,
     dst: &mut [f32],
@@ -602,7 +618,7 @@ fn scale_transposed_by(
         }
         for c in whole..cols {
             for (ii, row) in rows_here.iter().enumerate() {
-                dst[c * ld + i0 + ii] = saturate(row[c] * alpha);
+                dst[c * ld + i0 + ii] = entry::<SCALE>(row[c], alpha);
             }
         }
         i0 += B;
@@ -610,26 +626,32 @@ fn scale_transposed_by(
     // The rows left (fewer than a block, or not contiguous).
     for c in 0..cols {
         for i in i0..rows {
-            dst[c * ld + i] = saturate(src[(i, c)] * alpha);
+            dst[c * ld + i] = entry::<SCALE>(src[(i, c)], alpha);
         }
     }
 }
 
-/// One block of [`scale_transposed_by`], portable.
+/// One block of [`transposed_by`], portable.
 #[inline(always)]
-fn transpose_block(rows: &RowBlock<'_>, c0: usize, alpha: f32, dst: &mut [f32], ld: usize) {
+fn transpose_block<const SCALE: bool>(
+    rows: &RowBlock<'_>,
+    c0: usize,
+    alpha: f32,
+    dst: &mut [f32],
+    ld: usize,
+) {
     const B: usize = TRANSPOSE_BLOCK;
     for (ii, row) in rows.iter().enumerate() {
         for (cc, &x) in row[c0..c0 + B].iter().enumerate() {
-            dst[cc * ld + ii] = saturate(x * alpha);
+            dst[cc * ld + ii] = entry::<SCALE>(x, alpha);
         }
     }
 }
 
-/// [`scale_transposed`] with its blocks in AVX registers.
+/// [`transposed_with`] with its blocks in AVX registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-fn scale_transposed_avx(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
+fn transposed_avx<const SCALE: bool>(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
     use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
     // The tile's rows are read once, from L3 or memory: every line is asked for first, so
     // that the misses overlap instead of stalling the transposes one block at a time.
@@ -641,17 +663,23 @@ fn scale_transposed_avx(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: u
         }
     }
     // The closure has this function's features: no unsafe needed to call the block.
-    scale_transposed_by(src, alpha, dst, ld, |rows, c0, alpha, dst, ld| {
-        transpose_block_avx(rows, c0, alpha, dst, ld)
+    transposed_by::<SCALE>(src, alpha, dst, ld, |rows, c0, alpha, dst, ld| {
+        transpose_block_avx::<SCALE>(rows, c0, alpha, dst, ld)
     });
 }
 
-/// One block of [`scale_transposed_by`]: eight rows loaded, scaled and saturated (`max`
-/// then `min` with the value second, so NaN stays NaN as in [`saturate`]), then the
-/// classic unpack / shuffle / lane-permute transpose.
+/// One block of [`transposed_by`]: eight rows loaded (scaled and saturated: `max` then
+/// `min` with the value second, so NaN stays NaN as in [`saturate`]), then the classic
+/// unpack / shuffle / lane-permute transpose.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-fn transpose_block_avx(rows: &RowBlock<'_>, c0: usize, alpha: f32, dst: &mut [f32], ld: usize) {
+fn transpose_block_avx<const SCALE: bool>(
+    rows: &RowBlock<'_>,
+    c0: usize,
+    alpha: f32,
+    dst: &mut [f32],
+    ld: usize,
+) {
     use core::arch::x86_64::*;
     const B: usize = TRANSPOSE_BLOCK;
     let (a, lo, hi) = (
@@ -662,8 +690,12 @@ fn transpose_block_avx(rows: &RowBlock<'_>, c0: usize, alpha: f32, dst: &mut [f3
     let r: [__m256; B] = core::array::from_fn(|i| {
         let row = &rows[i][c0..c0 + B];
         // SAFETY: `row` holds the 8 floats loaded.
-        let x = _mm256_mul_ps(unsafe { _mm256_loadu_ps(row.as_ptr()) }, a);
-        _mm256_min_ps(hi, _mm256_max_ps(lo, x))
+        let x = unsafe { _mm256_loadu_ps(row.as_ptr()) };
+        if SCALE {
+            _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(x, a)))
+        } else {
+            x
+        }
     });
     let t = [
         _mm256_unpacklo_ps(r[0], r[1]),
