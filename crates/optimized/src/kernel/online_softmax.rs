@@ -567,7 +567,12 @@ fn entry<const SCALE: bool>(x: f32, alpha: f32) -> f32 {
     if SCALE { saturate(x * alpha) } else { x }
 }
 
-fn transposed_with<const SCALE: bool>(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
+fn transposed_with<const SCALE: bool>(
+    src: MatRef<'_, f32>,
+    alpha: f32,
+    dst: &mut [f32],
+    ld: usize,
+) {
     #[cfg(target_arch = "x86_64")]
     if matches!(Isa::current().vectors(), Isa::Avx512 | Isa::Avx2) {
         // SAFETY: the AVX-512 and AVX2 paths both have AVX (checked when the path is chosen).
@@ -614,7 +619,13 @@ fn transposed_by<const SCALE: bool>(
         };
         for c0 in (0..whole).step_by(B) {
             let at = c0 * ld + i0;
-            block(&rows_here, c0, alpha, &mut dst[at..at + (B - 1) * ld + B], ld);
+            block(
+                &rows_here,
+                c0,
+                alpha,
+                &mut dst[at..at + (B - 1) * ld + B],
+                ld,
+            );
         }
         for c in whole..cols {
             for (ii, row) in rows_here.iter().enumerate() {
@@ -879,6 +890,89 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn transposed_copies_every_entry_as_it_is() {
+        for (rows, cols) in [(8, 8), (16, 64), (13, 21), (64, 9), (3, 3)] {
+            let value = |i: usize, c: usize| match (i + 2 * c) % 11 {
+                0 => f32::INFINITY,
+                1 => f32::NAN,
+                2 => f32::MAX,
+                k => (i * 7 + c) as f32 * 0.5 - k as f32,
+            };
+            let src: Vec<f32> = (0..rows * cols)
+                .map(|x| value(x / cols, x % cols))
+                .collect();
+            let ld = rows + 5;
+            let mut dst = vec![0.0f32; ld * cols];
+            transposed(MatRef::from_row_major_slice(&src, rows, cols), &mut dst, ld);
+            for c in 0..cols {
+                for i in 0..rows {
+                    assert_eq!(dst[c * ld + i].to_bits(), value(i, c).to_bits());
+                }
+            }
+        }
+    }
+
+    /// A state after a first block, for [`softmax_update_unmoved`]'s tests.
+    fn after_first_block(rows: usize, cols: usize) -> [Vec<f32>; 4] {
+        let mut state = state_vecs(rows);
+        let mut s: Vec<f32> = (0..rows * cols)
+            .map(|x| ((x * 37) % 101) as f32 * 0.07 - 3.0)
+            .collect();
+        update(&mut s, rows, rows, cols, &mut state);
+        state
+    }
+
+    fn unmoved(s: &mut [f32], rows: usize, cols: usize, state: &mut [Vec<f32>; 4]) -> Option<bool> {
+        let [m, l, alpha, m_safe] = state;
+        let mut st = RowState {
+            m,
+            l,
+            alpha,
+            m_safe,
+        };
+        softmax_update_unmoved(s, rows, rows, cols, &mut st, true, true)
+    }
+
+    #[test]
+    fn the_one_pass_is_the_two_passes_bit_for_bit_or_declines() {
+        let (rows, cols) = (2 * BLOCK_ROWS, 45);
+        let block: Vec<f32> = (0..rows * cols)
+            .map(|x| ((x * 53) % 97) as f32 * 0.09 - 4.0)
+            .collect();
+        // No row moves: the tile, the sums and the state as the two passes leave them.
+        let (mut two, mut one) = (after_first_block(rows, cols), after_first_block(rows, cols));
+        let (mut s_two, mut s_one) = (block.clone(), block.clone());
+        let rescale = update(&mut s_two, rows, rows, cols, &mut two);
+        assert!(!rescale);
+        assert_eq!(unmoved(&mut s_one, rows, cols, &mut one), Some(true));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&s_one), bits(&s_two));
+        for (a, b) in one.iter().zip(&two) {
+            assert_eq!(bits(a), bits(b));
+        }
+        // A row that moves, a non-finite score: declined, the state untouched.
+        for (at, x) in [(5 * rows + 70, 40.0), (3 * rows + 1, f32::NEG_INFINITY)] {
+            let mut state = after_first_block(rows, cols);
+            let before = state.clone();
+            let mut s = block.clone();
+            s[at] = x;
+            assert_eq!(unmoved(&mut s, rows, cols, &mut state), Some(false));
+            assert_eq!(bits(&state[0]), bits(&before[0]));
+            assert_eq!(bits(&state[1]), bits(&before[1]));
+        }
+        // A row that has seen nothing, or rows that are no whole strips: not tried.
+        for (rows, cols) in [(rows, cols), (BLOCK_ROWS + 8, cols)] {
+            let mut state = state_vecs(rows);
+            let mut s = vec![1.0f32; rows * cols];
+            if rows % BLOCK_ROWS != 0 {
+                state = after_first_block(rows, cols);
+            }
+            assert_eq!(unmoved(&mut s, rows, cols, &mut state), None);
+            assert!(s.iter().all(|&x| x == 1.0));
         }
     }
 
