@@ -114,17 +114,8 @@ fn update_body<const FMA: bool>(
     let (m_safe, l) = (&state.m_safe[..rows], &mut state.l[..rows]);
     let whole = rows - rows % BLOCK_ROWS;
     for i in (0..whole).step_by(BLOCK_ROWS) {
-        let mi: [f32; BLOCK_ROWS] = core::array::from_fn(|t| m_safe[i + t]);
-        let mut sums: [f32; BLOCK_ROWS] = core::array::from_fn(|t| l[i + t]);
-        for j in 0..cols {
-            let col = &mut s[j * ld + i..][..BLOCK_ROWS];
-            for t in 0..BLOCK_ROWS {
-                let p = exp2_approx::<FMA>(col[t] - mi[t]);
-                col[t] = p;
-                sums[t] += p;
-            }
-        }
-        l[i..i + BLOCK_ROWS].copy_from_slice(&sums);
+        let strip = exponentiate_strip::<FMA, false>(s, ld, i, cols, m_safe, l);
+        l[i..i + BLOCK_ROWS].copy_from_slice(&strip.sums);
     }
     for j in 0..cols {
         let col = &mut s[j * ld + whole..j * ld + rows];
@@ -135,6 +126,50 @@ fn update_body<const FMA: bool>(
         }
     }
     Some(rescale)
+}
+
+/// What [`exponentiate_strip`] found in its strip of rows.
+struct Strip {
+    /// The rows' sums `l + Σ_j 2^(s_j − m)`, in column order.
+    sums: [f32; BLOCK_ROWS],
+    /// The rows' block maxima (NaN passed over), when tracked.
+    max: [f32; BLOCK_ROWS],
+    /// The rows' largest magnitude bits (sign cleared), when tracked.
+    high: [u32; BLOCK_ROWS],
+}
+
+/// `2^(s − m)` in place over rows `i..i + BLOCK_ROWS` of the tile, each row's sum in a
+/// register across the columns (summed in column order, as one row at a time would); with
+/// `TRACK`, the rows' maxima and magnitudes found in the same pass.
+#[inline(always)]
+fn exponentiate_strip<const FMA: bool, const TRACK: bool>(
+    s: &mut [f32],
+    ld: usize,
+    i: usize,
+    cols: usize,
+    m: &[f32],
+    l: &[f32],
+) -> Strip {
+    let mi: [f32; BLOCK_ROWS] = core::array::from_fn(|t| m[i + t]);
+    let mut out = Strip {
+        sums: core::array::from_fn(|t| l[i + t]),
+        max: [f32::NEG_INFINITY; BLOCK_ROWS],
+        high: [0; BLOCK_ROWS],
+    };
+    for j in 0..cols {
+        let col = &mut s[j * ld + i..][..BLOCK_ROWS];
+        for t in 0..BLOCK_ROWS {
+            let x = col[t];
+            if TRACK {
+                out.max[t] = if x > out.max[t] { x } else { out.max[t] };
+                out.high[t] = out.high[t].max(x.to_bits() & !(1 << 31));
+            }
+            let p = exp2_approx::<FMA>(x - mi[t]);
+            col[t] = p;
+            out.sums[t] += p;
+        }
+    }
+    out
 }
 
 /// [`softmax_update`] in one pass over the tile, for a block that moves no row's reference
@@ -163,23 +198,10 @@ fn unmoved_body<const FMA: bool>(
         return None;
     }
     for i in (0..rows).step_by(BLOCK_ROWS) {
-        let mi: [f32; BLOCK_ROWS] = core::array::from_fn(|t| m[i + t]);
-        let mut sums: [f32; BLOCK_ROWS] = core::array::from_fn(|t| l[i + t]);
-        let mut max = [f32::NEG_INFINITY; BLOCK_ROWS];
-        let mut high = [0u32; BLOCK_ROWS];
-        for j in 0..cols {
-            let col = &mut s[j * ld + i..][..BLOCK_ROWS];
-            for t in 0..BLOCK_ROWS {
-                let x = col[t];
-                max[t] = if x > max[t] { x } else { max[t] };
-                high[t] = high[t].max(x.to_bits() & !(1 << 31));
-                let p = exp2_approx::<FMA>(x - mi[t]);
-                col[t] = p;
-                sums[t] += p;
-            }
-        }
+        let Strip { sums, max, high } = exponentiate_strip::<FMA, true>(s, ld, i, cols, m, l);
         for t in 0..BLOCK_ROWS {
-            let moves = max[t] > mi[t] + LAZY_RESCALE_LOG2 || overflowed(max[t], all_visible);
+            let (block, m) = (max[t], m[i + t]);
+            let moves = block > m + LAZY_RESCALE_LOG2 || overflowed(block, all_visible);
             if moves || (check_finite && high[t] >= INF_BITS) {
                 return Some(false);
             }
