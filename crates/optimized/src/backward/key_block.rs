@@ -19,9 +19,9 @@ use crate::exact::{rescore, row_top};
 use crate::kernel::Products;
 use crate::kernel::amx::{self, CacheLines, LineWords, TileRows};
 use crate::kernel::dropout::score_gradient_dropped;
-use crate::kernel::element::{Element, f32_rows, widen_rows};
+use crate::kernel::element::{Element, f32_rows, narrow_row, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
-use crate::kernel::online_softmax::saturate;
+use crate::kernel::online_softmax::{saturate, transposed_times};
 use crate::kernel::pair_dot::{
     self, Broadcast, Columns, LANES, Lanes, pack_f32_rows, pack_lanes, pack_probabilities,
     pack_row_pairs_into, pairs,
@@ -302,6 +302,8 @@ pub(super) struct Scratch {
     /// The block's dK (unscaled) and dV accumulators, `bc` apart (column-major).
     dk: CacheLines<f32>,
     dv: CacheLines<f32>,
+    /// The block's dK or dV rows gathered out of their accumulator (f32 products).
+    rows_out: Vec<f32>,
 }
 
 impl Scratch {
@@ -431,6 +433,11 @@ impl Scratch {
             ds: lines(br, bc)?,
             dk: lines(bc, d_k)?,
             dv: lines(bc, d_v)?,
+            rows_out: if tiles {
+                Vec::new()
+            } else {
+                zeros("backward scratch", bc, d_k.max(d_v))?
+            },
         })
     }
 
@@ -702,27 +709,29 @@ impl Scratch {
         }
     }
 
-    /// Writes the block's dK (times `scale`) and dV, rounded once.
-    pub fn write_block<G: Element>(
-        &self,
+    /// Writes the block's dK (times `scale`) and dV, rounded once: the column-major
+    /// accumulators of the f32 products gathered into rows in 8 × 8 blocks first.
+    pub fn write_block<'r, G: Element>(
+        &mut self,
         scale: f32,
-        dk: &mut [RowMut<'_, G>],
-        dv: &mut [RowMut<'_, G>],
+        dk: &mut [RowMut<'r, G>],
+        dv: &mut [RowMut<'r, G>],
     ) {
         let (bc, d_k, d_v) = (self.plan.bc, self.d_k, self.d_v);
         let nc = dk.len();
-        let (dk_acc, dv_acc) = (
-            accumulator_ref(&self.dk, nc, d_k, bc, self.tiles),
-            accumulator_ref(&self.dv, nc, d_v, bc, self.tiles),
-        );
-        for (jj, row) in dk.iter_mut().enumerate() {
-            for (c, x) in row.rb_mut().iter_mut().enumerate() {
-                *x = G::from_f32(scale * dk_acc[(jj, c)]);
+        for (acc, rows, width, factor) in [(&self.dk, dk, d_k, scale), (&self.dv, dv, d_v, 1.0)] {
+            let acc = accumulator_ref(acc, nc, width, bc, self.tiles);
+            if !self.tiles && width > 0 && self.rows_out.len() >= nc * width {
+                transposed_times(acc.transpose(), factor, &mut self.rows_out, width);
+                for (row, out) in rows.iter_mut().zip(self.rows_out.chunks_exact(width)) {
+                    narrow_row(out, row.rb_mut());
+                }
+                continue;
             }
-        }
-        for (jj, row) in dv.iter_mut().enumerate() {
-            for (c, x) in row.rb_mut().iter_mut().enumerate() {
-                *x = G::from_f32(dv_acc[(jj, c)]);
+            for (jj, row) in rows.iter_mut().enumerate() {
+                for (c, x) in row.rb_mut().iter_mut().enumerate() {
+                    *x = G::from_f32(factor * acc[(jj, c)]);
+                }
             }
         }
     }

@@ -42,7 +42,7 @@ use self::key_block::dq_row;
 use crate::exact;
 use crate::kernel::Products;
 use crate::kernel::amx::CacheLines;
-use crate::kernel::element::Element;
+use crate::kernel::element::{Element, narrow_row};
 use crate::keys::{Dense, KeySource};
 use crate::problem::{HeadInputs, element_count, filled};
 use crate::schedule::{Order, TilePlan, for_each_index, key_chunks};
@@ -477,7 +477,11 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
             return Err(e);
         }
 
-        // dQ: the partials of each group summed in chunk order, scaled, rounded once.
+        // dQ: the partials of each group summed in chunk order, scaled, rounded once; a
+        // row at a time, its entries side by side (vectorised where the partials' rows
+        // are contiguous, as they are for the f32 products).
+        // Allocated at the first row (a call without query rows may have any width).
+        let mut sums = Vec::new();
         let mut dq_rest = &mut *dq;
         for (g, &(_, chunks, per_task, start)) in layout.iter().enumerate() {
             let group = &self.groups[g];
@@ -489,14 +493,26 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
             for (r, row) in rows.iter_mut().enumerate() {
                 let (h, i) = (r / n_q.max(1), r % n_q.max(1));
                 let (first, stride) = dq_row(i, (n_q, d_k, self.plan.br), tiles);
-                for (c, x) in row.rb_mut().iter_mut().enumerate() {
-                    let at = h * n_q * d_k + first + c * stride;
-                    let mut sum = 0.0f32;
-                    for part in group_parts.chunks_exact(per_task.max(1)) {
-                        sum += part[at];
-                    }
-                    *x = G::from_f32(self.scale * sum);
+                let at = h * n_q * d_k + first;
+                if sums.len() != d_k {
+                    sums = filled("backward dQ row", Some(d_k), 0.0f32)?;
                 }
+                sums.fill(0.0);
+                for part in group_parts.chunks_exact(per_task.max(1)) {
+                    if stride == 1 {
+                        for (sum, &x) in sums.iter_mut().zip(&part[at..at + d_k]) {
+                            *sum += x;
+                        }
+                    } else {
+                        for (c, sum) in sums.iter_mut().enumerate() {
+                            *sum += part[at + c * stride];
+                        }
+                    }
+                }
+                for sum in &mut sums {
+                    *sum *= self.scale;
+                }
+                narrow_row(&sums, row.rb_mut());
             }
         }
         self.repair_overflowed(dq, dk, dv);

@@ -27,7 +27,7 @@ use faer::{Mat, MatMut, MatRef, Par, RowMut};
 use self::packed_head::{PackedHead, PackedHeads};
 use crate::exact;
 use crate::kernel::amx::{CacheLines, LineWords};
-use crate::kernel::element::Element;
+use crate::kernel::element::{Element, narrow_row};
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::{log_sum_exp, normalise_rows, scale_rows, transposed};
 use crate::kernel::{Products, amx, pair_dot};
@@ -255,19 +255,6 @@ pub(crate) fn run<T: Element, O: Element, K: KeySource<T>>(
             }
         })
     });
-}
-
-/// Rounds an f32 row into an output row of any stride: vectorised when it is contiguous.
-pub(crate) fn narrow_row<O: Element>(src: &[f32], mut dst: RowMut<'_, O>) {
-    match dst.rb_mut().try_as_row_major_mut() {
-        Some(contiguous) => {
-            O::narrow(src, contiguous.as_slice_mut());
-        }
-        None => dst
-            .iter_mut()
-            .zip(src)
-            .for_each(|(x, &a)| *x = O::from_f32(a)),
-    }
 }
 
 /// An accumulator entry divided by its row's sum `l`. `l = 0` only when nothing was

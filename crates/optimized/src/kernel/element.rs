@@ -7,7 +7,8 @@
 
 use core::ops::Range;
 
-use faer::MatRef;
+use faer::reborrow::ReborrowMut;
+use faer::{MatRef, RowMut};
 use half::{bf16, f16};
 
 use attn_core::Dtype;
@@ -553,6 +554,19 @@ pub(crate) fn f32_rows<'a, T: Element>(
         return m.subrows(rows.start, n);
     }
     MatRef::from_row_major_slice(widen_rows(m, rows, buf), n, d)
+}
+
+/// Rounds an f32 row into an output row of any stride: vectorised when it is contiguous.
+pub(crate) fn narrow_row<O: Element>(src: &[f32], mut dst: RowMut<'_, O>) {
+    match dst.rb_mut().try_as_row_major_mut() {
+        Some(contiguous) => {
+            O::narrow(src, contiguous.as_slice_mut());
+        }
+        None => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(x, &a)| *x = O::from_f32(a)),
+    }
 }
 
 #[cfg(test)]

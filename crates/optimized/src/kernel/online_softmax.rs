@@ -574,34 +574,47 @@ multiversion! {
 /// (AVX shuffles where the CPU has them: the compiler does not vectorise a transpose);
 /// any other layout element by element. Every path gives the same bits.
 pub(crate) fn scale_transposed(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
-    transposed_with::<true>(src, alpha, dst, ld);
+    transposed_with::<SATURATED>(src, alpha, dst, ld);
 }
 
 /// `dst` (column-major, `ld` floats between columns) = `src` (rows × cols), as
 /// [`scale_transposed`] without the scale: an accumulator tile gathered into output rows.
 pub(crate) fn transposed(src: MatRef<'_, f32>, dst: &mut [f32], ld: usize) {
-    transposed_with::<false>(src, 1.0, dst, ld);
+    transposed_with::<COPIED>(src, 1.0, dst, ld);
 }
+
+/// `dst` (column-major, `ld` floats between columns) = `src` (rows × cols) times `alpha`,
+/// as [`scale_transposed`] but not saturated (an overflow stays `±inf`, for the repairs
+/// that look for it): a gradient accumulator gathered into its rows.
+pub(crate) fn transposed_times(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
+    transposed_with::<SCALED>(src, alpha, dst, ld);
+}
+
+/// What [`transposed_with`] writes of an entry: the entry itself, …
+const COPIED: u8 = 0;
+/// … times the factor, …
+const SCALED: u8 = 1;
+/// … or times the factor and saturated ([`saturate`]).
+const SATURATED: u8 = 2;
 
 /// What [`transposed_with`] writes of an entry `x`.
 #[inline(always)]
-fn entry<const SCALE: bool>(x: f32, alpha: f32) -> f32 {
-    if SCALE { saturate(x * alpha) } else { x }
+fn entry<const MODE: u8>(x: f32, alpha: f32) -> f32 {
+    match MODE {
+        COPIED => x,
+        SCALED => x * alpha,
+        _ => saturate(x * alpha),
+    }
 }
 
-fn transposed_with<const SCALE: bool>(
-    src: MatRef<'_, f32>,
-    alpha: f32,
-    dst: &mut [f32],
-    ld: usize,
-) {
+fn transposed_with<const MODE: u8>(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
     #[cfg(target_arch = "x86_64")]
     if matches!(Isa::current().vectors(), Isa::Avx512 | Isa::Avx2) {
         // SAFETY: the AVX-512 and AVX2 paths both have AVX (checked when the path is chosen).
-        unsafe { transposed_avx::<SCALE>(src, alpha, dst, ld) };
+        unsafe { transposed_avx::<MODE>(src, alpha, dst, ld) };
         return;
     }
-    transposed_by::<SCALE>(src, alpha, dst, ld, transpose_block::<SCALE>);
+    transposed_by::<MODE>(src, alpha, dst, ld, transpose_block::<MODE>);
 }
 
 /// The edge of [`transposed_with`]'s blocks.
@@ -624,7 +637,7 @@ fn row_block(src: MatRef<'_, f32>, i0: usize) -> Option<RowBlock<'_>> {
 /// ld)`, which writes column `c0 + cc` of the block to `dst[cc·ld..][..8]`; the edges
 /// element by element.
 #[inline(always)]
-fn transposed_by<const SCALE: bool>(
+fn transposed_by<const MODE: u8>(
     src: MatRef<'_, f32>,
     alpha: f32,
     dst: &mut [f32],
@@ -651,7 +664,7 @@ fn transposed_by<const SCALE: bool>(
         }
         for c in whole..cols {
             for (ii, row) in rows_here.iter().enumerate() {
-                dst[c * ld + i0 + ii] = entry::<SCALE>(row[c], alpha);
+                dst[c * ld + i0 + ii] = entry::<MODE>(row[c], alpha);
             }
         }
         i0 += B;
@@ -659,14 +672,14 @@ fn transposed_by<const SCALE: bool>(
     // The rows left (fewer than a block, or not contiguous).
     for c in 0..cols {
         for i in i0..rows {
-            dst[c * ld + i] = entry::<SCALE>(src[(i, c)], alpha);
+            dst[c * ld + i] = entry::<MODE>(src[(i, c)], alpha);
         }
     }
 }
 
 /// One block of [`transposed_by`], portable.
 #[inline(always)]
-fn transpose_block<const SCALE: bool>(
+fn transpose_block<const MODE: u8>(
     rows: &RowBlock<'_>,
     c0: usize,
     alpha: f32,
@@ -676,7 +689,7 @@ fn transpose_block<const SCALE: bool>(
     const B: usize = TRANSPOSE_BLOCK;
     for (ii, row) in rows.iter().enumerate() {
         for (cc, &x) in row[c0..c0 + B].iter().enumerate() {
-            dst[cc * ld + ii] = entry::<SCALE>(x, alpha);
+            dst[cc * ld + ii] = entry::<MODE>(x, alpha);
         }
     }
 }
@@ -684,7 +697,7 @@ fn transpose_block<const SCALE: bool>(
 /// [`transposed_with`] with its blocks in AVX registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-fn transposed_avx<const SCALE: bool>(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
+fn transposed_avx<const MODE: u8>(src: MatRef<'_, f32>, alpha: f32, dst: &mut [f32], ld: usize) {
     use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
     // The tile's rows are read once, from L3 or memory: every line is asked for first, so
     // that the misses overlap instead of stalling the transposes one block at a time.
@@ -696,8 +709,8 @@ fn transposed_avx<const SCALE: bool>(src: MatRef<'_, f32>, alpha: f32, dst: &mut
         }
     }
     // The closure has this function's features: no unsafe needed to call the block.
-    transposed_by::<SCALE>(src, alpha, dst, ld, |rows, c0, alpha, dst, ld| {
-        transpose_block_avx::<SCALE>(rows, c0, alpha, dst, ld)
+    transposed_by::<MODE>(src, alpha, dst, ld, |rows, c0, alpha, dst, ld| {
+        transpose_block_avx::<MODE>(rows, c0, alpha, dst, ld)
     });
 }
 
@@ -706,7 +719,7 @@ fn transposed_avx<const SCALE: bool>(src: MatRef<'_, f32>, alpha: f32, dst: &mut
 /// unpack / shuffle / lane-permute transpose.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-fn transpose_block_avx<const SCALE: bool>(
+fn transpose_block_avx<const MODE: u8>(
     rows: &RowBlock<'_>,
     c0: usize,
     alpha: f32,
@@ -724,10 +737,10 @@ fn transpose_block_avx<const SCALE: bool>(
         let row = &rows[i][c0..c0 + B];
         // SAFETY: `row` holds the 8 floats loaded.
         let x = unsafe { _mm256_loadu_ps(row.as_ptr()) };
-        if SCALE {
-            _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(x, a)))
-        } else {
-            x
+        match MODE {
+            COPIED => x,
+            SCALED => _mm256_mul_ps(x, a),
+            _ => _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(x, a))),
         }
     });
     let t = [
