@@ -26,7 +26,7 @@ use crate::kernel::pair_dot::{
     self, Broadcast, Columns, LANES, Lanes, pack_f32_rows, pack_lanes, pack_probabilities,
     pack_row_pairs_into, pairs,
 };
-use crate::kernel::softmax_grad::{probabilities, score_gradient};
+use crate::kernel::softmax_grad::{probabilities, probabilities_checked, score_gradient};
 use crate::keys::{KeySource, PairOrder};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
 use crate::modifiers::modify_scores;
@@ -516,52 +516,70 @@ impl Scratch {
                 // S = scale·log2(e)·Q Kᵀ (the scale applied to each dot product, so Q is
                 // read in place), masked, then P = 2^(S − LSE₂).
                 let q_tile = tile(head.q, &terms.q, rows.clone());
-                if k_tiles && !terms.q_lanes.is_empty() {
-                    let (ld, k_ld) = (terms.lanes_ld, key_rows.k_ld);
-                    let q = Lanes {
-                        words: &terms.q_lanes[rows.start..],
-                        rows: nr,
-                        ld,
-                    };
-                    let k = TileRows {
-                        words: &key_rows.k,
-                        ld: k_ld,
-                        rows: nc,
-                        pairs: k_ld,
-                    };
-                    let kp = pairs(d_k);
-                    native_product(*products, (k, q, kp), p, br, head.scale_log2, false);
-                } else {
-                    matmul(
-                        MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
-                        Accum::Replace,
-                        q_tile,
-                        k_blk.transpose(),
-                        head.scale_log2,
-                        Par::Seq,
-                    );
-                }
-                if !tile_is_finite(p, br, nr, nc) {
-                    // A dot product of finite rows that overflowed f32: exact, as in the
-                    // forward pass (whose LSE counted the exact score).
-                    let q = head.q.subrows(rows.start, nr);
-                    rescore(p, (1, br), q, &k_src, head.scale_log2, None);
-                }
-                // The modifiers on the raw scores, before the masks, as in the forward;
-                // the derivative kept only where it is not 1 everywhere.
-                let chain = chains(&head.mods);
-                let derivative = if chain {
-                    dmod[..nc * br].fill(1.0); // the tile's columns
-                    Some(&mut dmod[..])
-                } else {
-                    None
+                let scores = |p: &mut [f32]| {
+                    if k_tiles && !terms.q_lanes.is_empty() {
+                        let (ld, k_ld) = (terms.lanes_ld, key_rows.k_ld);
+                        let q = Lanes {
+                            words: &terms.q_lanes[rows.start..],
+                            rows: nr,
+                            ld,
+                        };
+                        let k = TileRows {
+                            words: &key_rows.k,
+                            ld: k_ld,
+                            rows: nc,
+                            pairs: k_ld,
+                        };
+                        let kp = pairs(d_k);
+                        native_product(*products, (k, q, kp), p, br, head.scale_log2, false);
+                    } else {
+                        matmul(
+                            MatMut::from_column_major_slice_with_stride_mut(p, nr, nc, br),
+                            Accum::Replace,
+                            q_tile,
+                            k_blk.transpose(),
+                            head.scale_log2,
+                            Par::Seq,
+                        );
+                    }
                 };
-                modify_scores(p, (1, br), head, (rows.clone(), cols.clone()), derivative);
-                mask_tile(p, br, head, (rows.clone(), cols.clone()), coverage);
-                if !terms.saturated.is_empty() {
-                    terms.saturated_rows(p, br, &rows, nc);
+                scores(p);
+                let lse2 = &terms.lse2[rows.clone()];
+                // A tile with nothing to modify, mask or saturate takes P in the pass that
+                // checks its scores (computed again in the rare tile that holds a
+                // non-finite one, which the path below repairs first).
+                let chain = chains(&head.mods);
+                let plain = coverage == TileCoverage::Full
+                    && !head.mask.has_elementwise()
+                    && !head.mods.modifies_scores()
+                    && !chain
+                    && terms.saturated.is_empty();
+                let done = plain && probabilities_checked(p, br, nr, nc, lse2);
+                if plain && !done {
+                    scores(p);
                 }
-                probabilities(p, br, nr, nc, &terms.lse2[rows.clone()]);
+                if !done {
+                    if !tile_is_finite(p, br, nr, nc) {
+                        // A dot product of finite rows that overflowed f32: exact, as in
+                        // the forward pass (whose LSE counted the exact score).
+                        let q = head.q.subrows(rows.start, nr);
+                        rescore(p, (1, br), q, &k_src, head.scale_log2, None);
+                    }
+                    // The modifiers on the raw scores, before the masks, as in the
+                    // forward; the derivative kept only where it is not 1 everywhere.
+                    let derivative = if chain {
+                        dmod[..nc * br].fill(1.0); // the tile's columns
+                        Some(&mut dmod[..])
+                    } else {
+                        None
+                    };
+                    modify_scores(p, (1, br), head, (rows.clone(), cols.clone()), derivative);
+                    mask_tile(p, br, head, (rows.clone(), cols.clone()), coverage);
+                    if !terms.saturated.is_empty() {
+                        terms.saturated_rows(p, br, &rows, nc);
+                    }
+                    probabilities(p, br, nr, nc, lse2);
+                }
 
                 // dP = dO Vᵀ, then dS = P ∘ (dP − D).
                 let d_out_tile = tile(d_out, &terms.d_out, rows.clone());

@@ -5,6 +5,7 @@
 //! so the loops run down a column and vectorise across queries.
 
 use super::exp2::exp2_approx;
+use super::finite::{INF_BITS, magnitude_max};
 use super::multiversion;
 
 #[inline(always)]
@@ -15,8 +16,36 @@ fn probabilities_body<const FMA: bool>(
     cols: usize,
     lse2: &[f32],
 ) {
+    probabilities_tracked::<FMA, false>(s, ld, rows, cols, lse2);
+}
+
+#[inline(always)]
+fn probabilities_checked_body<const FMA: bool>(
+    s: &mut [f32],
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    lse2: &[f32],
+) -> bool {
+    probabilities_tracked::<FMA, true>(s, ld, rows, cols, lse2) < INF_BITS
+}
+
+/// [`probabilities`], returning with `TRACK` the largest magnitude bits of the scores it
+/// read (see [`super::finite::magnitude_max`]).
+#[inline(always)]
+fn probabilities_tracked<const FMA: bool, const TRACK: bool>(
+    s: &mut [f32],
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    lse2: &[f32],
+) -> u32 {
+    let mut high = 0u32;
     for j in 0..cols {
         let col = &mut s[j * ld..j * ld + rows];
+        if TRACK {
+            high = magnitude_max(col, high);
+        }
         for (x, &l) in col.iter_mut().zip(&lse2[..rows]) {
             // +inf saturates as in the forward. A score cannot exceed its row's LSE:
             // capping at 0 keeps P ≤ 1 where rounding (or an LSE from elsewhere) says
@@ -34,6 +63,7 @@ fn probabilities_body<const FMA: bool>(
             };
         }
     }
+    high
 }
 
 multiversion! {
@@ -41,6 +71,13 @@ multiversion! {
     /// `P = 2^(s − lse2_i)`, `lse2` being each row's LSE in the log2 domain: 0 where the
     /// score is `-inf` and in rows whose LSE is `-inf`.
     pub(crate) fn probabilities(s: &mut [f32], ld: usize, rows: usize, cols: usize, lse2: &[f32]) = probabilities_body
+}
+
+multiversion! {
+    /// [`probabilities`] of a tile straight from its product, which finds out in the same
+    /// pass whether every score was finite: `false` when one was not, the tile then
+    /// overwritten (the caller computes the scores again and repairs them first).
+    pub(crate) fn probabilities_checked(s: &mut [f32], ld: usize, rows: usize, cols: usize, lse2: &[f32]) -> bool = probabilities_checked_body
 }
 
 #[inline(always)]
