@@ -21,12 +21,13 @@ use crate::kernel::amx::{self, CacheLines, LineWords, TileRows};
 use crate::kernel::dropout::score_gradient_dropped;
 use crate::kernel::element::{Element, f32_rows, narrow_row, widen_rows};
 use crate::kernel::finite::{row_is_finite, tile_is_finite};
-use crate::kernel::online_softmax::{saturate, transposed_times};
+use crate::kernel::online_softmax::saturate;
 use crate::kernel::pair_dot::{
     self, Broadcast, Columns, LANES, Lanes, pack_f32_rows, pack_lanes, pack_probabilities,
     pack_row_pairs_into, pairs,
 };
 use crate::kernel::softmax_grad::{probabilities, probabilities_checked, score_gradient};
+use crate::kernel::transpose::transposed_times;
 use crate::keys::{KeySource, PairOrder};
 use crate::mask::{add_product_skipping_zeros, mask_tile};
 use crate::modifiers::modify_scores;
@@ -739,7 +740,8 @@ impl Scratch {
         let nc = dk.len();
         for (acc, rows, width, factor) in [(&self.dk, dk, d_k, scale), (&self.dv, dv, d_v, 1.0)] {
             let acc = accumulator_ref(acc, nc, width, bc, self.tiles);
-            if !self.tiles && width > 0 && self.rows_out.len() >= nc * width {
+            // `rows_out` holds `bc` rows of the wider of the two (f32 products only).
+            if !self.tiles && width > 0 {
                 transposed_times(acc.transpose(), factor, &mut self.rows_out, width);
                 for (row, out) in rows.iter_mut().zip(self.rows_out.chunks_exact(width)) {
                     narrow_row(out, row.rb_mut());

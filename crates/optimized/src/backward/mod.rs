@@ -480,8 +480,12 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
         // dQ: the partials of each group summed in chunk order, scaled, rounded once; a
         // row at a time, its entries side by side (vectorised where the partials' rows
         // are contiguous, as they are for the f32 products).
-        // Allocated at the first row (a call without query rows may have any width).
-        let mut sums = Vec::new();
+        // Sized only where there are rows (a call without query rows may have any width).
+        let mut sums = if dq.is_empty() {
+            Vec::new()
+        } else {
+            filled("backward dQ row", Some(d_k), 0.0f32)?
+        };
         let mut dq_rest = &mut *dq;
         for (g, &(_, chunks, per_task, start)) in layout.iter().enumerate() {
             let group = &self.groups[g];
@@ -494,9 +498,6 @@ impl<'a, T: Element, K: KeySource<T>> Backward<'a, T, K> {
                 let (h, i) = (r / n_q.max(1), r % n_q.max(1));
                 let (first, stride) = dq_row(i, (n_q, d_k, self.plan.br), tiles);
                 let at = h * n_q * d_k + first;
-                if sums.len() != d_k {
-                    sums = filled("backward dQ row", Some(d_k), 0.0f32)?;
-                }
                 sums.fill(0.0);
                 for part in group_parts.chunks_exact(per_task.max(1)) {
                     if stride == 1 {

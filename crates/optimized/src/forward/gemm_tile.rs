@@ -19,9 +19,9 @@ use crate::kernel::exp2::exp2_approx;
 use crate::kernel::finite::tile_is_finite;
 use crate::kernel::online_softmax::saturate;
 use crate::kernel::online_softmax::{
-    RowState, scale_rows, scale_transposed, softmax_update, softmax_update_pairs,
-    softmax_update_unmoved,
+    RowState, scale_rows, softmax_update, softmax_update_pairs, softmax_update_unmoved,
 };
+use crate::kernel::transpose::scale_transposed;
 use crate::keys::KeySource;
 use crate::mask::{
     add_non_finite_terms, key_blocks, mask_tile, scale_and_mask_tile, without_non_finite_rows,

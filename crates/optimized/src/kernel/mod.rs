@@ -26,6 +26,7 @@ pub mod online_softmax;
 pub mod pair_dot;
 pub mod rows;
 pub mod softmax_grad;
+pub mod transpose;
 
 use pulp::{Scalar, Simd, WithSimd};
 
